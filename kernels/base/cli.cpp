@@ -1,0 +1,39 @@
+#include "kernels/base/cli.h"
+
+#include <iostream>
+
+#include "kernels/base/error.h"
+
+namespace retain::cli {
+
+int run_tool(const char* tool, const std::function<int()>& body) {
+  try {
+    return body();
+  } catch (const UsageError& e) {
+    std::cerr << tool << ": error: " << e.what() << " (see --help)\n";
+    return 2;
+  } catch (const po::error& e) {
+    std::cerr << tool << ": error: " << e.what() << " (see --help)\n";
+    return 2;
+  } catch (const std::bad_alloc&) {
+    std::cerr << tool << ": error: out of memory\n";
+    return 1;
+  } catch (const std::exception& e) {
+    std::cerr << tool << ": error: " << e.what() << "\n";
+    return 1;
+  }
+}
+
+bool parse(int argc, char** argv, const std::string& usage, po::options_description& opts,
+           po::variables_map& vm) {
+  opts.add_options()("help,h", "print this help and exit");
+  po::store(po::command_line_parser(argc, argv).options(opts).run(), vm);
+  if (vm.count("help")) {
+    std::cout << usage << "\n\n" << opts << "\n";
+    return false;
+  }
+  po::notify(vm);  // reports missing required options as po::error
+  return true;
+}
+
+}  // namespace retain::cli

@@ -1,0 +1,27 @@
+// What every retain tool shares: --help from Boost.Program_options, and one line on
+// stderr ("retain-forward: error: ...") with a non-zero exit for any bad input.
+#pragma once
+#include <functional>
+#include <string>
+
+#include <boost/program_options.hpp>
+
+namespace retain::cli {
+
+namespace po = boost::program_options;
+
+// Runs body() and turns every exception into "<tool>: error: <message>" + exit code 1
+// (2 for command-line usage errors). Returns the process exit code.
+int run_tool(const char* tool, const std::function<int()>& body);
+
+// Parses argv; prints usage and returns false when --help was given.
+// `required` names options that must be present (reported as usage errors).
+bool parse(int argc, char** argv, const std::string& usage, po::options_description& opts,
+           po::variables_map& vm);
+
+// Thrown for command-line misuse; run_tool maps it to exit code 2.
+struct UsageError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+}  // namespace retain::cli

@@ -1,0 +1,30 @@
+// One exception type for every user-facing failure. Tools catch it in main and print
+// its message as a single line on stderr, so messages name the file/argument and the problem.
+#pragma once
+#include <stdexcept>
+#include <string>
+
+#include <fmt/format.h>
+
+namespace retain {
+
+class Error : public std::runtime_error {
+ public:
+  explicit Error(const std::string& what) : std::runtime_error(what) {}
+};
+
+// RETAIN_FAIL("{}: bad header", path) throws retain::Error with a formatted message.
+template <typename... Args>
+[[noreturn]] void fail(fmt::format_string<Args...> f, Args&&... args) {
+  throw Error(fmt::format(f, std::forward<Args>(args)...));
+}
+
+// Checks an internal invariant (a bug if it fails, not bad user input).
+#define RETAIN_CHECK(cond, ...)                                                   \
+  do {                                                                            \
+    if (!(cond))                                                                  \
+      ::retain::fail("internal check failed at {}:{}: {}: {}", __FILE__, __LINE__, \
+                     #cond, ::fmt::format(__VA_ARGS__));                          \
+  } while (0)
+
+}  // namespace retain

@@ -1,0 +1,16 @@
+// CPU reference implementations behind kernels/ops.h (shapes already checked).
+#pragma once
+#include "kernels/tensor.h"
+
+namespace retain::cpu {
+
+void embedding(const Tensor& table, const Tensor& ids, Tensor& out);
+void linear(const Tensor& x, const Tensor& w, Tensor& y);
+void rmsnorm(const Tensor& x, const Tensor& w, float eps, Tensor& out);
+void rope(Tensor& x, const Tensor& positions, const Tensor& inv_freq, float attention_factor);
+void swiglu(const Tensor& gate, const Tensor& up, Tensor& out);
+void add_inplace(Tensor& x, const Tensor& y);
+void attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& doc, float scale,
+               Tensor& out);
+
+}  // namespace retain::cpu

@@ -1,0 +1,20 @@
+// Device memory entry points for builds without nvcc: each fails with one clear line.
+#include "kernels/base/error.h"
+#include "kernels/cuda/memory.h"
+
+namespace retain::cuda {
+
+namespace {
+[[noreturn]] void no_cuda() { fail("this build of retain has no CUDA support (nvcc was not found at configure time)"); }
+}  // namespace
+
+void* device_alloc(size_t) { no_cuda(); }
+void device_free(void*) noexcept {}
+void copy_to_device(void*, const void*, size_t) { no_cuda(); }
+void copy_to_host(void*, const void*, size_t) { no_cuda(); }
+void copy_device_to_device(void*, const void*, size_t) { no_cuda(); }
+void memset_device(void*, int, size_t) { no_cuda(); }
+int device_count() noexcept { return 0; }
+bool built() noexcept { return false; }
+
+}  // namespace retain::cuda

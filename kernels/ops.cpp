@@ -1,0 +1,106 @@
+// Shape/dtype/device checks and device dispatch for kernels/ops.h.
+#include "kernels/ops.h"
+
+#include "kernels/cpu/ops_cpu.h"
+
+namespace retain::ops {
+
+namespace {
+
+void expect(const Tensor& t, DType dtype, int64_t ndim, const char* op, const char* what) {
+  RETAIN_CHECK(t.dtype() == dtype && t.ndim() == ndim, "{}: {} must be {}-d {}, got {} {}", op, what,
+               ndim, dtype_name(dtype), dtype_name(t.dtype()), shape_str(t.shape()));
+}
+
+// Every op has a CPU reference; CUDA kernels arrive op by op. Until an op has one,
+// asking for it on a CUDA tensor is a clear error rather than a silent host copy.
+void require_cpu(const char* op, std::initializer_list<const Tensor*> ts) {
+  for (const Tensor* t : ts)
+    if (t->device() != Device::CPU) fail("{}: no CUDA implementation of this op yet", op);
+}
+
+}  // namespace
+
+void embedding(const Tensor& table, const Tensor& ids, Tensor& out) {
+  RETAIN_CHECK(table.ndim() == 2, "embedding: table must be 2-d, got {}", shape_str(table.shape()));
+  expect(ids, DType::I32, 1, "embedding", "ids");
+  expect(out, DType::F32, 2, "embedding", "out");
+  RETAIN_CHECK(out.dim(0) == ids.dim(0) && out.dim(1) == table.dim(1), "embedding: out {} for ids {} table {}",
+               shape_str(out.shape()), shape_str(ids.shape()), shape_str(table.shape()));
+  require_cpu("embedding", {&table, &ids, &out});
+  cpu::embedding(table, ids, out);
+}
+
+void linear(const Tensor& x, const Tensor& w, Tensor& y) {
+  expect(x, DType::F32, 2, "linear", "x");
+  expect(w, DType::F32, 2, "linear", "w");
+  expect(y, DType::F32, 2, "linear", "y");
+  RETAIN_CHECK(x.dim(1) == w.dim(1) && y.dim(0) == x.dim(0) && y.dim(1) == w.dim(0),
+               "linear: x {} w {} y {}", shape_str(x.shape()), shape_str(w.shape()), shape_str(y.shape()));
+  require_cpu("linear", {&x, &w, &y});
+  cpu::linear(x, w, y);
+}
+
+void rmsnorm(const Tensor& x, const Tensor& w, float eps, Tensor& out) {
+  expect(w, DType::F32, 1, "rmsnorm", "w");
+  RETAIN_CHECK(x.dtype() == DType::F32 && x.ndim() >= 1 && x.dim(-1) == w.dim(0) && out.shape() == x.shape() &&
+                   out.dtype() == DType::F32,
+               "rmsnorm: x {} w {} out {}", shape_str(x.shape()), shape_str(w.shape()), shape_str(out.shape()));
+  require_cpu("rmsnorm", {&x, &w, &out});
+  cpu::rmsnorm(x, w, eps, out);
+}
+
+void rope(Tensor& x, const Tensor& positions, const Tensor& inv_freq, float attention_factor) {
+  expect(x, DType::F32, 3, "rope", "x");
+  expect(positions, DType::I32, 1, "rope", "positions");
+  expect(inv_freq, DType::F32, 1, "rope", "inv_freq");
+  RETAIN_CHECK(x.dim(0) == positions.dim(0) && x.dim(2) % 2 == 0 && inv_freq.dim(0) * 2 == x.dim(2),
+               "rope: x {} positions {} inv_freq {}", shape_str(x.shape()), shape_str(positions.shape()),
+               shape_str(inv_freq.shape()));
+  require_cpu("rope", {&x, &positions, &inv_freq});
+  cpu::rope(x, positions, inv_freq, attention_factor);
+}
+
+void swiglu(const Tensor& gate, const Tensor& up, Tensor& out) {
+  RETAIN_CHECK(gate.dtype() == DType::F32 && gate.shape() == up.shape() && up.dtype() == DType::F32 &&
+                   out.shape() == gate.shape() && out.dtype() == DType::F32,
+               "swiglu: gate {} up {} out {}", shape_str(gate.shape()), shape_str(up.shape()), shape_str(out.shape()));
+  require_cpu("swiglu", {&gate, &up, &out});
+  cpu::swiglu(gate, up, out);
+}
+
+void add_inplace(Tensor& x, const Tensor& y) {
+  RETAIN_CHECK(x.dtype() == DType::F32 && y.dtype() == DType::F32 && x.shape() == y.shape(), "add: x {} y {}",
+               shape_str(x.shape()), shape_str(y.shape()));
+  require_cpu("add_inplace", {&x, &y});
+  cpu::add_inplace(x, y);
+}
+
+void attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& doc, float scale, Tensor& out) {
+  expect(q, DType::F32, 3, "attention", "q");
+  expect(k, DType::F32, 3, "attention", "k");
+  expect(v, DType::F32, 3, "attention", "v");
+  expect(doc, DType::I32, 1, "attention", "doc");
+  int64_t T = q.dim(0), H = q.dim(1), K = k.dim(1), d = q.dim(2);
+  RETAIN_CHECK(k.shape() == v.shape() && k.dim(0) == T && k.dim(2) == d && K > 0 && H % K == 0 &&
+                   doc.dim(0) == T && out.shape() == q.shape() && out.dtype() == DType::F32,
+               "attention: q {} k {} v {} doc {} out {}", shape_str(q.shape()), shape_str(k.shape()),
+               shape_str(v.shape()), shape_str(doc.shape()), shape_str(out.shape()));
+  require_cpu("attention", {&q, &k, &v, &doc, &out});
+  cpu::attention(q, k, v, doc, scale, out);
+}
+
+Tensor document_positions(const Tensor& doc) {
+  expect(doc, DType::I32, 1, "document_positions", "doc");
+  require_cpu("document_positions", {&doc});
+  Tensor pos = Tensor::empty(doc.shape(), DType::I32);
+  const int32_t* d = doc.data<int32_t>();
+  int32_t* p = pos.data<int32_t>();
+  // Documents are contiguous runs in packed data, so a position is the distance to the
+  // start of the current run of equal ids.
+  for (int64_t t = 0; t < doc.dim(0); ++t)
+    p[t] = (d[t] < 0) ? 0 : (t > 0 && d[t - 1] == d[t] ? p[t - 1] + 1 : 0);
+  return pos;
+}
+
+}  // namespace retain::ops

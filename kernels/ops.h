@@ -1,0 +1,49 @@
+// The ops the Qwen3 forward needs. One function per op; each checks shapes/dtypes and
+// dispatches on the tensor's device to the CPU reference (kernels/cpu/) or, where one
+// exists, a CUDA kernel (kernels/cuda/). Activations are F32; weights are F32 unless an
+// op says otherwise. Shapes: T tokens, H query heads, K KV heads, d head_dim.
+#pragma once
+#include <cstdint>
+
+#include "kernels/tensor.h"
+
+namespace retain::ops {
+
+// out[t, :] = table[ids[t], :]. table F32/BF16/F16 [V, D] (read in place, so a BF16
+// checkpoint's embedding needs no F32 copy); ids I32 [T]; out F32 [T, D].
+void embedding(const Tensor& table, const Tensor& ids, Tensor& out);
+
+// y = x · wᵀ. x F32 [N, in], w F32 [out, in] (nn.Linear layout), y F32 [N, out].
+void linear(const Tensor& x, const Tensor& w, Tensor& y);
+
+// Row-wise RMSNorm over the last dim D: out = x / sqrt(mean(x²) + eps) * w.
+// x F32 [..., D], w F32 [D]. Per-head norm (Qwen3 q_norm/k_norm) is this op on [T·H, d].
+// out may alias x.
+void rmsnorm(const Tensor& x, const Tensor& w, float eps, Tensor& out);
+
+// Rotary embedding in place, Hugging Face "rotate half" layout: for j < d/2,
+//   (x_j, x_{j+d/2}) <- (x_j·c − x_{j+d/2}·s, x_{j+d/2}·c + x_j·s),
+//   c = cos(p_t·inv_freq_j)·attention_factor, s = sin(p_t·inv_freq_j)·attention_factor,
+// angles formed in float32 as HF does. x F32 [T, heads, d]; positions I32 [T];
+// inv_freq F32 [d/2].
+void rope(Tensor& x, const Tensor& positions, const Tensor& inv_freq, float attention_factor);
+
+// out = silu(gate) * up, elementwise; all F32 of one shape. out may alias gate or up.
+void swiglu(const Tensor& gate, const Tensor& up, Tensor& out);
+
+// x += y, elementwise F32.
+void add_inplace(Tensor& x, const Tensor& y);
+
+// Causal GQA softmax attention with document masks: query t attends key i iff i ≤ t and
+// doc[i] == doc[t]; query head h uses KV head h / (H/K). score = (q·k)·scale.
+// q F32 [T, H, d]; k, v F32 [T, K, d]; doc I32 [T]; out F32 [T, H, d].
+// A token with doc < 0 (padding) attends nothing: its output row is 0.
+void attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& doc, float scale,
+               Tensor& out);
+
+// p[t] = 0-based position of t inside its run of equal doc ids (DESIGN §4: RoPE positions
+// restart per document; packed data keeps each document contiguous). doc I32 [T] -> I32 [T].
+// Padding (doc < 0) gets position 0.
+Tensor document_positions(const Tensor& doc);
+
+}  // namespace retain::ops

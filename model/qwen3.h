@@ -1,0 +1,14 @@
+// The Qwen3 graph (DESIGN §3), composed from kernels/ops.h. The graph asks a
+// WeightProvider for each layer and knows nothing about ranks or files.
+#pragma once
+#include "kernels/tensor.h"
+#include "model/weights.h"
+
+namespace retain {
+
+// Logits F32 [T, V] for token ids I32 [T] with per-token document ids I32 [T]
+// (attention stays inside a document and RoPE positions restart per document; a token
+// with doc id < 0 is padding). Float32 throughout.
+Tensor qwen3_forward(WeightProvider& weights, const Tensor& ids, const Tensor& doc_ids);
+
+}  // namespace retain

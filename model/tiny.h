@@ -1,0 +1,38 @@
+// A random tiny Qwen3 in the Hugging Face layout, for tests and the quickstart:
+// config.json, model.safetensors (BF16) and a byte-level tokenizer.json that uses
+// Qwen3's pre-tokenizer regex and its special tokens.
+#pragma once
+#include <cstdint>
+#include <string>
+
+#include <nlohmann/json_fwd.hpp>
+
+#include "model/config.h"
+
+namespace retain {
+
+struct TinyModelOptions {
+  int64_t layers = 2;
+  int64_t hidden = 64;
+  int64_t heads = 4;
+  int64_t kv_heads = 2;
+  int64_t head_dim = 32;  // deliberately != hidden / heads, as in real Qwen3 sizes
+  int64_t intermediate = 128;
+  int64_t vocab = 512;
+  bool tie = true;
+  double yarn_factor = 0;  // > 1: YaRN with original_max_position_embeddings = max_pos / factor
+  uint64_t seed = 0;
+};
+
+// The tokenizer's special tokens, right after the 256 byte tokens.
+inline constexpr int64_t kTinyEndOfText = 256, kTinyImStart = 257, kTinyImEnd = 258;
+inline constexpr int64_t kTinyTokenizerSize = 259;
+
+Qwen3Config tiny_config(const TinyModelOptions& opt);
+// A Hugging Face tokenizer.json: byte-level BPE with the 256 byte tokens (GPT-2 byte to
+// unicode mapping, in its order), no merges, Qwen3's Split regex, NFC, special tokens.
+nlohmann::json tiny_tokenizer_json();
+// Writes config.json, model.safetensors, tokenizer.json into `dir` (created if missing).
+void make_tiny_model(const std::string& dir, const TinyModelOptions& opt);
+
+}  // namespace retain

@@ -1,0 +1,98 @@
+// retain-forward: logits of a Qwen3 checkpoint for one token sequence (DESIGN §7).
+#include <chrono>
+#include <iostream>
+#include <map>
+
+#include <fmt/format.h>
+
+#include "kernels/base/cli.h"
+#include "model/qwen3.h"
+#include "model/safetensors.h"
+#include "model/tools/token_list.h"
+#include "model/weights.h"
+
+using namespace retain;
+
+namespace {
+
+constexpr const char* kUsage =
+    "Usage: retain-forward --model DIR --ids \"5 10 7 ...\" --out FILE.safetensors\n"
+    "                      [--doc-ids \"0 0 1 ...\"] [--device cpu|cuda]\n\n"
+    "Runs the Qwen3 checkpoint in DIR (Hugging Face layout) on the token ids and writes\n"
+    "tensor `logits` (F32, [T, V]) to FILE. With --doc-ids, attention stays inside each\n"
+    "document and RoPE positions restart per document (documents are contiguous runs of\n"
+    "equal ids; a negative id marks padding, whose attention output is zero).";
+
+int run(int argc, char** argv) {
+  cli::po::options_description opts("Options");
+  std::string model, ids_text, out, doc_text, device;
+  opts.add_options()
+      ("model", cli::po::value(&model)->required(), "Hugging Face model directory (config.json + safetensors)")
+      ("ids", cli::po::value(&ids_text)->required(), "token ids, separated by spaces or commas")
+      ("out", cli::po::value(&out)->required(), "output .safetensors file (written atomically)")
+      ("doc-ids", cli::po::value(&doc_text), "document id per token (default: one document)")
+      ("device", cli::po::value(&device)->default_value("cpu"), "cpu or cuda");
+  cli::po::variables_map vm;
+  if (!cli::parse(argc, argv, kUsage, opts, vm)) return 0;
+
+  if (device != "cpu" && device != "cuda") throw cli::UsageError(fmt::format("--device must be cpu or cuda, got '{}'", device));
+  if (device == "cuda") fail("--device cuda: the CUDA forward is not implemented yet; use --device cpu");
+
+  const std::vector<int64_t> ids = cli::parse_int_list(ids_text, "--ids");
+  if (ids.empty()) fail("--ids: no token ids given");
+  std::vector<int64_t> docs(ids.size(), 0);
+  if (vm.count("doc-ids")) {
+    docs = cli::parse_int_list(doc_text, "--doc-ids");
+    if (docs.size() != ids.size())
+      fail("--doc-ids: {} ids given for {} tokens", docs.size(), ids.size());
+    std::map<int64_t, size_t> run_end;  // doc id -> index after its run
+    for (size_t t = 0; t < docs.size(); ++t) {
+      if (docs[t] < 0) continue;
+      auto it = run_end.find(docs[t]);
+      if (it != run_end.end() && it->second != t)
+        fail("--doc-ids: document {} at position {} is not contiguous (it also appears before position {})", docs[t],
+             t, it->second);
+      run_end[docs[t]] = t + 1;
+      if (docs[t] > INT32_MAX) fail("--doc-ids: {} is too large", docs[t]);
+    }
+  }
+
+  auto ckpt = std::make_shared<const Qwen3Checkpoint>(Qwen3Checkpoint::open(model));
+  const int64_t V = ckpt->config().vocab_size;
+  for (size_t t = 0; t < ids.size(); ++t)
+    if (ids[t] < 0 || ids[t] >= V)
+      fail("--ids: token id {} at position {} is outside the vocabulary [0, {}) of {}", ids[t], t, V, model);
+
+  Tensor ids_t = Tensor::empty({static_cast<int64_t>(ids.size())}, DType::I32);
+  Tensor doc_t = Tensor::empty({static_cast<int64_t>(ids.size())}, DType::I32);
+  for (size_t t = 0; t < ids.size(); ++t) {
+    ids_t.data<int32_t>()[t] = static_cast<int32_t>(ids[t]);
+    doc_t.data<int32_t>()[t] = static_cast<int32_t>(std::max<int64_t>(docs[t], -1));
+  }
+
+  const auto start = std::chrono::steady_clock::now();
+  LocalWeightProvider weights(ckpt);
+  const Tensor logits = qwen3_forward(weights, ids_t, doc_t);
+  const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+
+  write_safetensors(out, {{"logits", logits}},
+                    {{"producer", "retain-forward"}, {"model", model}, {"tokens", std::to_string(ids.size())}});
+
+  // Greedy next token per position: a quick human check that the output is sensible.
+  std::vector<int64_t> argmax(ids.size());
+  for (size_t t = 0; t < ids.size(); ++t) {
+    const float* row = logits.data<float>() + t * V;
+    argmax[t] = std::max_element(row, row + V) - row;
+  }
+  std::cout << fmt::format("retain-forward: {} tokens through {} ({} layers) in {:.1f} ms on cpu\n", ids.size(),
+                           model, ckpt->config().num_hidden_layers, ms)
+            << fmt::format("wrote logits {} F32 to {}\n", shape_str(logits.shape()), out)
+            << fmt::format("argmax next token per position: {}\n", fmt::join(argmax, " "));
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  return cli::run_tool("retain-forward", [&] { return run(argc, argv); });
+}

@@ -1,0 +1,87 @@
+// Qwen3 weights: the checkpoint on disk (validated against the config) and the
+// WeightProvider through which the model graph asks for one layer at a time.
+// The graph never knows where weights live: one rank hands out views/conversions of
+// the memory-mapped checkpoint; FSDP (trainer/dist) will all-gather into a buffer.
+#pragma once
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kernels/tensor.h"
+#include "model/config.h"
+#include "model/safetensors.h"
+
+namespace retain {
+
+// Parameter names, as in Hugging Face's Qwen3ForCausalLM.
+namespace names {
+std::string layer(int64_t l, const char* suffix);  // "model.layers.{l}.{suffix}"
+inline constexpr const char* kEmbed = "model.embed_tokens.weight";
+inline constexpr const char* kFinalNorm = "model.norm.weight";
+inline constexpr const char* kLmHead = "lm_head.weight";
+}  // namespace names
+
+// One decoder layer, F32, shapes as in nn.Linear ([out, in]).
+struct LayerWeights {
+  Tensor input_norm;  // [D]
+  Tensor q_proj;      // [H·d, D]
+  Tensor k_proj;      // [K·d, D]
+  Tensor v_proj;      // [K·d, D]
+  Tensor o_proj;      // [D, H·d]
+  Tensor q_norm;      // [d]
+  Tensor k_norm;      // [d]
+  Tensor post_norm;   // [D]
+  Tensor gate_proj;   // [I, D]
+  Tensor up_proj;     // [I, D]
+  Tensor down_proj;   // [D, I]
+};
+
+// Every tensor Qwen3ForCausalLM has for `config`, with its shape, in a stable order.
+std::vector<std::pair<std::string, Shape>> expected_tensors(const Qwen3Config& config);
+
+// A Hugging Face model directory: config.json + model.safetensors (or the sharded
+// index), memory-mapped and checked: every expected tensor present with its exact shape
+// and a float dtype, nothing unexpected.
+class Qwen3Checkpoint {
+ public:
+  static Qwen3Checkpoint open(const std::string& dir);
+  const Qwen3Config& config() const { return config_; }
+  const std::string& dir() const { return dir_; }
+  Tensor tensor(const std::string& name) const { return files_.tensor(name); }
+
+ private:
+  std::string dir_;
+  Qwen3Config config_;
+  SafetensorsSet files_;
+};
+
+class WeightProvider {
+ public:
+  virtual ~WeightProvider() = default;
+  virtual const Qwen3Config& config() const = 0;
+  // Layer l's weights; valid until the next call to layer().
+  virtual const LayerWeights& layer(int64_t l) = 0;
+  virtual const Tensor& embedding() = 0;   // [V, D]; F32, BF16 or F16 (the embedding op reads any)
+  virtual const Tensor& final_norm() = 0;  // F32 [D]
+  virtual const Tensor& lm_head() = 0;     // F32 [V, D] (the embedding when tied)
+};
+
+// Single-process provider over a checkpoint: F32 tensors are handed out as views of the
+// mapping; BF16/F16 are converted on each request, replacing the previous layer's copies,
+// so at most one layer is held in F32 at a time (the lm_head is converted once and kept).
+class LocalWeightProvider : public WeightProvider {
+ public:
+  explicit LocalWeightProvider(std::shared_ptr<const Qwen3Checkpoint> ckpt);
+  const Qwen3Config& config() const override { return ckpt_->config(); }
+  const LayerWeights& layer(int64_t l) override;
+  const Tensor& embedding() override { return embedding_; }
+  const Tensor& final_norm() override { return final_norm_; }
+  const Tensor& lm_head() override;
+
+ private:
+  std::shared_ptr<const Qwen3Checkpoint> ckpt_;
+  LayerWeights layer_;
+  Tensor embedding_, final_norm_, lm_head_;
+};
+
+}  // namespace retain

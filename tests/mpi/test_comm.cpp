@@ -1,0 +1,358 @@
+// Collectives of retain::dist::Comm against closed-form expectations. The same binary runs
+// plainly (a one-rank LocalComm) and under `mpirun -np N` (MpiComm). Every rank runs every
+// test in the same order and issues the same collectives; checks are non-fatal so that a
+// failure on one rank never skips a collective that the other ranks are waiting in.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kernels/base/error.h"
+#include "trainer/dist/comm.h"
+#include "trainer/dist/mpi_check.h"
+
+namespace retain::dist {
+namespace {
+
+std::unique_ptr<Comm> g_comm;  // built once in main
+
+Comm& comm() { return *g_comm; }
+
+// Odd sizes, zero, and primes (not a multiple of any chunk limit below).
+const size_t kCounts[] = {0, 1, 3, 17, 1013, 65537};
+
+// Element values are small integers (or multiples of 1/4), so float/double sums are exact
+// and results can be compared with ==.
+float gather_value(int rank, size_t i) { return static_cast<float>(rank * 1000 + int(i % 997)); }
+
+// Rank r's element i of block b for reduce_scatter / all_reduce.
+float block_value(int rank, int block, size_t i) {
+  return static_cast<float>(rank * 7 + block * 100 + int(i % 97));
+}
+// Sum over ranks r in [0, S) of block_value(r, block, i), in closed form.
+float block_sum(int world, int block, size_t i) {
+  return static_cast<float>(7 * world * (world - 1) / 2 + world * (block * 100 + int(i % 97)));
+}
+
+// ---- basics -----------------------------------------------------------------------------
+
+TEST(Comm, RankAndSizeMatchTheLauncher) {
+  const int s = comm().size(), r = comm().rank();
+  EXPECT_GE(s, 1);
+  EXPECT_GE(r, 0);
+  EXPECT_LT(r, s);
+  EXPECT_EQ(comm().is_main_rank(), r == 0);
+  EXPECT_EQ(comm().backend(), launched_by_mpirun() ? "mpi" : "local");
+  if (const char* env = std::getenv("OMPI_COMM_WORLD_SIZE")) {
+    EXPECT_EQ(s, std::atoi(env));
+  }
+  if (const char* env = std::getenv("OMPI_COMM_WORLD_RANK")) {
+    EXPECT_EQ(r, std::atoi(env));
+  }
+  // Set by the CTest registration, so that a launcher that silently gave every process its
+  // own one-rank world cannot pass.
+  if (const char* env = std::getenv("RETAIN_TEST_WORLD_SIZE")) {
+    EXPECT_EQ(s, std::atoi(env));
+  }
+
+  // Ranks are distinct and cover [0, size).
+  std::vector<float> ranks(static_cast<size_t>(s), -1.0f);
+  const float mine = static_cast<float>(r);
+  comm().all_gather(&mine, ranks.data(), 1);
+  for (int i = 0; i < s; ++i) EXPECT_EQ(ranks[size_t(i)], float(i));
+}
+
+TEST(Comm, BarrierWaitsForTheSlowestRank) {
+  using Clock = std::chrono::steady_clock;  // CLOCK_MONOTONIC: one clock for the whole host
+  const auto delay = std::chrono::milliseconds(100);
+  comm().barrier();
+  const auto start = Clock::now();
+  std::this_thread::sleep_for(delay * comm().rank());
+  comm().barrier();
+  const auto waited = Clock::now() - start;
+  // Every rank leaves the second barrier only after the last rank (which slept
+  // (size-1) * delay) entered it; the first barrier's exits are a few ms apart at most.
+  EXPECT_GE(waited, delay * (comm().size() - 1) - std::chrono::milliseconds(30));
+  comm().barrier();
+}
+
+// ---- broadcast --------------------------------------------------------------------------
+
+TEST(Comm, BroadcastFromEveryRoot) {
+  for (size_t bytes : {size_t{0}, size_t{1}, size_t{13}, size_t{4099}, size_t{100003}}) {
+    for (int root = 0; root < comm().size(); ++root) {
+      std::vector<uint8_t> buf(bytes);
+      for (size_t i = 0; i < bytes; ++i) buf[i] = uint8_t(comm().rank() * 31 + i * 7);
+      comm().broadcast(buf.data(), bytes, root);
+      size_t bad = 0;
+      for (size_t i = 0; i < bytes; ++i) bad += buf[i] != uint8_t(root * 31 + i * 7);
+      EXPECT_EQ(bad, 0u) << bytes << " bytes from root " << root;
+    }
+  }
+}
+
+TEST(Comm, BroadcastOfAStruct) {
+  struct Header {
+    int64_t step;
+    double lr;
+    char name[12];
+  };
+  Header h{};
+  if (comm().is_main_rank()) {
+    h = Header{1234567890123, 3e-4, {}};
+    std::snprintf(h.name, sizeof h.name, "%s", "qwen3-0.6b");
+  }
+  comm().broadcast(&h, sizeof h, 0);
+  EXPECT_EQ(h.step, 1234567890123);
+  EXPECT_EQ(h.lr, 3e-4);
+  EXPECT_STREQ(h.name, "qwen3-0.6b");
+}
+
+// ---- argument errors: thrown on every rank alike, before any communication ------------------
+
+TEST(Comm, BadArgumentsThrow) {
+  char byte = 0;
+  EXPECT_THROW(comm().broadcast(&byte, 1, comm().size()), retain::Error);
+  EXPECT_THROW(comm().broadcast(&byte, 1, -1), retain::Error);
+  EXPECT_THROW(comm().broadcast(nullptr, 1, 0), retain::Error);
+  EXPECT_THROW(comm().all_reduce(static_cast<float*>(nullptr), 4), retain::Error);
+
+  const size_t n = 8, s = size_t(comm().size());
+  std::vector<float> buf(n * s + n);
+  // reduce_scatter's recv inside its send.
+  EXPECT_THROW(comm().reduce_scatter(buf.data(), buf.data() + 1, n), retain::Error);
+  // all_gather's send overlapping recv, but not this rank's block.
+  EXPECT_THROW(comm().all_gather(buf.data() + comm().rank() * n + 1, buf.data(), n), retain::Error);
+  EXPECT_THROW(comm().set_max_chunk(0), retain::Error);
+  EXPECT_THROW(comm().set_max_chunk(size_t{INT_MAX} + 1), retain::Error);
+
+  // Zero counts are no-ops, null buffers allowed.
+  comm().all_gather(nullptr, nullptr, 0);
+  comm().reduce_scatter(nullptr, nullptr, 0);
+  comm().all_reduce(static_cast<double*>(nullptr), 0);
+  comm().broadcast(nullptr, 0, 0);
+}
+
+TEST(Comm, MpiErrorsBecomeRetainErrors) {
+  if (comm().backend() != "mpi") GTEST_SKIP() << "no MPI in a one-rank plain run";
+  // A negative count fails MPI's own argument check, locally on every rank.
+  char byte = 0;
+  try {
+    MPI_CHECK(MPI_Bcast(&byte, -1, MPI_BYTE, 0, MPI_COMM_WORLD));
+    ADD_FAILURE() << "MPI_Bcast with count -1 did not fail";
+  } catch (const retain::Error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("MPI_Bcast failed"), std::string::npos) << what;
+    EXPECT_NE(what.find(mpi_error_string(MPI_ERR_COUNT)), std::string::npos) << what;
+    EXPECT_EQ(what.find('\n'), std::string::npos) << what;
+  }
+  EXPECT_EQ(mpi_error_string(MPI_SUCCESS).empty(), false);
+}
+
+TEST(Comm, LocalCommIsAOneRankWorld) {
+  auto local = make_local_comm();
+  EXPECT_EQ(local->size(), 1);
+  EXPECT_EQ(local->rank(), 0);
+  EXPECT_TRUE(local->is_main_rank());
+  std::vector<float> send = {1, 2, 3}, recv(3);
+  local->all_gather(send.data(), recv.data(), 3);
+  EXPECT_EQ(recv, send);
+  recv.assign(3, 0);
+  local->reduce_scatter(send.data(), recv.data(), 3);
+  EXPECT_EQ(recv, send);
+  local->all_reduce(send.data(), 3);
+  EXPECT_EQ(send, (std::vector<float>{1, 2, 3}));
+  EXPECT_THROW(local->broadcast(send.data(), 4, 1), retain::Error);
+}
+
+// ---- the reductions and gathers, with the chunk limit as parameter ---------------------------
+
+class Chunked : public ::testing::TestWithParam<size_t> {
+ protected:
+  void SetUp() override { comm().set_max_chunk(GetParam()); }
+  void TearDown() override { comm().set_max_chunk(INT_MAX); }
+  int r() const { return comm().rank(); }
+  int s() const { return comm().size(); }
+};
+
+TEST_P(Chunked, AllGather) {
+  for (size_t count : kCounts) {
+    std::vector<float> send(count), recv(count * size_t(s()), -1.0f);
+    for (size_t i = 0; i < count; ++i) send[i] = gather_value(r(), i);
+    comm().all_gather(send.data(), recv.data(), count);
+    size_t bad = 0;
+    for (int from = 0; from < s(); ++from)
+      for (size_t i = 0; i < count; ++i)
+        bad += recv[size_t(from) * count + i] != gather_value(from, i);
+    EXPECT_EQ(bad, 0u) << "count " << count;
+  }
+}
+
+TEST_P(Chunked, AllGatherInPlace) {
+  for (size_t count : kCounts) {
+    std::vector<float> buf(count * size_t(s()), -1.0f);
+    float* mine = buf.data() + size_t(r()) * count;
+    for (size_t i = 0; i < count; ++i) mine[i] = gather_value(r(), i);
+    comm().all_gather(mine, buf.data(), count);
+    size_t bad = 0;
+    for (int from = 0; from < s(); ++from)
+      for (size_t i = 0; i < count; ++i)
+        bad += buf[size_t(from) * count + i] != gather_value(from, i);
+    EXPECT_EQ(bad, 0u) << "count " << count;
+  }
+}
+
+TEST_P(Chunked, ReduceScatter) {
+  for (size_t count : kCounts) {
+    std::vector<float> send(count * size_t(s())), recv(count, -1.0f);
+    for (int b = 0; b < s(); ++b)
+      for (size_t i = 0; i < count; ++i) send[size_t(b) * count + i] = block_value(r(), b, i);
+    const std::vector<float> before = send;
+    comm().reduce_scatter(send.data(), recv.data(), count);
+    size_t bad = 0;
+    for (size_t i = 0; i < count; ++i) bad += recv[i] != block_sum(s(), r(), i);
+    EXPECT_EQ(bad, 0u) << "count " << count;
+    EXPECT_TRUE(send == before) << "reduce_scatter wrote into send, count " << count;
+  }
+}
+
+TEST_P(Chunked, AllReduceFloat) {
+  for (size_t count : kCounts) {
+    std::vector<float> buf(count);
+    for (size_t i = 0; i < count; ++i) buf[i] = block_value(r(), 0, i);
+    comm().all_reduce(buf.data(), count);
+    size_t bad = 0;
+    for (size_t i = 0; i < count; ++i) bad += buf[i] != block_sum(s(), 0, i);
+    EXPECT_EQ(bad, 0u) << "count " << count;
+  }
+}
+
+TEST_P(Chunked, AllReduceDouble) {
+  for (size_t count : kCounts) {
+    // (rank + 1) * 0.25 + i: sum over ranks = 0.25 * S(S+1)/2 + S * i, exact in float64
+    // where float32 could not hold it (i up to 65536 plus fractions beyond 2^24 / S).
+    std::vector<double> buf(count);
+    for (size_t i = 0; i < count; ++i) buf[i] = (r() + 1) * 0.25 + double(i) * 1024.0;
+    comm().all_reduce(buf.data(), count);
+    const double S = s();
+    size_t bad = 0;
+    for (size_t i = 0; i < count; ++i)
+      bad += buf[i] != 0.25 * S * (S + 1) / 2 + S * double(i) * 1024.0;
+    EXPECT_EQ(bad, 0u) << "count " << count;
+  }
+  // A loss reduced across ranks: sum of per-rank means.
+  double loss = 1.0 / 3.0 + comm().rank();
+  comm().all_reduce(&loss, 1);
+  EXPECT_DOUBLE_EQ(loss, comm().size() / 3.0 + comm().size() * (comm().size() - 1) / 2.0);
+}
+
+TEST_P(Chunked, ReduceScatterThenAllGatherEqualsAllReduce) {
+  for (size_t count : kCounts) {
+    const size_t total = count * size_t(s());
+    std::vector<float> data(total);
+    for (size_t j = 0; j < total; ++j) data[j] = block_value(r(), int(j % 5), j);
+
+    std::vector<float> reduced = data;
+    comm().all_reduce(reduced.data(), total);
+
+    std::vector<float> shard(count), gathered(total, -1.0f);
+    comm().reduce_scatter(data.data(), shard.data(), count);
+    comm().all_gather(shard.data(), gathered.data(), count);
+
+    EXPECT_TRUE(gathered == reduced) << "count " << count;
+    size_t bad = 0;
+    for (size_t j = 0; j < total; ++j) bad += reduced[j] != block_sum(s(), int(j % 5), j);
+    EXPECT_EQ(bad, 0u) << "count " << count;
+  }
+}
+
+TEST_P(Chunked, BroadcastChunked) {
+  const size_t bytes = 10007;
+  const int root = comm().size() - 1;
+  std::vector<uint8_t> buf(bytes);
+  for (size_t i = 0; i < bytes; ++i) buf[i] = uint8_t(comm().rank() + i * 3);
+  comm().broadcast(buf.data(), bytes, root);
+  size_t bad = 0;
+  for (size_t i = 0; i < bytes; ++i) bad += buf[i] != uint8_t(root + i * 3);
+  EXPECT_EQ(bad, 0u);
+}
+
+// INT_MAX: one call per collective; 1000 and 64: several pieces, the last one short; 7: many.
+INSTANTIATE_TEST_SUITE_P(MaxChunk, Chunked, ::testing::Values(size_t{INT_MAX}, 1000, 64, 7),
+                         [](const auto& p) {
+                           return p.param == size_t{INT_MAX} ? std::string("unchunked")
+                                                             : "chunk" + std::to_string(p.param);
+                         });
+
+// Over INT_MAX for real: 2 GiB + a bit per rank, so only when asked (RETAIN_TEST_LARGE=1).
+TEST(Comm, BroadcastAboveIntMax) {
+  const char* large = std::getenv("RETAIN_TEST_LARGE");
+  if (large == nullptr || std::string(large) != "1") GTEST_SKIP() << "set RETAIN_TEST_LARGE=1";
+  const size_t bytes = size_t{INT_MAX} + 12345;
+  std::vector<uint8_t> buf(bytes, uint8_t(comm().rank() + 1));
+  buf[bytes - 1] = uint8_t(100 + comm().rank());
+  comm().broadcast(buf.data(), bytes, 0);
+  size_t bad = 0;
+  for (size_t i = 0; i + 1 < bytes; ++i) bad += buf[i] != 1;
+  EXPECT_EQ(bad, 0u);
+  EXPECT_EQ(buf[bytes - 1], 100);
+}
+
+// Non-main ranks print their failures only, each line tagged with the rank.
+class FailurePrinter : public ::testing::EmptyTestEventListener {
+ public:
+  explicit FailurePrinter(int rank) : rank_(rank) {}
+  void OnTestPartResult(const ::testing::TestPartResult& result) override {
+    if (!result.failed()) return;
+    std::fprintf(stderr, "[rank %d] %s:%d: Failure\n%s\n", rank_,
+                 result.file_name() ? result.file_name() : "?", result.line_number(),
+                 result.message());
+  }
+  void OnTestEnd(const ::testing::TestInfo& info) override {
+    if (info.result()->Failed())
+      std::fprintf(stderr, "[rank %d] [  FAILED  ] %s.%s\n", rank_, info.test_suite_name(),
+                   info.name());
+  }
+
+ private:
+  int rank_;
+};
+
+}  // namespace
+}  // namespace retain::dist
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  using retain::dist::g_comm;
+  try {
+    g_comm = retain::dist::make_comm();
+    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
+    if (!g_comm->is_main_rank()) {
+      delete listeners.Release(listeners.default_result_printer());
+      listeners.Append(new retain::dist::FailurePrinter(g_comm->rank()));
+    }
+    const int local = RUN_ALL_TESTS();
+    // Every rank's failure fails every rank's exit status, and rank 0 says which ones.
+    std::vector<double> failed(size_t(g_comm->size()), 0.0);
+    failed[size_t(g_comm->rank())] = local != 0 ? 1.0 : 0.0;
+    g_comm->all_reduce(failed.data(), failed.size());
+    std::string bad;
+    for (size_t r = 0; r < failed.size(); ++r)
+      if (failed[r] != 0.0) bad += (bad.empty() ? "" : ", ") + std::to_string(r);
+    if (!bad.empty() && g_comm->is_main_rank())
+      std::fprintf(stderr, "test_comm: tests failed on rank(s) %s of %d\n", bad.c_str(),
+                   g_comm->size());
+    g_comm.reset();  // finalizes MPI
+    return bad.empty() ? 0 : 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "test_comm: %s\n", e.what());
+    return 1;
+  }
+}

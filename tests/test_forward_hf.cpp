@@ -1,0 +1,76 @@
+// The Qwen3 forward against Hugging Face transformers' Qwen3ForCausalLM: checkpoints
+// saved by transformers itself (tests/fixtures/hf/make_fixtures.py), logits computed by
+// transformers in float32. `logits` treats the sequence as one document; `logits_docs`
+// ran each document through HF separately, the reference for document masking.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+
+#include "model/qwen3.h"
+#include "model/safetensors.h"
+#include "model/weights.h"
+
+using namespace retain;
+namespace fs = std::filesystem;
+
+namespace {
+
+std::vector<std::string> fixture_cases() {
+  std::vector<std::string> out;
+  const fs::path root = fs::path(RETAIN_FIXTURES_DIR) / "hf";
+  if (fs::is_directory(root))
+    for (const auto& e : fs::directory_iterator(root))
+      if (fs::exists(e.path() / "expected.safetensors")) out.push_back(e.path().filename().string());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+Tensor as_i32(const Tensor& t) {
+  Tensor out = Tensor::empty(t.shape(), DType::I32);
+  for (int64_t i = 0; i < t.numel(); ++i) out.data<int32_t>()[i] = static_cast<int32_t>(t.data<int64_t>()[i]);
+  return out;
+}
+
+double rel_diff(const Tensor& got, const Tensor& want) {
+  EXPECT_EQ(got.shape(), want.shape());
+  double num = 0, den = 0;
+  for (int64_t i = 0; i < want.numel(); ++i) {
+    const double d = double(got.data<float>()[i]) - want.data<float>()[i];
+    num += d * d;
+    den += double(want.data<float>()[i]) * want.data<float>()[i];
+  }
+  return std::sqrt(num / den);
+}
+
+class HfForward : public ::testing::TestWithParam<std::string> {};
+
+}  // namespace
+
+TEST(HfForward, FixturesArePresent) {
+  // The cases cover: tied/untied, GQA 1:1/2:1/4:1, head_dim != hidden/heads, YaRN,
+  // sharded index, BF16/F16/F32, old and new config.json styles.
+  EXPECT_GE(fixture_cases().size(), 4u) << "tests/fixtures/hf is missing cases";
+}
+
+TEST_P(HfForward, LogitsMatchTransformers) {
+  const fs::path dir = fs::path(RETAIN_FIXTURES_DIR) / "hf" / GetParam();
+  const SafetensorsFile expected = SafetensorsFile::open((dir / "expected.safetensors").string());
+  auto ckpt = std::make_shared<const Qwen3Checkpoint>(Qwen3Checkpoint::open(dir.string()));
+  LocalWeightProvider weights(ckpt);
+
+  const Tensor ids = as_i32(expected.tensor("input_ids"));
+  const Tensor docs = as_i32(expected.tensor("doc_ids"));
+  Tensor one_doc = Tensor::zeros(ids.shape(), DType::I32);
+
+  const double single = rel_diff(qwen3_forward(weights, ids, one_doc), expected.tensor("logits"));
+  EXPECT_LT(single, 1e-4) << GetParam() << ": one document";
+  const double multi = rel_diff(qwen3_forward(weights, ids, docs), expected.tensor("logits_docs"));
+  EXPECT_LT(multi, 1e-4) << GetParam() << ": document-masked";
+  std::printf("[ %s ] rel diff vs transformers: one document %.2e, documents %.2e\n", GetParam().c_str(), single,
+              multi);
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, HfForward, ::testing::ValuesIn(fixture_cases()),
+                         [](const auto& info) { return info.param; });
+GTEST_ALLOW_UNINSTANTIATED_PARAMETERIZED_TEST(HfForward);

@@ -1,0 +1,81 @@
+// The communicator the trainer's ranks talk through. One interface, several backends:
+//   - MPI   (host buffers), used when the process was started by mpirun/mpiexec;
+//   - local (a one-rank world, plain copies), used for a plain run, which needs no MPI runtime;
+//   - NCCL  (device buffers; the NCCL id goes out over MPI), added later.
+// Every collective is blocking and must be called by all ranks in the same order with the
+// same counts (and root). Reductions are sums. Buffers of `count == 0` may be null.
+#pragma once
+#include <climits>
+#include <cstddef>
+#include <memory>
+#include <string_view>
+
+namespace retain::dist {
+
+class Comm {
+ public:
+  virtual ~Comm() = default;
+  Comm(const Comm&) = delete;
+  Comm& operator=(const Comm&) = delete;
+
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual std::string_view backend() const = 0;  // "mpi", "local", ...
+
+  // Rank 0 alone prints: `if (comm.is_main_rank()) spdlog::info(...)`.
+  bool is_main_rank() const { return rank() == 0; }
+
+  // recv[r * count_per_rank + i] = send_of_rank_r[i]; recv holds size() * count_per_rank.
+  // In place when send == recv + rank() * count_per_rank; any other overlap is an error.
+  void all_gather(const float* send, float* recv, size_t count_per_rank);
+
+  // send holds size() * count_per_rank; recv[i] = sum over ranks r of
+  // send_of_rank_r[rank() * count_per_rank + i]. send and recv must not overlap.
+  void reduce_scatter(const float* send, float* recv, size_t count_per_rank);
+
+  // buf[i] = sum over ranks of buf[i], in place. Losses are reduced in float64.
+  void all_reduce(float* buf, size_t count);
+  void all_reduce(double* buf, size_t count);
+
+  // Copies `bytes` bytes of rank `root`'s buf into every rank's buf.
+  void broadcast(void* buf, size_t bytes, int root);
+
+  void barrier();
+
+  // Most elements handed to one backend call (bytes for broadcast); larger buffers go in
+  // pieces. MPI takes int counts, so the default is INT_MAX. Tests lower it to exercise the
+  // chunked paths. Every rank must use the same value.
+  void set_max_chunk(size_t elems);
+  size_t max_chunk() const { return max_chunk_; }
+
+ protected:
+  Comm() = default;
+
+ private:
+  // Called with validated arguments and count > 0 only.
+  virtual void do_all_gather(const float* send, float* recv, size_t count_per_rank) = 0;
+  virtual void do_reduce_scatter(const float* send, float* recv, size_t count_per_rank) = 0;
+  virtual void do_all_reduce(float* buf, size_t count) = 0;
+  virtual void do_all_reduce(double* buf, size_t count) = 0;
+  virtual void do_broadcast(void* buf, size_t bytes, int root) = 0;
+  virtual void do_barrier() = 0;
+
+  size_t max_chunk_ = INT_MAX;
+};
+
+// True when an MPI launcher started this process (OpenMPI's OMPI_COMM_WORLD_SIZE, PMIx's
+// PMIX_RANK, PMI's PMI_SIZE/PMI_RANK).
+bool launched_by_mpirun();
+
+// The world this process belongs to: an MPI comm when launched_by_mpirun(), else a local
+// one-rank comm. Keep it alive for the whole run: MPI can be initialized only once per process.
+std::unique_ptr<Comm> make_comm();
+
+// A one-rank world with no MPI at all.
+std::unique_ptr<Comm> make_local_comm();
+
+// An MPI comm over a duplicate of MPI_COMM_WORLD (errors return, and throw retain::Error).
+// Initializes MPI if nobody has; the last MPI comm destroyed finalizes it in that case.
+std::unique_ptr<Comm> make_mpi_comm();
+
+}  // namespace retain::dist
