@@ -202,6 +202,10 @@ json Qwen3Config::to_json() const {
       {"use_sliding_window", false},
       {"rope_parameters", rope_params},
       {"dtype", dtype},
+      // The same settings in the keys transformers 4.x reads (5.x resolves both alike).
+      {"rope_theta", rope.theta},
+      {"rope_scaling", rope.type == "default" ? json(nullptr) : rope_params},
+      {"torch_dtype", dtype},
   };
   if (bos_token_id) j["bos_token_id"] = *bos_token_id;
   if (eos_token_id) j["eos_token_id"] = *eos_token_id;

@@ -41,7 +41,8 @@ struct Qwen3Config {
   // `source` names the file in error messages.
   static Qwen3Config from_json(const nlohmann::json& j, const std::string& source);
   static Qwen3Config load(const std::string& config_json_path);
-  // The new-style HF config.json for this config (what retain-make-tiny writes).
+  // An HF config.json for this config (what retain-make-tiny writes), with both the new
+  // (`rope_parameters`, `dtype`) and the legacy (`rope_theta`, `rope_scaling`, `torch_dtype`) keys.
   nlohmann::json to_json() const;
 };
 

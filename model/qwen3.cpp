@@ -49,7 +49,7 @@ void decoder_layer(const Qwen3Config& c, const LayerWeights& w, const RopeParams
 
 }  // namespace
 
-Tensor qwen3_forward(WeightProvider& weights, const Tensor& ids, const Tensor& doc_ids) {
+Tensor qwen3_forward(WeightProvider& weights, const Tensor& ids, const Tensor& doc_ids, const LayerProgress& on_layer) {
   const Qwen3Config& c = weights.config();
   RETAIN_CHECK(ids.dtype() == DType::I32 && ids.ndim() == 1 && doc_ids.dtype() == DType::I32 &&
                    doc_ids.shape() == ids.shape(),
@@ -59,7 +59,10 @@ Tensor qwen3_forward(WeightProvider& weights, const Tensor& ids, const Tensor& d
   ops::embedding(weights.embedding(), ids, x);
   const Tensor positions = ops::document_positions(doc_ids);
   const RopeParams rope = compute_rope_params(c);
-  for (int64_t l = 0; l < c.num_hidden_layers; ++l) decoder_layer(c, weights.layer(l), rope, positions, doc_ids, x);
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    decoder_layer(c, weights.layer(l), rope, positions, doc_ids, x);
+    if (on_layer) on_layer(l + 1, c.num_hidden_layers);
+  }
   ops::rmsnorm(x, weights.final_norm(), static_cast<float>(c.rms_norm_eps), x);
   Tensor logits = Tensor::empty({T, c.vocab_size}, DType::F32);
   ops::linear(x, weights.lm_head(), logits);

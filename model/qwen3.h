@@ -1,6 +1,8 @@
 // The Qwen3 graph (DESIGN §3), composed from kernels/ops.h. The graph asks a
 // WeightProvider for each layer and knows nothing about ranks or files.
 #pragma once
+#include <functional>
+
 #include "kernels/tensor.h"
 #include "model/weights.h"
 
@@ -8,7 +10,10 @@ namespace retain {
 
 // Logits F32 [T, V] for token ids I32 [T] with per-token document ids I32 [T]
 // (attention stays inside a document and RoPE positions restart per document; a token
-// with doc id < 0 is padding). Float32 throughout.
-Tensor qwen3_forward(WeightProvider& weights, const Tensor& ids, const Tensor& doc_ids);
+// with doc id < 0 is padding). Float32 throughout. `on_layer(done, total)`, if given, is
+// called after each decoder layer (progress reporting).
+using LayerProgress = std::function<void(int64_t done, int64_t total)>;
+Tensor qwen3_forward(WeightProvider& weights, const Tensor& ids, const Tensor& doc_ids,
+                     const LayerProgress& on_layer = {});
 
 }  // namespace retain

@@ -14,8 +14,8 @@ namespace po = boost::program_options;
 // (2 for command-line usage errors). Returns the process exit code.
 int run_tool(const char* tool, const std::function<int()>& body);
 
-// Parses argv; prints usage and returns false when --help was given.
-// `required` names options that must be present (reported as usage errors).
+// Parses argv (adding --help); prints usage and the options and returns false when
+// --help was given. Missing ->required() options throw po::error (a usage error).
 bool parse(int argc, char** argv, const std::string& usage, po::options_description& opts,
            po::variables_map& vm);
 

@@ -1,4 +1,6 @@
 // retain-forward: logits of a Qwen3 checkpoint for one token sequence (DESIGN §7).
+#include <unistd.h>
+
 #include <chrono>
 #include <iostream>
 #include <map>
@@ -71,9 +73,21 @@ int run(int argc, char** argv) {
   }
 
   const auto start = std::chrono::steady_clock::now();
+  auto seconds_since_start = [&] {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  };
+  // A real checkpoint on CPU can take minutes: on a terminal, show layers done and an ETA.
+  LayerProgress progress;
+  if (::isatty(STDERR_FILENO))
+    progress = [&](int64_t done, int64_t total) {
+      const double s = seconds_since_start();
+      std::cerr << fmt::format("\rretain-forward: layer {}/{}  {:.1f} s  ETA {:.1f} s   ", done, total, s,
+                               s / static_cast<double>(done) * static_cast<double>(total - done))
+                << (done == total ? "\n" : "") << std::flush;
+    };
   LocalWeightProvider weights(ckpt);
-  const Tensor logits = qwen3_forward(weights, ids_t, doc_t);
-  const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  const Tensor logits = qwen3_forward(weights, ids_t, doc_t, progress);
+  const double ms = seconds_since_start() * 1000.0;
 
   write_safetensors(out, {{"logits", logits}},
                     {{"producer", "retain-forward"}, {"model", model}, {"tokens", std::to_string(ids.size())}});
