@@ -12,6 +12,8 @@ namespace retain::cpu {
 
 void embedding(const Tensor& table, const Tensor& ids, Tensor& out) {
   const int64_t T = ids.dim(0), V = table.dim(0), D = table.dim(1);
+  if (table.dtype() != DType::F32 && table.dtype() != DType::BF16 && table.dtype() != DType::F16)
+    fail("embedding: table dtype {} is not a float type", dtype_name(table.dtype()));
   const int32_t* id = ids.data<int32_t>();
   for (int64_t t = 0; t < T; ++t)
     if (id[t] < 0 || id[t] >= V) fail("embedding: token id {} at position {} is outside [0, {})", id[t], t, V);
@@ -32,11 +34,9 @@ void embedding(const Tensor& table, const Tensor& ids, Tensor& out) {
         for (int64_t j = 0; j < D; ++j) dst[j] = f16_to_f32(src[j]);
         break;
       }
-      default: break;  // rejected below, outside the parallel region
+      default: break;  // rejected above
     }
   }
-  if (table.dtype() != DType::F32 && table.dtype() != DType::BF16 && table.dtype() != DType::F16)
-    fail("embedding: table dtype {} is not a float type", dtype_name(table.dtype()));
 }
 
 void linear(const Tensor& x, const Tensor& w, Tensor& y) {
