@@ -12,6 +12,9 @@ PACKAGES=(
   nlohmann-json3-dev                  # config.json, safetensors headers
   libopenblas-dev                     # CPU GEMM
   libpcre2-dev                        # tokenizer pre-split regex
+  libutf8proc-dev                     # tokenizer NFC normalization
+  zlib1g-dev                          # gzip-compressed corpora
+  libssl-dev                          # SHA-256 of tokenizer.json (libcrypto)
   libspdlog-dev libfmt-dev            # logging, formatting
 )
 
