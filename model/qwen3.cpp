@@ -3,15 +3,16 @@
 #include <cmath>
 
 #include "kernels/ops.h"
+#include "kernels/retention.h"
 #include "model/rope_params.h"
 
 namespace retain {
 
 namespace {
 
-// One decoder layer, in place on the residual stream x [T, D].
+// One decoder layer, in place on the residual stream x [T, D]; retention-gated when `gates`.
 void decoder_layer(const Qwen3Config& c, const LayerWeights& w, const RopeParams& rope, const Tensor& positions,
-                   const Tensor& doc, Tensor& x) {
+                   const Tensor& doc, const gates::RetentionGates* gates, int64_t layer, Tensor& x) {
   const int64_t T = x.dim(0), D = c.hidden_size, H = c.num_attention_heads, K = c.num_key_value_heads,
                 d = c.head_dim, I = c.intermediate_size;
   const float eps = static_cast<float>(c.rms_norm_eps);
@@ -31,8 +32,14 @@ void decoder_layer(const Qwen3Config& c, const LayerWeights& w, const RopeParams
   ops::rope(q3, positions, rope.inv_freq, rope.attention_factor);
   ops::rope(k3, positions, rope.inv_freq, rope.attention_factor);
   Tensor attn = Tensor::empty({T, H, d}, DType::F32);
-  ops::attention(q3, k3, v.reshape({T, K, d}), doc, static_cast<float>(1.0 / std::sqrt(static_cast<double>(d))),
-                 attn);
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
+  if (gates) {
+    const Tensor log_beta = gates->forward(layer, h);  // [T, K], from the q/k/v input
+    Tensor lse = Tensor::empty({T, H}, DType::F32);
+    ops::gated_attention(q3, k3, v.reshape({T, K, d}), log_beta, doc, scale, attn, lse);
+  } else {
+    ops::attention(q3, k3, v.reshape({T, K, d}), doc, scale, attn);
+  }
   Tensor proj = Tensor::empty({T, D}, DType::F32);
   ops::linear(attn.reshape({T, H * d}), w.o_proj, proj);
   ops::add_inplace(x, proj);
@@ -49,8 +56,15 @@ void decoder_layer(const Qwen3Config& c, const LayerWeights& w, const RopeParams
 
 }  // namespace
 
-Tensor qwen3_forward(WeightProvider& weights, const Tensor& ids, const Tensor& doc_ids, const LayerProgress& on_layer) {
+Tensor qwen3_forward(WeightProvider& weights, const Tensor& ids, const Tensor& doc_ids, const LayerProgress& on_layer,
+                     const gates::RetentionGates* gates) {
   const Qwen3Config& c = weights.config();
+  if (gates) {
+    const gates::GateDims& g = gates->dims();
+    if (g.layers != c.num_hidden_layers || g.hidden != c.hidden_size || g.kv_heads != c.num_key_value_heads)
+      fail("retention gates for {} layers, hidden size {}, {} KV heads do not fit a model with {}, {}, {}", g.layers,
+           g.hidden, g.kv_heads, c.num_hidden_layers, c.hidden_size, c.num_key_value_heads);
+  }
   RETAIN_CHECK(ids.dtype() == DType::I32 && ids.ndim() == 1 && doc_ids.dtype() == DType::I32 &&
                    doc_ids.shape() == ids.shape(),
                "qwen3_forward: ids {} doc_ids {}", shape_str(ids.shape()), shape_str(doc_ids.shape()));
@@ -60,7 +74,7 @@ Tensor qwen3_forward(WeightProvider& weights, const Tensor& ids, const Tensor& d
   const Tensor positions = ops::document_positions(doc_ids);
   const RopeParams rope = compute_rope_params(c);
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
-    decoder_layer(c, weights.layer(l), rope, positions, doc_ids, x);
+    decoder_layer(c, weights.layer(l), rope, positions, doc_ids, gates, l, x);
     if (on_layer) on_layer(l + 1, c.num_hidden_layers);
   }
   ops::rmsnorm(x, weights.final_norm(), static_cast<float>(c.rms_norm_eps), x);

@@ -141,6 +141,13 @@ void make_tiny_model(const std::string& dir, const TinyModelOptions& opt) {
   const Qwen3Config c = tiny_config(opt);
   if (c.vocab_size < kTinyTokenizerSize)
     fail("--vocab {} is too small: the tiny tokenizer has {} tokens", c.vocab_size, kTinyTokenizerSize);
+  // Gates first, so bad gate options fail before anything is written. They have a seed of
+  // their own, so adding gates leaves the model's weights unchanged.
+  std::optional<gates::RetentionGates> gates;
+  if (opt.gate_kind)
+    gates = gates::RetentionGates::init(
+        {*opt.gate_kind, c.num_hidden_layers, c.hidden_size, opt.gate_hidden, c.num_key_value_heads},
+        opt.gate_bias_init, opt.seed ^ 0x9e3779b97f4a7c15ULL);
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec) fail("{}: cannot create directory: {}", dir, ec.message());
@@ -158,6 +165,7 @@ void make_tiny_model(const std::string& dir, const TinyModelOptions& opt) {
   write_file_atomic((fs::path(dir) / "tokenizer.json").string(), tiny_tokenizer_json().dump(2) + "\n");
   write_safetensors((fs::path(dir) / "model.safetensors").string(), tensors,
                     {{"format", "pt"}, {"producer", "retain-make-tiny"}});
+  if (gates) gates->save((fs::path(dir) / "gates.safetensors").string(), {{"producer", "retain-make-tiny"}});
 }
 
 }  // namespace retain

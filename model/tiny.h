@@ -1,13 +1,15 @@
 // A random tiny Qwen3 in the Hugging Face layout, for tests and the quickstart:
 // config.json, model.safetensors (BF16) and a byte-level tokenizer.json that uses
-// Qwen3's pre-tokenizer regex and its special tokens.
+// Qwen3's pre-tokenizer regex and its special tokens; optionally random retention gates.
 #pragma once
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include <nlohmann/json_fwd.hpp>
 
 #include "model/config.h"
+#include "model/gates/gates.h"
 
 namespace retain {
 
@@ -22,6 +24,11 @@ struct TinyModelOptions {
   bool tie = true;
   double yarn_factor = 0;  // > 1: YaRN with original_max_position_embeddings = max_pos / factor
   uint64_t seed = 0;
+  // With a kind: also DIR/gates.safetensors, initialised as DESIGN §4 says (weights N(0, 0.02))
+  // but with a small logit bias by default, so that the decay is visible (b = 18 is not).
+  std::optional<gates::GateKind> gate_kind;
+  int64_t gate_hidden = 16;
+  double gate_bias_init = 2.0;
 };
 
 // The tokenizer's special tokens, right after the 256 byte tokens.
@@ -32,7 +39,8 @@ Qwen3Config tiny_config(const TinyModelOptions& opt);
 // A Hugging Face tokenizer.json: byte-level BPE with the 256 byte tokens (GPT-2 byte to
 // unicode mapping, in its order), no merges, Qwen3's Split regex, NFC, special tokens.
 nlohmann::json tiny_tokenizer_json();
-// Writes config.json, model.safetensors, tokenizer.json into `dir` (created if missing).
+// Writes config.json, model.safetensors, tokenizer.json (and gates.safetensors when
+// opt.gate_kind is set) into `dir` (created if missing).
 void make_tiny_model(const std::string& dir, const TinyModelOptions& opt);
 
 }  // namespace retain

@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "kernels/base/atomic_file.h"
+#include "model/gates/gates.h"
 #include "model/qwen3.h"
 #include "model/safetensors.h"
 #include "model/weights.h"
@@ -165,7 +166,11 @@ TEST_F(Tools, MakeTinyValidatesOptions) {
            {"--heads 3 --kv-heads 2", "multiple"},
            {"--head-dim 7", "even"},
            {"--tie --no-tie", "exclusive"},
-           {"--layers 0", "positive"}}) {
+           {"--layers 0", "positive"},
+           {"--gates lstm", "--gates: unknown gate kind 'lstm'"},
+           {"--gates trimkv --gate-hidden 0", "--gate-hidden must be positive"},
+           {"--bias-init 3", "need --gates"},
+           {"--gates trimkv --bias-init nan", "bias init nan is not finite"}}) {
     const fs::path out = root_ / "badtiny";
     const Result r = run("retain-make-tiny --out " + out.string() + " " + args);
     EXPECT_NE(r.code, 0) << args;
@@ -173,4 +178,67 @@ TEST_F(Tools, MakeTinyValidatesOptions) {
     EXPECT_NE(r.err.find(needle), std::string::npos) << "wanted '" << needle << "' in: " << r.err;
     EXPECT_FALSE(fs::exists(out / "model.safetensors")) << args;
   }
+}
+
+TEST_F(Tools, MakeTinyWritesGatesAndForwardRunsTheStudent) {
+  const fs::path dir = root_ / "tiny_gated";
+  Result r = run("retain-make-tiny --out " + dir.string() + " --seed 7 --gates dbtrimkv --gate-hidden 8 --bias-init 1.5");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("dbtrimkv gates G=8 bias 1.5"), std::string::npos) << r.out;
+  // Adding gates leaves the model itself unchanged.
+  EXPECT_EQ(read_file((dir / "model.safetensors").string()), read_file((tiny() / "model.safetensors").string()));
+  auto ckpt = std::make_shared<const Qwen3Checkpoint>(Qwen3Checkpoint::open(dir.string()));
+  const gates::RetentionGates g = gates::RetentionGates::load((dir / "gates.safetensors").string(), ckpt->config());
+  EXPECT_EQ(g.kind(), gates::GateKind::dbtrimkv);
+  EXPECT_EQ(g.dims().gate_hidden, 8);
+  EXPECT_EQ(g.bias_init(), 1.5);
+
+  const fs::path out = root_ / "student.safetensors";
+  r = run("retain-forward --model " + dir.string() + " --gates " + (dir / "gates.safetensors").string() +
+          " --ids \"5 10 7 256 3 4\" --doc-ids \"0 0 0 1 1 1\" --out " + out.string());
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("dbtrimkv gates G=8"), std::string::npos) << r.out;
+  const Tensor logits = SafetensorsFile::open(out.string()).tensor("logits");
+  LocalWeightProvider w(ckpt);
+  const Tensor ids = Tensor::from_vector<int32_t>({5, 10, 7, 256, 3, 4}, {6});
+  const Tensor docs = Tensor::from_vector<int32_t>({0, 0, 0, 1, 1, 1}, {6});
+  const Tensor want = qwen3_forward(w, ids, docs, {}, &g), teacher = qwen3_forward(w, ids, docs);
+  double diff_teacher = 0;
+  for (int64_t i = 0; i < want.numel(); ++i) {
+    ASSERT_EQ(logits.data<float>()[i], want.data<float>()[i]);
+    diff_teacher = std::max(diff_teacher, double(std::fabs(want.data<float>()[i] - teacher.data<float>()[i])));
+  }
+  EXPECT_GT(diff_teacher, 1e-3) << "bias 1.5 must make the student differ from the teacher";
+}
+
+TEST_F(Tools, ForwardRejectsBadGates) {
+  const fs::path dir = root_ / "tiny_trimkv";
+  ASSERT_EQ(run("retain-make-tiny --out " + dir.string() + " --seed 7 --gates trimkv").code, 0);
+  const std::string gates = (dir / "gates.safetensors").string();
+  const std::string m = "--model " + tiny().string() + " --ids \"1 2\"";
+  expect_forward_error(m + " --gate-kind trimkv", "--gate-kind needs --gates");
+  expect_forward_error(m + " --gates " + gates + " --gate-kind trim", "--gate-kind: unknown gate kind 'trim'");
+  expect_forward_error(m + " --gates " + gates + " --gate-kind dbtrimkv",
+                       "holds trimkv gates (no linear3.weight), but dbtrimkv gates were asked for");
+  expect_forward_error(m + " --gates " + (root_ / "none.safetensors").string(), "none.safetensors");
+  expect_forward_error(m + " --gates " + (tiny() / "model.safetensors").string(),
+                       "unexpected tensor 'model.embed_tokens.weight'");
+  // Gates made for other models: 3 layers; 4 KV heads.
+  const fs::path deep = root_ / "tiny_deep", wide = root_ / "tiny_wide";
+  ASSERT_EQ(run("retain-make-tiny --out " + deep.string() + " --layers 3 --gates trimkv").code, 0);
+  ASSERT_EQ(run("retain-make-tiny --out " + wide.string() + " --kv-heads 4 --gates trimkv").code, 0);
+  expect_forward_error(m + " --gates " + (deep / "gates.safetensors").string(),
+                       "has gates for 3 layers (layer indices 0..2), the model has 2");
+  expect_forward_error(m + " --gates " + (wide / "gates.safetensors").string(), "has shape [4, 16], expected [2, 16]");
+  // A shared dbtrimkv tensor whose copies differ.
+  const fs::path db = root_ / "tiny_db";
+  ASSERT_EQ(run("retain-make-tiny --out " + db.string() + " --seed 7 --gates dbtrimkv").code, 0);
+  const SafetensorsFile f = SafetensorsFile::open((db / "gates.safetensors").string());
+  std::vector<std::pair<std::string, Tensor>> t;
+  for (const std::string& n : f.names()) t.emplace_back(n, f.tensor(n).clone());
+  for (auto& [n, v] : t)
+    if (n == gates::gate_tensor_name(1, "bias")) v.data<float>()[0] += 1;
+  const std::string edited = (root_ / "edited_gates.safetensors").string();
+  write_safetensors(edited, t);
+  expect_forward_error(m + " --gates " + edited, "shared tensor 'model.layers.1.self_attn.retention_gate.bias' differs");
 }

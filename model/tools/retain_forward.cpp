@@ -4,10 +4,12 @@
 #include <chrono>
 #include <iostream>
 #include <map>
+#include <optional>
 
 #include <fmt/format.h>
 
 #include "kernels/base/cli.h"
+#include "model/gates/gates.h"
 #include "model/qwen3.h"
 #include "model/safetensors.h"
 #include "model/tools/token_list.h"
@@ -19,26 +21,37 @@ namespace {
 
 constexpr const char* kUsage =
     "Usage: retain-forward --model DIR --ids \"5 10 7 ...\" --out FILE.safetensors\n"
+    "                      [--gates GATES.safetensors [--gate-kind trimkv|dbtrimkv]]\n"
     "                      [--doc-ids \"0 0 1 ...\"] [--device cpu|cuda]\n\n"
     "Runs the Qwen3 checkpoint in DIR (Hugging Face layout) on the token ids and writes\n"
     "tensor `logits` (F32, [T, V]) to FILE. With --doc-ids, attention stays inside each\n"
     "document and RoPE positions restart per document (documents are contiguous runs of\n"
-    "equal ids; a negative id marks padding, whose attention output is zero).";
+    "equal ids; a negative id marks padding, whose attention output is zero).\n"
+    "With --gates, runs the student: every layer's attention is retention-gated by the\n"
+    "TRIM-KV / DBTrimKV gates in GATES (the kind is read from the file's tensor names;\n"
+    "--gate-kind, if given, must agree).";
 
 int run(int argc, char** argv) {
   cli::po::options_description opts("Options");
-  std::string model, ids_text, out, doc_text, device;
+  std::string model, ids_text, out, doc_text, device, gates_path, gate_kind_text;
   opts.add_options()
       ("model", cli::po::value(&model)->required(), "Hugging Face model directory (config.json + safetensors)")
       ("ids", cli::po::value(&ids_text)->required(), "token ids, separated by spaces or commas")
       ("out", cli::po::value(&out)->required(), "output .safetensors file (written atomically)")
       ("doc-ids", cli::po::value(&doc_text), "document id per token (default: one document)")
+      ("gates", cli::po::value(&gates_path), "retention gates (.safetensors): run the gated student model")
+      ("gate-kind", cli::po::value(&gate_kind_text), "trimkv or dbtrimkv (checked against --gates)")
       ("device", cli::po::value(&device)->default_value("cpu"), "cpu or cuda");
   cli::po::variables_map vm;
   if (!cli::parse(argc, argv, kUsage, opts, vm)) return 0;
 
   if (device != "cpu" && device != "cuda") throw cli::UsageError(fmt::format("--device must be cpu or cuda, got '{}'", device));
   if (device == "cuda") fail("--device cuda: the CUDA forward is not implemented yet; use --device cpu");
+  std::optional<gates::GateKind> gate_kind;
+  if (vm.count("gate-kind")) {
+    if (!vm.count("gates")) throw cli::UsageError("--gate-kind needs --gates");
+    gate_kind = gates::parse_gate_kind(gate_kind_text, "--gate-kind");
+  }
 
   const std::vector<int64_t> ids = cli::parse_int_list(ids_text, "--ids");
   if (ids.empty()) fail("--ids: no token ids given");
@@ -65,6 +78,9 @@ int run(int argc, char** argv) {
     if (ids[t] < 0 || ids[t] >= V)
       fail("--ids: token id {} at position {} is outside the vocabulary [0, {}) of {}", ids[t], t, V, model);
 
+  std::optional<gates::RetentionGates> gates;
+  if (vm.count("gates")) gates = gates::RetentionGates::load(gates_path, ckpt->config(), gate_kind);
+
   Tensor ids_t = Tensor::empty({static_cast<int64_t>(ids.size())}, DType::I32);
   Tensor doc_t = Tensor::empty({static_cast<int64_t>(ids.size())}, DType::I32);
   for (size_t t = 0; t < ids.size(); ++t) {
@@ -86,11 +102,16 @@ int run(int argc, char** argv) {
                 << (done == total ? "\n" : "") << std::flush;
     };
   LocalWeightProvider weights(ckpt);
-  const Tensor logits = qwen3_forward(weights, ids_t, doc_t, progress);
+  const Tensor logits = qwen3_forward(weights, ids_t, doc_t, progress, gates ? &*gates : nullptr);
   const double ms = seconds_since_start() * 1000.0;
 
-  write_safetensors(out, {{"logits", logits}},
-                    {{"producer", "retain-forward"}, {"model", model}, {"tokens", std::to_string(ids.size())}});
+  std::map<std::string, std::string> meta = {
+      {"producer", "retain-forward"}, {"model", model}, {"tokens", std::to_string(ids.size())}};
+  if (gates) {
+    meta["gates"] = gates_path;
+    meta["gate_kind"] = gates::gate_kind_name(gates->kind());
+  }
+  write_safetensors(out, {{"logits", logits}}, meta);
 
   // Greedy next token per position: a quick human check that the output is sensible.
   std::vector<int64_t> argmax(ids.size());
@@ -98,8 +119,12 @@ int run(int argc, char** argv) {
     const float* row = logits.data<float>() + t * V;
     argmax[t] = std::max_element(row, row + V) - row;
   }
-  std::cout << fmt::format("retain-forward: {} tokens through {} ({} layers) in {:.1f} ms on cpu\n", ids.size(),
-                           model, ckpt->config().num_hidden_layers, ms)
+  const std::string student =
+      gates ? fmt::format(", {} gates G={} from {}", gates::gate_kind_name(gates->kind()), gates->dims().gate_hidden,
+                          gates_path)
+            : "";
+  std::cout << fmt::format("retain-forward: {} tokens through {} ({} layers{}) in {:.1f} ms on cpu\n", ids.size(),
+                           model, ckpt->config().num_hidden_layers, student, ms)
             << fmt::format("wrote logits {} F32 to {}\n", shape_str(logits.shape()), out)
             << fmt::format("argmax next token per position: {}\n", fmt::join(argmax, " "));
   return 0;

@@ -12,14 +12,17 @@ namespace {
 
 constexpr const char* kUsage =
     "Usage: retain-make-tiny --out DIR [--layers N --hidden N --heads N --kv-heads N --head-dim N\n"
-    "                        --intermediate N --vocab N --tie|--no-tie --yarn-factor F --seed S]\n\n"
+    "                        --intermediate N --vocab N --tie|--no-tie --yarn-factor F --seed S]\n"
+    "                        [--gates trimkv|dbtrimkv --gate-hidden G --bias-init B]\n\n"
     "Writes a random Qwen3 (config.json, model.safetensors in BF16, a byte-level\n"
     "tokenizer.json with Qwen3's pre-tokenizer regex and <|endoftext|>, <|im_start|>,\n"
-    "<|im_end|> as ids 256-258) into DIR.";
+    "<|im_end|> as ids 256-258) into DIR. With --gates, also DIR/gates.safetensors:\n"
+    "retention gates initialised as for training (weights N(0, 0.02)) with logit bias B\n"
+    "(default 2, so logβ ≈ −0.13 and the decay is visible; training starts from 18).";
 
 int run(int argc, char** argv) {
   TinyModelOptions o;
-  std::string out;
+  std::string out, gate_kind;
   cli::po::options_description opts("Options");
   opts.add_options()
       ("out", cli::po::value(&out)->required(), "output directory (created if missing)")
@@ -33,18 +36,30 @@ int run(int argc, char** argv) {
       ("tie", "tie lm_head to the embedding (default)")
       ("no-tie", "separate lm_head.weight")
       ("yarn-factor", cli::po::value(&o.yarn_factor)->default_value(0), "YaRN factor (> 1 enables YaRN)")
-      ("seed", cli::po::value(&o.seed)->default_value(0), "random seed");
+      ("seed", cli::po::value(&o.seed)->default_value(0), "random seed")
+      ("gates", cli::po::value(&gate_kind), "also write DIR/gates.safetensors: trimkv or dbtrimkv")
+      ("gate-hidden", cli::po::value(&o.gate_hidden)->default_value(o.gate_hidden), "gate width G")
+      ("bias-init", cli::po::value(&o.gate_bias_init)->default_value(o.gate_bias_init), "gate logit bias b");
   cli::po::variables_map vm;
   if (!cli::parse(argc, argv, kUsage, opts, vm)) return 0;
   if (vm.count("tie") && vm.count("no-tie")) throw cli::UsageError("--tie and --no-tie are exclusive");
   o.tie = !vm.count("no-tie");
+  if (vm.count("gates")) {
+    o.gate_kind = gates::parse_gate_kind(gate_kind, "--gates");
+    if (o.gate_hidden <= 0) throw cli::UsageError(fmt::format("--gate-hidden must be positive, got {}", o.gate_hidden));
+  } else if (!vm["gate-hidden"].defaulted() || !vm["bias-init"].defaulted()) {
+    throw cli::UsageError("--gate-hidden and --bias-init need --gates");
+  }
 
   make_tiny_model(out, o);
   std::cout << fmt::format(
       "retain-make-tiny: wrote {} (layers {}, hidden {}, heads {}/{} kv, head_dim {}, intermediate {}, vocab {}, "
-      "{}{})\n",
+      "{}{}{})\n",
       out, o.layers, o.hidden, o.heads, o.kv_heads, o.head_dim, o.intermediate, o.vocab, o.tie ? "tied" : "untied",
-      o.yarn_factor > 1 ? fmt::format(", YaRN x{}", o.yarn_factor) : "");
+      o.yarn_factor > 1 ? fmt::format(", YaRN x{}", o.yarn_factor) : "",
+      o.gate_kind ? fmt::format(", {} gates G={} bias {}", gates::gate_kind_name(*o.gate_kind), o.gate_hidden,
+                                o.gate_bias_init)
+                  : "");
   return 0;
 }
 

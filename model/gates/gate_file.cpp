@@ -1,0 +1,159 @@
+// Gate files: safetensors with the DESIGN §4 names (docs/formats.md, "Retention gate files").
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <cstring>
+#include <set>
+
+#include <fmt/format.h>
+
+#include "model/gates/gates.h"
+#include "model/safetensors.h"
+
+namespace retain::gates {
+
+namespace {
+
+constexpr std::string_view kPrefix = "model.layers.";
+constexpr std::string_view kGate = ".self_attn.retention_gate.";
+
+// "model.layers.{l}.self_attn.retention_gate.{suffix}" -> (l, suffix); nullopt for other names.
+std::optional<std::pair<int64_t, std::string>> split_gate_name(const std::string& name) {
+  if (!name.starts_with(kPrefix)) return std::nullopt;
+  const size_t digits = kPrefix.size(), dot = name.find('.', digits);
+  if (dot == std::string::npos || dot == digits || name.compare(dot, kGate.size(), kGate) != 0) return std::nullopt;
+  int64_t l = 0;
+  const auto [end, ec] = std::from_chars(name.data() + digits, name.data() + dot, l);
+  if (ec != std::errc() || end != name.data() + dot || (name[digits] == '0' && dot - digits > 1)) return std::nullopt;
+  return std::make_pair(l, name.substr(dot + kGate.size()));
+}
+
+Tensor as_f32(const SafetensorsFile& f, const std::string& name) {
+  const SafetensorsEntry& e = f.entry(name);
+  if (e.dtype != DType::F32 && e.dtype != DType::BF16 && e.dtype != DType::F16)
+    fail("{}: tensor '{}' has dtype {}; gate tensors must be F32, BF16 or F16", f.path(), name, dtype_name(e.dtype));
+  Tensor t = f.tensor(name);
+  Tensor out = t.dtype() == DType::F32 ? t.clone() : t.to_dtype(DType::F32);
+  const float* v = out.data<float>();
+  for (int64_t i = 0; i < out.numel(); ++i)
+    if (!std::isfinite(v[i])) fail("{}: tensor '{}' has a non-finite value ({}) at index {}", f.path(), name, v[i], i);
+  return out;
+}
+
+}  // namespace
+
+RetentionGates RetentionGates::load(const std::string& path, const Qwen3Config& config, std::optional<GateKind> expect) {
+  const SafetensorsFile f = SafetensorsFile::open(path);
+  const std::vector<std::string> names = f.names();
+
+  // Kind: linear3 exists only in dbtrimkv gates.
+  bool has_linear3 = false;
+  std::set<int64_t> layers;
+  for (const std::string& n : names) {
+    const auto parts = split_gate_name(n);
+    if (!parts) fail("{}: unexpected tensor '{}' (not a retention gate tensor)", path, n);
+    layers.insert(parts->first);
+    has_linear3 = has_linear3 || parts->second == "linear3.weight";
+  }
+  if (names.empty()) fail("{}: holds no tensors (not a retention gate file)", path);
+  const GateKind kind = has_linear3 ? GateKind::dbtrimkv : GateKind::trimkv;
+  const auto& meta = f.metadata();
+  if (auto it = meta.find("gate_kind"); it != meta.end()) {
+    const GateKind declared = parse_gate_kind(it->second, path + ": __metadata__ gate_kind");
+    if (declared != kind)
+      fail("{}: __metadata__ says gate_kind {} but the tensors are {} gates ({} linear3.weight)", path, it->second,
+           gate_kind_name(kind), has_linear3 ? "with" : "without");
+  }
+  if (expect && *expect != kind)
+    fail("{}: holds {} gates ({} linear3.weight), but {} gates were asked for", path, gate_kind_name(kind),
+         has_linear3 ? "with" : "no", gate_kind_name(*expect));
+
+  // Layers and shapes against the model.
+  const int64_t L = config.num_hidden_layers;
+  const int64_t present = static_cast<int64_t>(layers.size());
+  if (*layers.rbegin() >= L || present != L)
+    fail("{}: has gates for {} layers (layer indices {}..{}), the model has {} (num_hidden_layers)", path, present,
+         *layers.begin(), *layers.rbegin(), L);
+  const std::string w1_name = gate_tensor_name(0, "linear1.weight");
+  if (!f.contains(w1_name)) fail("{}: missing tensor '{}'", path, w1_name);
+  const Shape& w1_shape = f.entry(w1_name).shape;
+  if (w1_shape.size() != 2 || w1_shape[0] <= 0 || w1_shape[1] != config.hidden_size)
+    fail("{}: tensor '{}' has shape {}, expected [G, {}] (G the gate width, {} the model's hidden_size)", path, w1_name,
+         shape_str(w1_shape), config.hidden_size, config.hidden_size);
+  RetentionGates g({kind, L, config.hidden_size, w1_shape[0], config.num_key_value_heads});
+
+  // Every expected name present with its shape; then nothing else.
+  std::set<std::string> expected;
+  for (GateParameter& p : g.params_) {
+    for (size_t c = 0; c < p.file_names.size(); ++c) {
+      const std::string& n = p.file_names[c];
+      expected.insert(n);
+      if (!f.contains(n)) fail("{}: missing tensor '{}'", path, n);
+      const Shape& shape = f.entry(n).shape;
+      if (shape != p.value.shape())
+        fail("{}: tensor '{}' has shape {}, expected {} (G {}, hidden_size {}, num_key_value_heads {})", path, n,
+             shape_str(shape), shape_str(p.value.shape()), g.dims_.gate_hidden, config.hidden_size,
+             config.num_key_value_heads);
+      const Tensor v = as_f32(f, n);
+      if (c == 0) {
+        p.value = v;
+      } else if (std::memcmp(v.raw(), p.value.raw(), v.nbytes()) != 0) {
+        fail("{}: shared tensor '{}' differs from '{}' (a dbtrimkv shared tensor must have the same value under "
+             "every layer's name)",
+             path, n, p.file_names[0]);
+      }
+    }
+  }
+  for (const std::string& n : names)
+    if (!expected.count(n)) fail("{}: unexpected tensor '{}'", path, n);
+
+  if (auto it = meta.find("bias_init"); it != meta.end()) {
+    double b = 0;
+    const auto [end, ec] = std::from_chars(it->second.data(), it->second.data() + it->second.size(), b);
+    if (ec == std::errc() && end == it->second.data() + it->second.size()) g.bias_init_ = b;
+  }
+  return g;
+}
+
+void RetentionGates::save(const std::string& path, const std::map<std::string, std::string>& extra) const {
+  // File order: layer by layer, each layer's tensors in DESIGN order (a shared tensor repeated
+  // under every layer's name, after that layer's own tensors).
+  struct Item {
+    int64_t layer;
+    int order;
+    std::string name;
+    Tensor value;
+  };
+  auto rank = [](const std::string& suffix) {
+    static const char* kOrder[] = {"linear1.weight", "linear1.bias", "linear2.weight", "linear2.bias",
+                                   "linear3.weight", "bias"};
+    for (int i = 0; i < 6; ++i)
+      if (suffix == kOrder[i]) return i;
+    return 6;
+  };
+  std::vector<Item> items;
+  for (const GateParameter& p : params_)
+    for (const std::string& n : p.file_names) {
+      const auto parts = split_gate_name(n);
+      RETAIN_CHECK(parts.has_value(), "gate name {}", n);
+      items.push_back({parts->first, rank(parts->second), n, p.value});
+    }
+  std::stable_sort(items.begin(), items.end(),
+                   [](const Item& a, const Item& b) { return std::tie(a.layer, a.order) < std::tie(b.layer, b.order); });
+  std::vector<std::pair<std::string, Tensor>> tensors;
+  for (Item& it : items) tensors.emplace_back(std::move(it.name), std::move(it.value));
+
+  std::map<std::string, std::string> meta = {
+      {"format", "pt"},
+      {"gate_kind", std::string(gate_kind_name(dims_.kind))},
+      {"gate_hidden", std::to_string(dims_.gate_hidden)},
+      {"num_hidden_layers", std::to_string(dims_.layers)},
+      {"num_key_value_heads", std::to_string(dims_.kv_heads)},
+      {"hidden_size", std::to_string(dims_.hidden)},
+  };
+  if (bias_init_) meta["bias_init"] = fmt::format("{}", *bias_init_);
+  for (const auto& [k, v] : extra) meta[k] = v;
+  write_safetensors(path, tensors, meta);
+}
+
+}  // namespace retain::gates

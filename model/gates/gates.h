@@ -1,0 +1,113 @@
+// Retention gates (DESIGN §4): per layer, a small MLP on the input-RMSNorm output h that
+// gives every KV head a log retention rate logβ ≤ 0 per token.
+//   trimkv:   logβ = logsigmoid(W2·silu(W1·h + b1) + b)
+//   dbtrimkv: logβ = logsigmoid(W3·silu(W2·silu(W1·h + b1) + b2) + b), W3 and b shared by all layers
+// The gates own their parameters, their gradients and their file format (model/gates/gate_file.cpp);
+// they never know about ranks. CPU, float32 (bias gradients summed in float64).
+#pragma once
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "kernels/tensor.h"
+#include "model/config.h"
+
+namespace retain::gates {
+
+enum class GateKind { trimkv, dbtrimkv };
+// "trimkv" / "dbtrimkv"; anything else fails with "<what>: unknown gate kind '<s>' (...)".
+GateKind parse_gate_kind(std::string_view s, std::string_view what = "gate kind");
+std::string_view gate_kind_name(GateKind kind);
+
+struct GateDims {
+  GateKind kind = GateKind::trimkv;
+  int64_t layers = 0;       // L = num_hidden_layers
+  int64_t hidden = 0;       // D = hidden_size (the gate input)
+  int64_t gate_hidden = 0;  // G (DESIGN default 512 for new gates)
+  int64_t kv_heads = 0;     // K = num_key_value_heads (one logβ per KV head)
+};
+
+// "model.layers.{l}.self_attn.retention_gate.{suffix}"
+std::string gate_tensor_name(int64_t layer, std::string_view suffix);
+
+// One trainable tensor. A tensor shared by all layers (dbtrimkv's linear3.weight and bias)
+// is ONE parameter listed once, with every layer's name in `file_names`; its gradient is
+// the sum of every layer's contribution.
+struct GateParameter {
+  std::vector<std::string> file_names;  // names it is stored under; [0] is layer 0's (or its layer's)
+  Tensor value;                         // F32, CPU
+  Tensor grad;                          // F32, same shape, accumulated by backward(), cleared by zero_grad()
+  const std::string& name() const { return file_names.front(); }
+  bool shared() const { return file_names.size() > 1; }
+};
+
+// What backward() needs from forward() besides the input h: the pre-activations.
+struct GateActivations {
+  Tensor a1;  // W1·h + b1            F32 [T, G]
+  Tensor a2;  // W2·silu(a1) + b2     F32 [T, G] (dbtrimkv only)
+  Tensor z;   // the logit before logsigmoid, F32 [T, K]
+};
+
+class RetentionGates {
+ public:
+  RetentionGates() = default;
+
+  // Fresh gates: weights N(0, 0.02) drawn in parameter order from std::mt19937_64(seed),
+  // b1 = b2 = 0, b = bias_init (DESIGN default 18: logβ ≈ −1.5e-8, i.e. plain attention).
+  static RetentionGates init(const GateDims& dims, double bias_init, uint64_t seed);
+  // Gates from a safetensors file (F32/BF16/F16, converted to F32) for the model `config`:
+  // the kind comes from the tensor names (linear3 ⇒ dbtrimkv) and must agree with
+  // __metadata__ gate_kind and with `expect` when given; G comes from the shapes. Any
+  // missing, unexpected, mis-shaped, non-float or non-finite tensor, a layer-count or
+  // KV-head mismatch, or differing copies of a shared tensor is one retain::Error
+  // "<path>: <problem>".
+  static RetentionGates load(const std::string& path, const Qwen3Config& config,
+                             std::optional<GateKind> expect = std::nullopt);
+  // Writes F32 tensors under the DESIGN names (a shared tensor under every layer's name),
+  // atomically, with __metadata__: format, gate_kind, gate_hidden, num_hidden_layers,
+  // num_key_value_heads, hidden_size, bias_init (when known), then `extra` (which wins).
+  void save(const std::string& path, const std::map<std::string, std::string>& extra = {}) const;
+
+  const GateDims& dims() const { return dims_; }
+  GateKind kind() const { return dims_.kind; }
+  // The bias b was initialised to (from init(), or a loaded file's __metadata__ bias_init).
+  std::optional<double> bias_init() const { return bias_init_; }
+
+  // logβ F32 [T, K] for layer `layer` from h F32 [T, D]. With `saved`, keeps what
+  // backward() needs (O(T·G) floats).
+  Tensor forward(int64_t layer, const Tensor& h, GateActivations* saved = nullptr) const;
+  // Given dlog_beta = ∂loss/∂logβ F32 [T, K] for the h and activations of forward(layer):
+  // adds ∂loss/∂θ into the parameter gradients and, when dh is given, adds ∂loss/∂h into
+  // *dh (F32 [T, D]) — the trainer sums it with the q/k/v paths before the RMSNorm backward.
+  void backward(int64_t layer, const Tensor& h, const GateActivations& saved, const Tensor& dlog_beta,
+                Tensor* dh = nullptr);
+
+  // Every parameter once (shared ones once), in file order: layer by layer, then the shared ones.
+  std::vector<GateParameter>& parameters() { return params_; }
+  const std::vector<GateParameter>& parameters() const { return params_; }
+  void zero_grad();
+  int64_t num_parameters() const;  // scalars, shared ones counted once
+
+ private:
+  struct LayerSlots {  // indices into params_
+    int w1 = -1, b1 = -1, w2 = -1, b2 = -1, w3 = -1, b = -1;
+  };
+  // Allocates zeroed parameters and gradients for `dims` under their names.
+  explicit RetentionGates(const GateDims& dims);
+  const Tensor& value(int slot) const { return params_[static_cast<size_t>(slot)].value; }
+  Tensor& grad(int slot) { return params_[static_cast<size_t>(slot)].grad; }
+
+  GateDims dims_;
+  std::optional<double> bias_init_;
+  std::vector<GateParameter> params_;
+  std::vector<LayerSlots> slots_;
+};
+
+// Numerically stable log σ(x) = min(x, 0) − log1p(exp(−|x|)) (never log(sigmoid(x)), which
+// is 0 in float32 for x > 17 and −inf for x < −88).
+float log_sigmoid(float x);
+
+}  // namespace retain::gates
