@@ -15,26 +15,35 @@ namespace retain::ops {
 //   score(t, i) = (q_t·k_i)·scale + (t − i)·log_beta[i, κ(h)],  softmax over allowed i.
 // q F32 [T, H, d]; k, v F32 [T, K, d]; log_beta F32 [T, K]; doc I32 [T].
 // out F32 [T, H, d]; lse F32 [T, H] (per-row log-sum-exp of the scores, kept for backward).
-// Padding rows: out = 0, lse = -inf. log_beta ≡ 0 is plain attention.
+// Padding rows: out = 0, lse = -inf. log_beta ≡ 0 is plain attention. log_beta must be ≤ 0
+// (a logsigmoid output; a positive or NaN entry is a retain::Error naming its index); the
+// i = t decay is exactly 0, so -inf is allowed. T < 2^24 (t − i is exact in float32). O(T·d) memory:
+// the CPU reference visits 64×64 tiles, skipping those above the diagonal or with no
+// shared document (docs/math.md); results do not depend on the OpenMP thread count.
 void gated_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& log_beta,
                      const Tensor& doc, float scale, Tensor& out, Tensor& lse);
 
 // Gradients of the above given dout F32 [T, H, d] (recomputes the probabilities from q, k,
-// log_beta and lse). dq [T, H, d], dk, dv [T, K, d], dlog_beta [T, K], all F32, overwritten.
+// log_beta and lse). dq [T, H, d], dk, dv [T, K, d], dlog_beta [T, K], all F32, overwritten;
+// padding tokens get 0. dlog_beta[i, κ] = Σ_{h in group κ} Σ_t (t − i)·dS[t, i]. out and lse
+// must be the forward's.
 void gated_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
                               const Tensor& log_beta, const Tensor& doc, float scale,
                               const Tensor& out, const Tensor& lse, const Tensor& dout,
                               Tensor& dq, Tensor& dk, Tensor& dv, Tensor& dlog_beta);
 
 // Capacity sums S[l, t, κ] = Σ_{allowed i} exp((t − i)·log_beta[l, i, κ]) (the i = t term is 1).
-// log_beta F32 [L, T, K] (≤ 0); doc I32 [T]; S F32 [L, T, K].
+// log_beta F32 [L, T, K]; doc I32 [T]; S F32 [L, T, K] (0 on padding rows). Every log_beta
+// must be ≤ 0 (a logsigmoid output, -inf allowed): a positive or NaN entry is a retain::Error
+// naming its index (so no term exceeds 1). O(T·K) extra memory, float64 sums.
 void capacity_sums(const Tensor& log_beta, const Tensor& doc, Tensor& S);
 
 // The capacity hinge of DESIGN §4 for one sequence, as a sum and a count so the caller can
 // form L_cap = Σℓ / #{ℓ > 0} over the global batch (across sequences and ranks).
 //   local  (trimkv):   ℓ[l,κ,t] = max(0, (S[l,t,κ] − M) / max(p(t) − M, 1))
 //   global (dbtrimkv): ℓ[t] = max(0, (Σ_{l,κ} S[l,t,κ] − M·N) / max(p(t)·N − M·N, 1)), N = L·K
-// positions I32 [T] are the document positions p(t) (ops::document_positions).
+// positions I32 [T] are the document positions p(t) (ops::document_positions), ≥ 0; memory
+// M is finite and ≥ 0. Padding tokens have no ℓ.
 enum class CapacityMode { local, global };
 struct CapacityLoss {
   double sum = 0;        // Σ ℓ over the sequence
@@ -44,7 +53,8 @@ CapacityLoss capacity_loss(const Tensor& log_beta, const Tensor& doc, const Tens
                            double memory, CapacityMode mode);
 
 // dlog_beta F32 [L, T, K] = scale · ∂(Σℓ)/∂log_beta (overwritten). The trainer passes
-// scale = λ / (global count of positive ℓ), which is constant almost everywhere.
+// scale = λ / (global count of positive ℓ), which is constant almost everywhere. At ℓ = 0
+// (S = M exactly) the hinge's gradient is taken as 0.
 void capacity_loss_backward(const Tensor& log_beta, const Tensor& doc, const Tensor& positions,
                             double memory, CapacityMode mode, double scale, Tensor& dlog_beta);
 

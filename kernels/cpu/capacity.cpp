@@ -1,0 +1,214 @@
+// CPU reference for the capacity sums and the capacity hinge of DESIGN §4 (formulas in
+// docs/math.md, "Capacity"). One layer at a time, the T×T pair space is visited in 64×64
+// tiles (queries t × keys i), skipping tiles above the diagonal, tiles whose blocks share no
+// document, and tiles whose every term is below e^-60 (see kNegligibleExponent). Memory is
+// O(T·K) per call besides the inputs and outputs. Every term is exp of a float32 exponent
+// (t − i)·logβ ≤ 0, so it lies in [0, 1] and cannot overflow; sums run in float64. Each
+// output row belongs to one OpenMP work item that visits its tiles in a fixed order, so the
+// results do not depend on the thread count.
+#include <cmath>
+#include <vector>
+
+#include "kernels/cpu/retention_cpu.h"
+
+namespace retain::cpu {
+
+namespace {
+
+constexpr int64_t B = kRetentionBlock;
+
+// A tile (query block qb, key block kb < qb) is skipped when (t − i)·logβ[i, κ] < −60 for
+// every pair in it: then each skipped forward term exp((t − i)·logβ) is < e^-60 ≈ 8.8e-27 and
+// each skipped backward term g·(t − i)·exp((t − i)·logβ) is < T·e^-60 (g ≤ 1, and
+// x·exp(x·logβ) decreases in x once x·logβ < −1). A row has fewer than T skipped terms, so a
+// capacity sum S ≥ 1 (its i = t term) changes by less than T·e^-60 (3e-22 at T = 32768),
+// and a gradient entry by less than |scale|·T²·e^-60 (1e-17·|scale| at T = 32768).
+constexpr double kNegligibleExponent = 60.0;
+
+struct Layer {
+  const float* log_beta;  // [T, K] of one layer
+  const int32_t* doc;
+  int64_t T, K;
+  std::vector<DocRange> ranges;
+  std::vector<float> block_max;  // per key block: max of logβ over its non-padding keys and κ
+
+  Layer(const float* lb, const int32_t* d, int64_t T_, int64_t K_) : log_beta(lb), doc(d), T(T_), K(K_) {
+    ranges = block_doc_ranges(doc, T);
+    block_max.assign(ranges.size(), -std::numeric_limits<float>::infinity());
+    for (int64_t i = 0; i < T; ++i) {
+      if (doc[i] < 0) continue;
+      float& mx = block_max[static_cast<size_t>(i / B)];
+      for (int64_t k = 0; k < K; ++k) mx = std::max(mx, log_beta[i * K + k]);
+    }
+  }
+  int64_t blocks() const { return static_cast<int64_t>(ranges.size()); }
+
+  // Tile (qb, kb) holds an allowed pair with a term above e^-60. Its smallest distance t − i
+  // is qb·B − (kb·B + B − 1) (≥ 1 when qb > kb; the last key block may be shorter, which
+  // only makes the true distance larger), and logβ ≤ block_max[kb] ≤ 0 for all its keys.
+  bool tile_matters(int64_t qb, int64_t kb) const {
+    if (!blocks_may_meet(ranges[qb], ranges[kb])) return false;
+    if (qb <= kb) return true;
+    const double min_distance = static_cast<double>(qb * B - (kb * B + B - 1));
+    return !(min_distance * block_max[kb] < -kNegligibleExponent);
+  }
+};
+
+// S[t·K + κ] = Σ_{allowed i} exp((t − i)·logβ[i, κ]) for one layer (padding rows 0).
+void layer_sums(const Layer& L, double* S) {
+  const int64_t T = L.T, K = L.K, nb = L.blocks();
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t qb = nb - 1; qb >= 0; --qb) {
+    const int64_t t0 = qb * B, t1 = std::min(T, t0 + B);
+    for (int64_t x = t0 * K; x < t1 * K; ++x) S[x] = 0.0;
+    for (int64_t kb = 0; kb <= qb; ++kb) {
+      if (!L.tile_matters(qb, kb)) continue;
+      const int64_t i0 = kb * B, i1 = std::min(T, i0 + B);
+      for (int64_t t = t0; t < t1; ++t) {
+        const int32_t dt = L.doc[t];
+        if (dt < 0) continue;
+        double* st = S + t * K;
+        for (int64_t i = i0; i < std::min(i1, t); ++i) {  // i < t; the i = t term is added below
+          if (L.doc[i] != dt) continue;
+          const float x = static_cast<float>(t - i);
+          const float* lb = L.log_beta + i * K;
+          for (int64_t k = 0; k < K; ++k) st[k] += std::exp(x * lb[k]);
+        }
+        if (t >= i0 && t < i1)
+          for (int64_t k = 0; k < K; ++k) st[k] += 1.0;  // exp(0·logβ) = 1, even for logβ = −inf
+      }
+    }
+  }
+}
+
+// dlb[i·K + κ] = scale · Σ_{allowed t > i} g[t·K + κ]·(t − i)·exp((t − i)·logβ[i, κ]) for one
+// layer; g is ∂(Σℓ)/∂S (0 where the hinge is flat). The i = t term has factor t − i = 0.
+void layer_backward(const Layer& L, const std::vector<double>& g, double scale, float* dlb) {
+  const int64_t T = L.T, K = L.K, nb = L.blocks();
+  std::vector<char> g_any(static_cast<size_t>(nb), 0);  // query blocks with some g ≠ 0
+  for (int64_t x = 0; x < T * K; ++x)
+    if (g[x] != 0.0) g_any[static_cast<size_t>(x / K / B)] = 1;
+#pragma omp parallel
+  {
+    std::vector<double> acc(static_cast<size_t>(B * K));
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t kb = 0; kb < nb; ++kb) {
+      const int64_t i0 = kb * B, i1 = std::min(T, i0 + B);
+      std::fill(acc.begin(), acc.end(), 0.0);
+      for (int64_t qb = kb; qb < nb; ++qb) {
+        if (!g_any[qb] || !L.tile_matters(qb, kb)) continue;
+        const int64_t t1 = std::min(T, qb * B + B);
+        for (int64_t i = i0; i < i1; ++i) {
+          const int32_t di = L.doc[i];
+          if (di < 0) continue;
+          const float* lb = L.log_beta + i * K;
+          double* ai = acc.data() + (i - i0) * K;
+          for (int64_t t = std::max(qb * B, i + 1); t < t1; ++t) {
+            if (L.doc[t] != di) continue;
+            const float x = static_cast<float>(t - i);
+            const double* gt = g.data() + t * K;
+            for (int64_t k = 0; k < K; ++k)
+              if (gt[k] != 0.0) ai[k] += gt[k] * x * std::exp(x * lb[k]);
+          }
+        }
+      }
+      for (int64_t x = 0; x < (i1 - i0) * K; ++x) dlb[i0 * K + x] = static_cast<float>(scale * acc[x]);
+    }
+  }
+}
+
+struct Dims {
+  int64_t L, T, K;
+};
+Dims dims(const Tensor& log_beta) { return {log_beta.dim(0), log_beta.dim(1), log_beta.dim(2)}; }
+
+// Local hinge of one (l, t, κ): ℓ = max(0, (S − M)/max(p − M, 1)); dℓ/dS = 1/max(p − M, 1) where ℓ > 0.
+double local_denominator(int32_t p, double M) { return std::max(static_cast<double>(p) - M, 1.0); }
+// Global hinge of one t: ℓ = max(0, (ΣS − M·N)/max(p·N − M·N, 1)).
+double global_denominator(int32_t p, double M, double N) { return std::max(static_cast<double>(p) * N - M * N, 1.0); }
+
+// Σ_{l, κ} S[l, t, κ] for every t (float64).
+std::vector<double> total_sums(const Tensor& log_beta, const Tensor& doc) {
+  const auto [L, T, K] = dims(log_beta);
+  std::vector<double> S(static_cast<size_t>(T * K)), total(static_cast<size_t>(T), 0.0);
+  for (int64_t l = 0; l < L; ++l) {
+    layer_sums(Layer(log_beta.data<float>() + l * T * K, doc.data<int32_t>(), T, K), S.data());
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t k = 0; k < K; ++k) total[t] += S[t * K + k];
+  }
+  return total;
+}
+
+}  // namespace
+
+void capacity_sums(const Tensor& log_beta, const Tensor& doc, Tensor& S) {
+  const auto [L, T, K] = dims(log_beta);
+  std::vector<double> layer(static_cast<size_t>(T * K));
+  for (int64_t l = 0; l < L; ++l) {
+    layer_sums(Layer(log_beta.data<float>() + l * T * K, doc.data<int32_t>(), T, K), layer.data());
+    float* out = S.data<float>() + l * T * K;
+    for (int64_t x = 0; x < T * K; ++x) out[x] = static_cast<float>(layer[x]);
+  }
+}
+
+ops::CapacityLoss capacity_loss(const Tensor& log_beta, const Tensor& doc, const Tensor& positions, double memory,
+                                ops::CapacityMode mode) {
+  const auto [L, T, K] = dims(log_beta);
+  const int32_t* dc = doc.data<int32_t>();
+  const int32_t* pos = positions.data<int32_t>();
+  const double M = memory;
+  ops::CapacityLoss loss;
+  auto add = [&](double ell) {
+    if (ell > 0) {
+      loss.sum += ell;
+      ++loss.positive;
+    }
+  };
+  if (mode == ops::CapacityMode::local) {
+    std::vector<double> S(static_cast<size_t>(T * K));
+    for (int64_t l = 0; l < L; ++l) {
+      layer_sums(Layer(log_beta.data<float>() + l * T * K, dc, T, K), S.data());
+      for (int64_t t = 0; t < T; ++t) {
+        if (dc[t] < 0) continue;
+        for (int64_t k = 0; k < K; ++k) add((S[t * K + k] - M) / local_denominator(pos[t], M));
+      }
+    }
+  } else {
+    const double N = static_cast<double>(L * K);
+    const std::vector<double> total = total_sums(log_beta, doc);
+    for (int64_t t = 0; t < T; ++t)
+      if (dc[t] >= 0) add((total[t] - M * N) / global_denominator(pos[t], M, N));
+  }
+  return loss;
+}
+
+void capacity_loss_backward(const Tensor& log_beta, const Tensor& doc, const Tensor& positions, double memory,
+                            ops::CapacityMode mode, double scale, Tensor& dlog_beta) {
+  const auto [L, T, K] = dims(log_beta);
+  const int32_t* dc = doc.data<int32_t>();
+  const int32_t* pos = positions.data<int32_t>();
+  const double M = memory;
+  std::vector<double> g(static_cast<size_t>(T * K), 0.0);
+  if (mode == ops::CapacityMode::global) {
+    // The same ∂ℓ_t/∂S[l, t, κ] for every (l, κ).
+    const double N = static_cast<double>(L * K);
+    const std::vector<double> total = total_sums(log_beta, doc);
+    for (int64_t t = 0; t < T; ++t) {
+      if (dc[t] < 0 || !(total[t] - M * N > 0)) continue;
+      for (int64_t k = 0; k < K; ++k) g[t * K + k] = 1.0 / global_denominator(pos[t], M, N);
+    }
+  }
+  std::vector<double> S(mode == ops::CapacityMode::local ? static_cast<size_t>(T * K) : 0);
+  for (int64_t l = 0; l < L; ++l) {
+    const Layer layer(log_beta.data<float>() + l * T * K, dc, T, K);
+    if (mode == ops::CapacityMode::local) {
+      layer_sums(layer, S.data());
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t k = 0; k < K; ++k)
+          g[t * K + k] = (dc[t] >= 0 && S[t * K + k] - M > 0) ? 1.0 / local_denominator(pos[t], M) : 0.0;
+    }
+    layer_backward(layer, g, scale, dlog_beta.data<float>() + l * T * K);
+  }
+}
+
+}  // namespace retain::cpu
