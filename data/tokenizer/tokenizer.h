@@ -28,7 +28,9 @@ class Tokenizer {
   std::vector<int32_t> encode(std::string_view text) const;
   // Appends the ids of `text` to `out`.
   void encode_append(std::string_view text, std::vector<int32_t>& out) const;
-  // The text of `ids` (byte-level decode; added tokens as their content).
+  // The text of `ids` (byte-level decode; added tokens as their content). The bytes are
+  // returned as they are: a cut through a multi-byte character is not replaced by U+FFFD
+  // (HF's decode would; apply sanitize_utf8 to match it). Throws on an unknown id.
   std::string decode(std::span<const int32_t> ids) const;
 
   std::optional<int32_t> token_to_id(std::string_view token) const;
@@ -37,6 +39,14 @@ class Tokenizer {
   // Lowercase hex SHA-256 of the tokenizer.json bytes.
   const std::string& sha256() const;
   const std::filesystem::path& file() const;
+
+  // Invalid UTF-8 (see data/tokenizer/utf8.h, docs/tokenizer.md): encode replaces each
+  // maximal invalid subsequence with U+FFFD, exactly as Python's
+  // bytes.decode("utf-8", errors="replace") does, then tokenizes the result.
+  // The number of such replacements in `text` (0 for valid UTF-8), for reporting.
+  static size_t count_invalid_utf8(std::string_view text);
+  // `text` with those replacements made.
+  static std::string sanitize_utf8(std::string_view text);
 
  private:
   struct Impl;
