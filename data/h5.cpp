@@ -1,0 +1,100 @@
+#include "data/h5.h"
+
+#include <mutex>
+#include <vector>
+
+#include "kernels/base/error.h"
+
+namespace retain::data::h5 {
+
+void silence_hdf5_errors() {
+  static std::once_flag once;
+  std::call_once(once, [] { H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr); });
+}
+
+Handle checked(hid_t id, Handle::Closer close, const std::string& file, const std::string& what) {
+  if (id < 0) fail("{}: HDF5: {} failed", file, what);
+  return Handle(id, close);
+}
+
+void check(herr_t status, const std::string& file, const std::string& what) {
+  if (status < 0) fail("{}: HDF5: {} failed", file, what);
+}
+
+namespace {
+
+void write_scalar(hid_t obj, const char* name, hid_t file_type, hid_t mem_type, const void* value,
+                  const std::string& file) {
+  Handle space = checked(H5Screate(H5S_SCALAR), H5Sclose, file, "creating a scalar dataspace");
+  Handle attr = checked(H5Acreate2(obj, name, file_type, space.get(), H5P_DEFAULT, H5P_DEFAULT), H5Aclose, file,
+                        std::string("creating attribute ") + name);
+  check(H5Awrite(attr.get(), mem_type, value), file, std::string("writing attribute ") + name);
+}
+
+Handle open_scalar_attr(hid_t obj, const char* name, const std::string& file) {
+  if (H5Aexists(obj, name) <= 0) fail("{}: missing attribute '{}'", file, name);
+  Handle attr = checked(H5Aopen(obj, name, H5P_DEFAULT), H5Aclose, file, std::string("opening attribute ") + name);
+  Handle space = checked(H5Aget_space(attr.get()), H5Sclose, file, "reading an attribute's dataspace");
+  if (H5Sget_simple_extent_type(space.get()) != H5S_SCALAR &&
+      !(H5Sget_simple_extent_ndims(space.get()) == 1 && H5Sget_simple_extent_npoints(space.get()) == 1))
+    fail("{}: attribute '{}' is not a scalar", file, name);
+  return attr;
+}
+
+}  // namespace
+
+void write_attr_i64(hid_t obj, const char* name, int64_t value, const std::string& file) {
+  write_scalar(obj, name, H5T_STD_I64LE, H5T_NATIVE_INT64, &value, file);
+}
+
+void write_attr_u64(hid_t obj, const char* name, uint64_t value, const std::string& file) {
+  write_scalar(obj, name, H5T_STD_U64LE, H5T_NATIVE_UINT64, &value, file);
+}
+
+void write_attr_str(hid_t obj, const char* name, const std::string& value, const std::string& file) {
+  // A variable-length UTF-8 string: h5py reads it as str.
+  Handle type = checked(H5Tcopy(H5T_C_S1), H5Tclose, file, "creating a string type");
+  check(H5Tset_size(type.get(), H5T_VARIABLE), file, "sizing a string type");
+  check(H5Tset_cset(type.get(), H5T_CSET_UTF8), file, "setting a string charset");
+  const char* p = value.c_str();
+  write_scalar(obj, name, type.get(), type.get(), &p, file);
+}
+
+bool has_attr(hid_t obj, const char* name) { return H5Aexists(obj, name) > 0; }
+
+int64_t read_attr_int(hid_t obj, const char* name, const std::string& file) {
+  Handle attr = open_scalar_attr(obj, name, file);
+  Handle type = checked(H5Aget_type(attr.get()), H5Tclose, file, "reading an attribute's type");
+  if (H5Tget_class(type.get()) != H5T_INTEGER) fail("{}: attribute '{}' is not an integer", file, name);
+  if (H5Tget_sign(type.get()) == H5T_SGN_NONE) {
+    uint64_t v = 0;
+    check(H5Aread(attr.get(), H5T_NATIVE_UINT64, &v), file, std::string("reading attribute ") + name);
+    if (v > static_cast<uint64_t>(INT64_MAX)) fail("{}: attribute '{}' = {} is too large", file, name, v);
+    return static_cast<int64_t>(v);
+  }
+  int64_t v = 0;
+  check(H5Aread(attr.get(), H5T_NATIVE_INT64, &v), file, std::string("reading attribute ") + name);
+  return v;
+}
+
+std::string read_attr_str(hid_t obj, const char* name, const std::string& file) {
+  Handle attr = open_scalar_attr(obj, name, file);
+  Handle type = checked(H5Aget_type(attr.get()), H5Tclose, file, "reading an attribute's type");
+  if (H5Tget_class(type.get()) != H5T_STRING) fail("{}: attribute '{}' is not a string", file, name);
+  if (H5Tis_variable_str(type.get()) > 0) {
+    Handle mem = checked(H5Tcopy(H5T_C_S1), H5Tclose, file, "creating a string type");
+    check(H5Tset_size(mem.get(), H5T_VARIABLE), file, "sizing a string type");
+    check(H5Tset_cset(mem.get(), H5Tget_cset(type.get())), file, "setting a string charset");
+    char* p = nullptr;
+    check(H5Aread(attr.get(), mem.get(), &p), file, std::string("reading attribute ") + name);
+    std::string s = p ? p : "";
+    if (p) H5free_memory(p);
+    return s;
+  }
+  const size_t n = H5Tget_size(type.get());
+  std::vector<char> buf(n + 1, '\0');
+  check(H5Aread(attr.get(), type.get(), buf.data()), file, std::string("reading attribute ") + name);
+  return std::string(buf.data());  // fixed-length strings may be NUL-padded
+}
+
+}  // namespace retain::data::h5
