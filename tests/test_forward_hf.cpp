@@ -10,38 +10,16 @@
 #include "model/qwen3.h"
 #include "model/safetensors.h"
 #include "model/weights.h"
+#include "tests/fixture_helpers.h"
 
 using namespace retain;
 namespace fs = std::filesystem;
 
 namespace {
 
-std::vector<std::string> fixture_cases() {
-  std::vector<std::string> out;
-  const fs::path root = fs::path(RETAIN_FIXTURES_DIR) / "hf";
-  if (fs::is_directory(root))
-    for (const auto& e : fs::directory_iterator(root))
-      if (fs::exists(e.path() / "expected.safetensors")) out.push_back(e.path().filename().string());
-  std::sort(out.begin(), out.end());
-  return out;
-}
-
-Tensor as_i32(const Tensor& t) {
-  Tensor out = Tensor::empty(t.shape(), DType::I32);
-  for (int64_t i = 0; i < t.numel(); ++i) out.data<int32_t>()[i] = static_cast<int32_t>(t.data<int64_t>()[i]);
-  return out;
-}
-
-double rel_diff(const Tensor& got, const Tensor& want) {
-  EXPECT_EQ(got.shape(), want.shape());
-  double num = 0, den = 0;
-  for (int64_t i = 0; i < want.numel(); ++i) {
-    const double d = double(got.data<float>()[i]) - want.data<float>()[i];
-    num += d * d;
-    den += double(want.data<float>()[i]) * want.data<float>()[i];
-  }
-  return std::sqrt(num / den);
-}
+using retain::test_support::as_i32;
+using retain::test_support::rel_diff;
+std::vector<std::string> fixture_cases() { return retain::test_support::fixture_cases("hf"); }
 
 class HfForward : public ::testing::TestWithParam<std::string> {};
 
