@@ -1,11 +1,9 @@
 #include "data/packed_dataset.h"
 
-#include <openssl/evp.h>
-
 #include <algorithm>
-#include <fstream>
 #include <unordered_set>
 
+#include "data/tokenizer/sha256.h"
 #include "kernels/base/error.h"
 #include "kernels/ops.h"
 
@@ -132,29 +130,6 @@ PackedBatch PackedDataset::read_batch(std::span<const int64_t> rows) const {
     std::copy_n(pos.data<int32_t>(), S, b.positions.data<int32_t>() + r * S);
   }
   return b;
-}
-
-std::string sha256_file(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) fail("{}: cannot read", path.string());
-  EVP_MD_CTX* ctx = EVP_MD_CTX_new();
-  if (!ctx || EVP_DigestInit_ex(ctx, EVP_sha256(), nullptr) != 1) {
-    EVP_MD_CTX_free(ctx);
-    fail("{}: cannot start SHA-256", path.string());
-  }
-  std::vector<char> buf(1 << 20);
-  while (in) {
-    in.read(buf.data(), static_cast<std::streamsize>(buf.size()));
-    if (in.gcount() > 0) EVP_DigestUpdate(ctx, buf.data(), static_cast<size_t>(in.gcount()));
-  }
-  unsigned char md[EVP_MAX_MD_SIZE];
-  unsigned len = 0;
-  EVP_DigestFinal_ex(ctx, md, &len);
-  EVP_MD_CTX_free(ctx);
-  if (in.bad()) fail("{}: read error", path.string());
-  std::string hex;
-  for (unsigned i = 0; i < len; ++i) hex += fmt::format("{:02x}", md[i]);
-  return hex;
 }
 
 void check_dataset_matches_model(const PackedDataset& ds, const std::filesystem::path& model_dir,

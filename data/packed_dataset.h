@@ -65,7 +65,4 @@ class PackedDataset {
 void check_dataset_matches_model(const PackedDataset& ds, const std::filesystem::path& model_dir,
                                  const Qwen3Config& config);
 
-// Lowercase hex SHA-256 of a file's bytes.
-std::string sha256_file(const std::filesystem::path& path);
-
 }  // namespace retain::data

@@ -6,13 +6,13 @@
 #include <unordered_map>
 
 #include <nlohmann/json.hpp>
-#include <openssl/evp.h>
 #include <utf8proc.h>
 
 #include "data/tokenizer/added_tokens.h"
 #include "data/tokenizer/bpe.h"
 #include "data/tokenizer/byte_level.h"
 #include "data/tokenizer/pre_tokenizer.h"
+#include "data/tokenizer/sha256.h"
 #include "data/tokenizer/utf8.h"
 #include "kernels/base/atomic_file.h"
 #include "kernels/base/error.h"
@@ -26,20 +26,6 @@ namespace {
 // GPT-2's pattern, which ByteLevel applies itself when use_regex is true.
 constexpr const char* kGpt2Pattern =
     R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
-
-std::string sha256_hex(std::string_view bytes) {
-  unsigned char digest[EVP_MAX_MD_SIZE];
-  unsigned int len = 0;
-  if (EVP_Digest(bytes.data(), bytes.size(), digest, &len, EVP_sha256(), nullptr) != 1)
-    fail("SHA-256 computation failed (OpenSSL EVP_Digest)");
-  static constexpr char kHex[] = "0123456789abcdef";
-  std::string out;
-  for (unsigned int i = 0; i < len; ++i) {
-    out += kHex[digest[i] >> 4];
-    out += kHex[digest[i] & 15];
-  }
-  return out;
-}
 
 // NFC of valid UTF-8 (utf8proc). Text whose code points are all below U+0300 (lead bytes
 // below 0xCC) is already NFC: nothing there decomposes or combines.

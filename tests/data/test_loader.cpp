@@ -6,6 +6,7 @@
 
 #include "data/h5.h"
 #include "data/loader.h"
+#include "data/tokenizer/sha256.h"
 #include "model/config.h"
 #include "tests/data/pack_helpers.h"
 
