@@ -117,7 +117,10 @@ TEST(Capacity, LossMatchesNaiveLocalAndGlobal) {
   std::mt19937 rng(22);
   const int64_t L = 2, K = 3, T = 300;
   for (int rep = 0; rep < 3; ++rep) {
-    const std::vector<int32_t> doc = packed_docs(T, rng, 120);
+    // A draw of padding only (about 1 in 2000) has nothing to count: draw again.
+    std::vector<int32_t> doc;
+    do doc = packed_docs(T, rng, 120);
+    while (std::all_of(doc.begin(), doc.end(), [](int32_t x) { return x < 0; }));
     const std::vector<int32_t> pos = positions_of(doc);
     std::vector<double> lb = mixed_log_betas(L * T * K, rng);
     // M = 0 (every entry positive); M = 2.5, 5.5 (p − M ≤ 1 near document starts, some S > M);
@@ -152,38 +155,57 @@ TEST(Capacity, LossMatchesNaiveLocalAndGlobal) {
 TEST(Capacity, BackwardMatchesFiniteDifferences) {
   std::mt19937 rng(23);
   const int64_t L = 2, K = 2, T = 70;
-  std::vector<int32_t> doc = packed_docs(T, rng, 30);
-  doc[T - 1] = -1;
-  const std::vector<int32_t> pos = positions_of(doc);
-  std::uniform_real_distribution<float> u(0.0f, 1.0f);
-  std::vector<double> lb(static_cast<size_t>(L * T * K));
-  for (double& x : lb) x = -1e-3f - 2.0f * u(rng) * u(rng);
   const double scale = 0.37, h = 1e-6;
-  for (Mode mode : {Mode::local, Mode::global}) {
-    for (double M : {0.0, 3.0}) {
-      SCOPED_TRACE(::testing::Message() << "M=" << M << " global=" << (mode == Mode::global));
-      const ops::CapacityLoss base = capacity_loss(lb, doc, pos, L, K, M, mode);
-      ASSERT_GT(base.positive, 0);
-      std::vector<double> fd(lb.size());
-      for (size_t x = 0; x < lb.size(); ++x) {
-        const double saved = lb[x];
-        lb[x] = saved + h;
-        const ops::CapacityLoss up = capacity_loss(lb, doc, pos, L, K, M, mode);
-        lb[x] = saved - h;
-        const ops::CapacityLoss down = capacity_loss(lb, doc, pos, L, K, M, mode);
-        lb[x] = saved;
-        ASSERT_EQ(up.positive, base.positive);
-        ASSERT_EQ(down.positive, base.positive);
-        fd[x] = scale * (up.sum - down.sum) / (2 * h);
+  // Finite differences judge the gradient only where every case has some ℓ > 0 and no step
+  // crosses a hinge kink. A random draw occasionally violates that (no positive ℓ at M = 3 in
+  // global mode, or an S within a step's effect of M: about 1 draw in 200); such a draw proves
+  // nothing, so it is replaced by the next one. The test's own seed is usable at once.
+  for (int attempt = 0;; ++attempt) {
+    ASSERT_LT(attempt, 20) << "no usable random draw";
+    std::vector<int32_t> doc = packed_docs(T, rng, 30);
+    doc[T - 1] = -1;
+    const std::vector<int32_t> pos = positions_of(doc);
+    std::uniform_real_distribution<float> u(0.0f, 1.0f);
+    std::vector<double> lb(static_cast<size_t>(L * T * K));
+    for (double& x : lb) x = -1e-3f - 2.0f * u(rng) * u(rng);
+    struct Check {
+      Mode mode;
+      double M;
+      std::vector<double> fd;
+    };
+    std::vector<Check> checks;
+    bool usable = true;
+    for (Mode mode : {Mode::local, Mode::global}) {
+      for (double M : {0.0, 3.0}) {
+        const ops::CapacityLoss base = capacity_loss(lb, doc, pos, L, K, M, mode);
+        usable = usable && base.positive > 0;
+        std::vector<double> fd(lb.size());
+        for (size_t x = 0; x < lb.size() && usable; ++x) {
+          const double saved = lb[x];
+          lb[x] = saved + h;
+          const ops::CapacityLoss up = capacity_loss(lb, doc, pos, L, K, M, mode);
+          lb[x] = saved - h;
+          const ops::CapacityLoss down = capacity_loss(lb, doc, pos, L, K, M, mode);
+          lb[x] = saved;
+          usable = up.positive == base.positive && down.positive == base.positive;
+          fd[x] = scale * (up.sum - down.sum) / (2 * h);
+        }
+        checks.push_back({mode, M, std::move(fd)});
       }
-      const std::vector<double> got = op_backward(lb, doc, pos, L, K, M, mode, scale);
-      EXPECT_LT(rel_err(got, fd), 1e-4);
+    }
+    if (!usable) continue;
+    for (const Check& c : checks) {
+      SCOPED_TRACE(::testing::Message() << "M=" << c.M << " global=" << (c.mode == Mode::global)
+                                        << " attempt=" << attempt);
+      const std::vector<double> got = op_backward(lb, doc, pos, L, K, c.M, c.mode, scale);
+      EXPECT_LT(rel_err(got, c.fd), 1e-4);
       for (int64_t t = 0; t < T; ++t) {  // padding keys get no gradient
         if (doc[t] >= 0) continue;
         for (int64_t l = 0; l < L; ++l)
           for (int64_t k = 0; k < K; ++k) EXPECT_EQ(got[(l * T + t) * K + k], 0.0);
       }
     }
+    return;
   }
 }
 
