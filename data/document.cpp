@@ -140,6 +140,8 @@ ChatTokens ChatTokens::of(const Tokenizer& tok) {
 ParsedRecord parse_json_record(std::string_view line, const Tokenizer& tok, const ChatTokens& chat,
                                const DocumentOptions& opt) {
   if (is_blank(line)) return ParsedRecord{};
+  // nlohmann's parser takes a NUL byte for the end of the input and would ignore what follows.
+  if (line.find('\0') != std::string_view::npos) return error("invalid JSON: the line holds a NUL byte");
   json j;
   try {
     j = json::parse(line);
@@ -153,6 +155,8 @@ ParsedRecord parse_json_record(std::string_view line, const Tokenizer& tok, cons
   const int kinds = int(j.contains("text")) + int(j.contains("messages")) + int(j.contains("input_ids"));
   if (kinds == 0) return error("the object has none of \"text\", \"messages\", \"input_ids\"");
   if (kinds > 1) return error("the object has more than one of \"text\", \"messages\", \"input_ids\"");
+  if (j.contains("target_mask") && !j.contains("input_ids"))
+    return error("\"target_mask\" goes only with \"input_ids\"");
   ParsedRecord r;
   if (auto t = j.find("text"); t != j.end()) {
     if (!t->is_string()) return error("\"text\" is not a string");

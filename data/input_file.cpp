@@ -4,6 +4,9 @@
 #include <cerrno>
 #include <cstring>
 #include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
 
 #include "kernels/base/error.h"
 
@@ -11,7 +14,8 @@ namespace retain::data {
 
 namespace {
 
-constexpr size_t kReadChunk = 1 << 20;
+constexpr size_t kReadChunk = 1 << 20;  // decoded bytes per fill()
+constexpr size_t kRawChunk = 1 << 18;   // file bytes per read()
 
 std::string lower_extension(std::filesystem::path p) {
   auto ext = [](const std::filesystem::path& q) {
@@ -41,19 +45,81 @@ InputFile::InputFile(std::filesystem::path path, InputFormat format, TxtMode txt
   if (std::filesystem::is_directory(path_, ec)) fail("{}: is a directory, not an input file", path_.string());
   size_ = std::filesystem::file_size(path_, ec);
   if (ec) fail("{}: cannot open: {}", path_.string(), ec.message());
-  errno = 0;
-  gz_ = gzopen(path_.c_str(), "rb");
-  if (!gz_) fail("{}: cannot open: {}", path_.string(), errno ? std::strerror(errno) : "out of memory");
-  gzbuffer(gz_, 1 << 18);
+  fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd_ < 0) fail("{}: cannot open: {}", path_.string(), std::strerror(errno));
+  try {
+    raw_.resize(kRawChunk);
+    read_raw();
+    gzip_ = z_.avail_in >= 2 && z_.next_in[0] == 0x1f && z_.next_in[1] == 0x8b;
+    if (gzip_ && inflateInit2(&z_, 16 + MAX_WBITS) != Z_OK) {  // 16: gzip wrapper only
+      gzip_ = false;
+      fail("{}: cannot start gzip decompression (out of memory)", path_.string());
+    }
+  } catch (...) {  // no destructor runs for a throwing constructor
+    ::close(fd_);
+    throw;
+  }
 }
 
 InputFile::~InputFile() {
-  if (gz_) gzclose_r(gz_);
+  if (gzip_) inflateEnd(&z_);
+  if (fd_ >= 0) ::close(fd_);
 }
 
-uint64_t InputFile::bytes_consumed() const {
-  const z_off_t off = gzoffset(gz_);
-  return off < 0 ? 0 : static_cast<uint64_t>(off);
+uint64_t InputFile::raw_offset() const { return raw_read_ - z_.avail_in; }
+
+uint64_t InputFile::bytes_consumed() const { return raw_offset(); }
+
+bool InputFile::read_raw() {
+  ssize_t n;
+  do n = ::read(fd_, raw_.data(), raw_.size());
+  while (n < 0 && errno == EINTR);
+  if (n < 0) fail("{}: read error: {}", path_.string(), std::strerror(errno));
+  z_.next_in = reinterpret_cast<Bytef*>(raw_.data());
+  z_.avail_in = static_cast<uInt>(n);
+  raw_read_ += static_cast<uint64_t>(n);
+  return n > 0;
+}
+
+size_t InputFile::decode(char* out, size_t cap) {
+  if (!gzip_) {
+    if (z_.avail_in == 0 && !read_raw()) return 0;
+    const size_t n = std::min<size_t>(cap, z_.avail_in);
+    std::memcpy(out, z_.next_in, n);
+    z_.next_in += n;
+    z_.avail_in -= static_cast<uInt>(n);
+    return n;
+  }
+  z_.next_out = reinterpret_cast<Bytef*>(out);
+  z_.avail_out = static_cast<uInt>(cap);
+  while (z_.avail_out > 0) {
+    if (member_ended_) {
+      // Between members: zero padding is allowed (as gzip and Python accept it); anything
+      // else must start another member.
+      for (;;) {
+        while (z_.avail_in > 0 && *z_.next_in == 0) ++z_.next_in, --z_.avail_in;
+        if (z_.avail_in > 0 || !read_raw()) break;
+      }
+      if (z_.avail_in == 0) break;  // the end of the file
+      if (*z_.next_in != 0x1f)
+        fail("{}: trailing garbage after the gzip data at byte {} (damaged file?)", path_.string(), raw_offset());
+      if (inflateReset(&z_) != Z_OK) fail("{}: gzip: cannot reset the decompressor", path_.string());
+      member_ended_ = false;
+    }
+    if (z_.avail_in == 0 && !read_raw())
+      fail("{}: corrupt or truncated gzip data: the file ends inside a gzip stream", path_.string());
+    const int r = inflate(&z_, Z_NO_FLUSH);
+    if (r == Z_STREAM_END) {
+      member_ended_ = true;
+    } else if (r == Z_DATA_ERROR || r == Z_NEED_DICT) {
+      fail("{}: corrupt gzip data near byte {}: {}", path_.string(), raw_offset(), z_.msg ? z_.msg : "invalid data");
+    } else if (r == Z_MEM_ERROR) {
+      fail("{}: gzip: out of memory", path_.string());
+    } else if (r != Z_OK && !(r == Z_BUF_ERROR && z_.avail_in == 0)) {
+      fail("{}: gzip: decompression failed ({})", path_.string(), r);
+    }
+  }
+  return cap - z_.avail_out;
 }
 
 bool InputFile::fill() {
@@ -64,18 +130,13 @@ bool InputFile::fill() {
   }
   const size_t old = buf_.size();
   buf_.resize(old + kReadChunk);
-  const int n = gzread(gz_, buf_.data() + old, static_cast<unsigned>(kReadChunk));
-  if (n < 0) {
-    int err = 0;
-    const char* msg = gzerror(gz_, &err);
-    fail("{}: read error: {}", path_.string(), err == Z_ERRNO ? std::strerror(errno) : msg);
+  const size_t n = decode(buf_.data() + old, kReadChunk);
+  buf_.resize(old + n);
+  if (!started_ && buf_.size() >= 3) {
+    started_ = true;
+    if (buf_.compare(0, 3, "\xEF\xBB\xBF") == 0) buf_.erase(0, 3);  // a byte order mark is not text
   }
-  buf_.resize(old + static_cast<size_t>(n));
   if (n == 0) {
-    // A gzip stream cut short reads as a clean end unless we ask.
-    int err = Z_OK;
-    const char* msg = gzerror(gz_, &err);
-    if (err != Z_OK && err != Z_STREAM_END) fail("{}: corrupt or truncated gzip data: {}", path_.string(), msg);
     eof_ = true;
     return false;
   }

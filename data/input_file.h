@@ -1,6 +1,9 @@
 // Reading corpus files record by record: JSON lines, or plain text (one document per line or
-// per file). gzip is recognised by its magic bytes (zlib reads other files unchanged), so
-// `corpus.jsonl.gz` and a gzip stream named `corpus.jsonl` both work.
+// per file). gzip is recognised by its magic bytes (other files are read unchanged), so
+// `corpus.jsonl.gz` and a gzip stream named `corpus.jsonl` both work. A gzip file may hold
+// several members (as `cat a.gz b.gz` makes) and zero padding after them; anything else after
+// a member (a damaged next member, garbage) is an error, never silently dropped data. A UTF-8
+// byte order mark at the very start of the decoded file is not part of the text.
 #pragma once
 #include <cstdint>
 #include <filesystem>
@@ -29,7 +32,7 @@ class InputFile {
   InputFile& operator=(const InputFile&) = delete;
 
   // The next record, false at the end of the file. Throws retain::Error naming the file on a
-  // read error or a truncated/corrupt gzip stream.
+  // read error, a truncated/corrupt gzip stream or trailing garbage after it.
   bool next(InputRecord& record);
 
   bool is_json() const { return format_ == InputFormat::jsonl; }
@@ -41,15 +44,24 @@ class InputFile {
  private:
   bool fill();  // reads more into buf_; false at the end
   bool next_line(std::string& out);
+  bool read_raw();                      // refills raw_ from the file; false at its end
+  size_t decode(char* out, size_t cap);  // up to cap bytes of the (gunzipped) file; 0 at its end
+  uint64_t raw_offset() const;          // bytes of the file consumed
 
   std::filesystem::path path_;
   InputFormat format_;
   TxtMode txt_mode_;
-  gzFile gz_ = nullptr;
+  int fd_ = -1;
+  bool gzip_ = false;
+  bool member_ended_ = false;  // gzip: between members
+  z_stream z_{};               // gzip state; its next_in/avail_in also track raw_ for plain files
+  std::string raw_;            // bytes read from the file, not yet consumed
+  uint64_t raw_read_ = 0;      // bytes read from the file so far
   uint64_t size_ = 0;
   std::string buf_;
   size_t pos_ = 0;
   bool eof_ = false;
+  bool started_ = false;  // the first decoded bytes were checked for a byte order mark
   int64_t line_ = 0;
 };
 

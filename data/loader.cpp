@@ -12,12 +12,15 @@ nlohmann::json Cursor::to_json(int64_t global_batch, int64_t num_sequences) cons
 
 Cursor Cursor::from_json(const nlohmann::json& j, int64_t global_batch, int64_t num_sequences,
                          const std::string& source) {
+  if (global_batch < 1) fail("{}: data cursor: global batch {} must be positive", source, global_batch);
   auto field = [&](const char* name) -> const nlohmann::json& {
     if (!j.is_object() || !j.contains(name) || !j[name].is_number_integer())
       fail("{}: data cursor: missing or non-integer '{}'", source, name);
     return j[name];
   };
   Cursor c;
+  if (field("seed").get<int64_t>() < 0 && !j["seed"].is_number_unsigned())
+    fail("{}: data cursor: 'seed' must not be negative", source);
   c.seed = field("seed").get<uint64_t>();
   c.epoch = field("epoch").get<int64_t>();
   c.step = field("step").get<int64_t>();

@@ -63,6 +63,9 @@ PackedWriter::PackedWriter(std::filesystem::path out, int64_t seq_len, int compr
   tmp_ += ".tmp." + std::to_string(::getpid());
   const std::string tmp = tmp_.string();
   std::error_code ec;
+  // Checked now, not at the final rename: a bad name fails before any work is done.
+  if (!out_.has_filename()) fail("'{}': the output must name a file", name_);
+  if (std::filesystem::is_directory(out_, ec)) fail("{}: is a directory; the output must name a file", name_);
   const auto dir = out_.has_parent_path() ? out_.parent_path() : std::filesystem::path(".");
   if (!std::filesystem::is_directory(dir, ec)) fail("{}: the directory {} does not exist", name_, dir.string());
   h5::Handle fcpl = h5::checked(H5Pcreate(H5P_FILE_CREATE), H5Pclose, name_, "creating file properties");

@@ -252,8 +252,9 @@ void tokenize_inputs(const Tokenizer& tok, const PackOptions& opt, SpillFile& sp
     if (opt.progress && now - last_report >= 0.1) {
       last_report = now;
       PackProgress p;
-      p.done = c.bytes_read;
+      // Bytes read run ahead of the records parsed: only the report after the last chunk says 100%.
       p.total = total_bytes;
+      p.done = std::min(c.bytes_read, total_bytes > 0 ? total_bytes - 1 : 0);
       p.documents = sum.documents;
       p.tokens = sum.tokens;
       p.seconds = now;
@@ -291,6 +292,14 @@ void tokenize_inputs(const Tokenizer& tok, const PackOptions& opt, SpillFile& sp
     bytes_before_file += in.size_bytes();
   }
   while (auto done = parser.take(true)) consume(*done);
+  if (opt.progress) {  // the last chunk's report may have been rate-limited away: end at 100%
+    PackProgress p;
+    p.done = p.total = total_bytes;
+    p.documents = sum.documents;
+    p.tokens = sum.tokens;
+    p.seconds = seconds_since(t0);
+    opt.progress(p);
+  }
 }
 
 // Accumulates rows and hands them to the writer in blocks of about 32 MiB.
@@ -480,6 +489,17 @@ PackSummary pack(const Tokenizer& tok, const PackOptions& opt) {
     fail("separator id {} is outside the vocabulary [0, {})", opt.eos_id, tok.vocab_size());
   const auto t0 = Clock::now();
   PackSummary sum;
+  // The output replaces no file the run reads (the rename at the end would destroy it).
+  std::error_code ec;
+  if (std::filesystem::exists(opt.out, ec)) {
+    auto same = [&](const std::filesystem::path& p) {
+      std::error_code e;
+      return std::filesystem::equivalent(opt.out, p, e);
+    };
+    for (const auto& in : opt.inputs)
+      if (same(in)) fail("{}: is also an input ({}); writing it would destroy the input", opt.out.string(), in.string());
+    if (same(tok.file())) fail("{}: is the tokenizer file; writing it would destroy it", opt.out.string());
+  }
   // The writer first: an unwritable output fails before the tokenization work.
   PackedWriter writer(opt.out, opt.seq_len, opt.compression_level);
   std::filesystem::path spill_path = opt.out;

@@ -1,8 +1,8 @@
 // The packer behind retain-pack: reads the inputs, tokenizes them on many threads (the result
 // does not depend on the thread count), spills the documents to a temporary file next to the
 // output, then packs them into sequences of seq_len tokens (concat or best-fit-decreasing) and
-// writes the HDF5 dataset atomically. Memory stays bounded by the batch sizes plus 16 bytes per
-// document (the spill index; about 50 bytes per piece while bfd plans); the tokens live in the
+// writes the HDF5 dataset atomically. Memory stays bounded by the batch sizes plus 24 bytes per
+// document (the spill index and the order; about 50 bytes per piece while bfd plans); the tokens live in the
 // memory-mapped spill file, so corpora larger than RAM stream through. docs/data-format.md
 // pins the packing rules.
 #pragma once

@@ -369,6 +369,12 @@ void Tokenizer::Impl::encode_text(std::string_view text, std::vector<int32_t>& o
     for (std::string_view word : pre_tokenizer.split(text.substr(p.begin, p.end - p.begin), scratch))
       encode_word(word, out);
   }
+  // A huge text grows the scratch to ~100 bytes per word; do not keep that for the thread's
+  // lifetime (a packer worker would hold it to the end of the run).
+  constexpr size_t kKeepScratchWords = size_t{1} << 16;
+  if (scratch.pieces.capacity() > kKeepScratchWords || scratch.next.capacity() > kKeepScratchWords ||
+      scratch.spans.capacity() > 2 * kKeepScratchWords)
+    scratch = PreTokenizerScratch{};
 }
 
 void Tokenizer::encode_append(std::string_view text, std::vector<int32_t>& out) const {

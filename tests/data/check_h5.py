@@ -136,6 +136,21 @@ def verify(path, S, packing, docs, tok_file, eos, vocab, sorted_order):
             "num_tokens": sum(len(d[0]) for d in docs), "created_by": "retain-pack"}
     for k, v in want.items():
         check(k in at and at[k] == v, f"{path}: attribute {k} = {at.get(k)!r}, want {v!r}")
+    # The attribute types of docs/data-format.md: scalar int64 LE, seed uint64 LE, strings
+    # variable-length UTF-8; shuffle, then deflate at the default level 4 (no --compression here).
+    for k in at:
+        a = at.get_id(k)
+        check(a.shape == (), f"{path}: attribute {k} is not a scalar")
+        if k in ("tokenizer_sha256", "packing", "order", "targets", "created_by"):
+            t = a.get_type()
+            check(t.is_variable_str() and t.get_cset() == h5py.h5t.CSET_UTF8, f"{path}: attribute {k} string type")
+        else:
+            check(a.dtype == np.dtype("<u8" if k == "seed" else "<i8"), f"{path}: attribute {k} type {a.dtype}")
+    for d in (ids, dids, mask):
+        plist = d.id.get_create_plist()
+        filters = [plist.get_filter(i)[0] for i in range(plist.get_nfilters())]
+        check(filters == [h5py.h5z.FILTER_SHUFFLE, h5py.h5z.FILTER_DEFLATE] and d.compression_opts == 4,
+              f"{path}: {d.name} filter pipeline {filters} level {d.compression_opts}")
     I, D, M = ids[...], dids[...], mask[...]
     pad = D == -1
     check(int(pad.sum()) == at["padding_tokens"], f"{path}: padding {pad.sum()} vs {at['padding_tokens']}")

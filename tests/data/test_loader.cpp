@@ -1,6 +1,7 @@
 // The packed-dataset reader (validation, round trip, positions), the model checks, and the
 // data-parallel Loader: shards disjoint and covering, the global batch independent of the world
 // size, and an exact resume from a serialized cursor.
+#include <algorithm>
 #include <numeric>
 #include <set>
 
@@ -144,6 +145,57 @@ TEST_F(LoaderTest, ResumeFromASerializedCursorYieldsTheSameBatches) {
             std::string::npos);
   EXPECT_NE(error_of([&] { Cursor::from_json(json{{"seed", 1}}, B, ds.num_sequences(), "x.json"); }).find("x.json"),
             std::string::npos);
+}
+
+// Every world size 1..5 (B = 2·world): each rank's rows over a whole epoch are disjoint from the
+// other ranks', together they are exactly the epoch's first steps·B permuted rows, and a loader
+// resumed from any step's cursor continues with the same rows.
+TEST_F(LoaderTest, EveryWorldSizeUpToFiveShardsDisjointlyAndResumesAtAnyStep) {
+  const PackedDataset ds = PackedDataset::open(dir_ / "d.h5");
+  const int64_t N = ds.num_sequences();
+  for (int world = 1; world <= 5; ++world) {
+    const int64_t B = 2 * world, steps = N / B;
+    std::vector<Loader> ranks;
+    for (int r = 0; r < world; ++r) ranks.emplace_back(ds, LoaderOptions{B, r, world, 7});
+    std::vector<int64_t> seen;
+    for (int64_t s = 0; s < steps; ++s)
+      for (int r = 0; r < world; ++r) {
+        const Cursor c = ranks[static_cast<size_t>(r)].cursor();
+        const auto rows = ranks[static_cast<size_t>(r)].next_rows();
+        Loader resumed(ds, {B, r, world, 7},
+                       Cursor::from_json(json::parse(c.to_json(B, N).dump()), B, N, "state.json"));
+        EXPECT_EQ(resumed.next_rows(), rows) << "world " << world << " step " << s;
+        seen.insert(seen.end(), rows.begin(), rows.end());
+      }
+    const auto perm = Loader::epoch_permutation(N, 7, 0);
+    std::vector<int64_t> want(perm.begin(), perm.begin() + steps * B);
+    std::sort(seen.begin(), seen.end());
+    std::sort(want.begin(), want.end());
+    EXPECT_EQ(seen, want) << "world " << world;
+    EXPECT_EQ(std::adjacent_find(seen.begin(), seen.end()), seen.end()) << "world " << world;  // disjoint
+    EXPECT_EQ(ranks[0].cursor(), (Cursor{7, 1, 0}));
+  }
+}
+
+// Review regression: a zero global batch divided by zero, a negative seed wrapped around.
+TEST_F(LoaderTest, BadCursorsAreClearErrors) {
+  const int64_t N = PackedDataset::open(dir_ / "d.h5").num_sequences();
+  const json good = Cursor{3, 1, 2}.to_json(4, N);
+  EXPECT_EQ(Cursor::from_json(good, 4, N, "s.json"), (Cursor{3, 1, 2}));
+  json zero = good;
+  zero["global_batch"] = 0;
+  EXPECT_NE(error_of([&] { Cursor::from_json(zero, 0, N, "s.json"); }).find("s.json: data cursor: global batch 0"),
+            std::string::npos);
+  json negative = good;
+  negative["seed"] = -1;
+  EXPECT_NE(error_of([&] { Cursor::from_json(negative, 4, N, "s.json"); }).find("'seed' must not be negative"),
+            std::string::npos);
+  json far = good;
+  far["step"] = N / 4 + 1;
+  EXPECT_NE(error_of([&] { Cursor::from_json(far, 4, N, "s.json"); }).find("out of range"), std::string::npos);
+  json big_seed = good;
+  big_seed["seed"] = UINT64_MAX;
+  EXPECT_EQ(Cursor::from_json(big_seed, 4, N, "s.json").seed, UINT64_MAX);
 }
 
 TEST_F(LoaderTest, BadLoaderSettingsAreClearErrors) {

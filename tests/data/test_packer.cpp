@@ -464,6 +464,11 @@ TEST_F(PackerTest, BadInputsFailNamingFileAndLineAndLeaveNothing) {
       {R"({"text": "a", "input_ids": [1]})" "\n", "bad.jsonl:1: the object has more than one of"},
       {R"({"messages": [{"role": "user"}]})" "\n", "bad.jsonl:1: messages[0] has no string \"content\""},
       {R"([1, 2])" "\n", "bad.jsonl:1: the line is not a JSON object"},
+      // Review regressions: a mask beside text was silently ignored; nlohmann stops at a NUL
+      // byte, so anything after one was silently ignored too.
+      {R"({"text": "ab", "target_mask": [0, 0]})" "\n", "bad.jsonl:1: \"target_mask\" goes only with \"input_ids\""},
+      {std::string(R"({"text": "ok"})") + std::string(1, '\0') + R"({"text": "lost"})" "\n",
+       "bad.jsonl:1: invalid JSON: the line holds a NUL byte"},
       {"\n\n", "the inputs hold no documents"},
   };
   for (const auto& [content, needle] : cases) {
@@ -488,6 +493,116 @@ TEST_F(PackerTest, BadInputsFailNamingFileAndLineAndLeaveNothing) {
   o.inputs = {dir_ / "bad.jsonl"};
   o.seq_len = 1;
   expect_error(o, *tok_, "--seq-len must be at least 2", dir_, {"bad.jsonl", "bad.txt", "tokenizer.json"});
+}
+
+// Review regression: zlib's gzread ignores whatever follows a gzip member that is not a valid
+// member header, so a damaged second member (of `cat a.gz b.gz`) was silently dropped.
+TEST_F(PackerTest, GzipMembersAndZeroPaddingAreReadTrailingGarbageIsAnError) {
+  write_gzip(dir_ / "a.gz", R"({"text": "ab"})" "\n");
+  write_gzip(dir_ / "b.gz", R"({"text": "cd"})" "\n");
+  const auto a = file_bytes(dir_ / "a.gz"), b = file_bytes(dir_ / "b.gz");
+  auto join = [](std::vector<std::vector<uint8_t>> parts) {
+    std::string s;
+    for (const auto& p : parts) s.append(p.begin(), p.end());
+    return s;
+  };
+  const std::vector<uint8_t> zeros(70000, 0);  // more than one read of padding
+  write_text(dir_ / "two.jsonl", join({a, zeros, b, zeros}));
+  PackOptions o;
+  o.inputs = {dir_ / "two.jsonl"};
+  o.out = dir_ / "two.h5";
+  o.seq_len = 8;
+  o.eos_id = kEos;
+  o.order = DocOrder::input;
+  const PackSummary s = pack(*tok_, o);
+  EXPECT_EQ(s.documents, 2);
+  const Packed r = read_all(o.out);
+  std::vector<int32_t> cd = bytes("cd");
+  cd.push_back(kEos);
+  EXPECT_EQ(r.doc_tokens.at(1), cd);
+  fs::remove(o.out);
+
+  auto damaged = b;
+  damaged[1] = 0;  // the second member's magic bytes
+  const std::vector<std::string> files = {"a.gz", "b.gz", "bad.jsonl", "tokenizer.json", "two.jsonl"};
+  write_text(dir_ / "bad.jsonl", join({a, damaged}));
+  o.inputs = {dir_ / "bad.jsonl"};
+  expect_error(o, *tok_, "bad.jsonl: corrupt gzip data", dir_, files);
+  write_text(dir_ / "bad.jsonl", join({a, {'x', 'y', 'z'}}));
+  expect_error(o, *tok_, "bad.jsonl: trailing garbage after the gzip data at byte", dir_, files);
+  write_text(dir_ / "bad.jsonl", join({a, std::vector<uint8_t>(b.begin(), b.begin() + 12)}));
+  expect_error(o, *tok_, "bad.jsonl: corrupt or truncated gzip data", dir_, files);
+}
+
+// Review regression: a UTF-8 byte order mark at the start of a file was tokenized as text.
+TEST_F(PackerTest, ALeadingByteOrderMarkIsNotText) {
+  const std::string bom = "\xEF\xBB\xBF";
+  write_text(dir_ / "b.txt", bom + "hi\n" + bom + "x");  // only the first one is a mark
+  write_gzip(dir_ / "b.jsonl.gz", bom + R"({"text": "gz"})" "\n");
+  for (TxtMode m : {TxtMode::file, TxtMode::line}) {
+    PackOptions o;
+    o.inputs = {dir_ / "b.txt", dir_ / "b.jsonl.gz"};
+    o.out = dir_ / "bom.h5";
+    o.seq_len = 32;
+    o.eos_id = kEos;
+    o.order = DocOrder::input;
+    o.txt_mode = m;
+    pack(*tok_, o);
+    const Packed r = read_all(o.out);
+    std::vector<std::vector<int32_t>> want;
+    if (m == TxtMode::file) want = {tok_->encode("hi\n" + bom + "x")};
+    else want = {tok_->encode("hi"), tok_->encode(bom + "x")};
+    want.push_back(tok_->encode("gz"));
+    ASSERT_EQ(r.doc_tokens.size(), want.size());
+    for (size_t d = 0; d < want.size(); ++d) {
+      want[d].push_back(kEos);
+      EXPECT_EQ(r.doc_tokens.at(static_cast<int32_t>(d)), want[d]) << d;
+    }
+  }
+}
+
+// Review regression: --out naming an input replaced it (the final rename); --out naming a
+// directory failed only at that rename, after all the work.
+TEST_F(PackerTest, TheOutputMayNotBeAnInputTheTokenizerOrADirectory) {
+  write_text(dir_ / "in.jsonl", R"({"text": "ab"})" "\n");
+  fs::create_directories(dir_ / "sub");
+  const std::vector<std::string> files = {"in.jsonl", "sub", "tokenizer.json"};
+  PackOptions o;
+  o.inputs = {dir_ / "in.jsonl"};
+  o.seq_len = 8;
+  o.eos_id = kEos;
+  o.out = dir_ / "sub" / ".." / "in.jsonl";
+  expect_error(o, *tok_, "is also an input", dir_, files);
+  EXPECT_EQ(file_bytes(dir_ / "in.jsonl").size(), 15u);
+  o.out = dir_ / "tokenizer.json";
+  expect_error(o, *tok_, "is the tokenizer file", dir_, files);
+  o.out = dir_ / "sub";
+  expect_error(o, *tok_, "sub: is a directory", dir_, files);
+  o.out = dir_ / "sub" / "";
+  expect_error(o, *tok_, "the output must name a file", dir_, files);
+}
+
+// Review regression: bytes read run ahead of the records parsed, so a report said 100% while
+// chunks were still being tokenized, and the last chunk's report could be rate-limited away.
+TEST_F(PackerTest, TokenizeProgressReachesTotalOnceAtTheEnd) {
+  std::string corpus;
+  for (int i = 0; i < 300; ++i) corpus += R"({"text": "doc )" + std::to_string(i) + "\"}\n";
+  write_text(dir_ / "p.jsonl", corpus);
+  PackOptions o;
+  o.inputs = {dir_ / "p.jsonl"};
+  o.out = dir_ / "p.h5";
+  o.seq_len = 16;
+  o.eos_id = kEos;
+  std::vector<PackProgress> reports;
+  o.progress = [&](const PackProgress& p) {
+    if (std::string_view(p.phase) == "tokenize") reports.push_back(p);
+  };
+  const PackSummary s = pack(*tok_, o);
+  ASSERT_FALSE(reports.empty());
+  EXPECT_EQ(reports.back().done, corpus.size());
+  EXPECT_EQ(reports.back().total, corpus.size());
+  EXPECT_EQ(reports.back().documents, s.documents);
+  for (size_t i = 0; i + 1 < reports.size(); ++i) EXPECT_LT(reports[i].done, reports[i].total) << i;
 }
 
 TEST_F(PackerTest, SkipBadCountsAndSkipsMalformedRecords) {

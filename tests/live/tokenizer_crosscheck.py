@@ -3,12 +3,14 @@
 
 Generates --texts random texts from --seed (mixes of Unicode blocks, combining marks, emoji
 and ZWJ, random bytes including invalid UTF-8, whitespace runs, special tokens dropped in,
-and word salad that looks like prose and code), encodes them with `tokenizers` (invalid
+and word salad that looks like prose and code) or, with --files, random slices of existing
+files (source, documentation, binaries), encodes them with `tokenizers` (invalid
 UTF-8 replaced as bytes.decode("utf-8", errors="replace") does) and with retain-tokenize
 --jsonl, and compares the ids. Exits 77 (skipped) when `tokenizers` is not importable.
 """
 import argparse
 import base64
+import glob
 import json
 import os
 import random
@@ -112,6 +114,24 @@ def drop_new_characters(b):
     return s.encode("utf-8", errors="surrogateescape")
 
 
+def file_texts(rng, patterns, n):
+    """Text nobody chose: n random slices (1 byte to 1 MiB or the whole file, any offset, so
+    multi-byte characters get cut) of the files matching the glob patterns (source, docs, binaries)."""
+    files = sorted({f for p in patterns for f in glob.glob(p, recursive=True) if os.path.isfile(f)})
+    files = [f for f in files if os.path.getsize(f) > 0]
+    if not files:
+        return []
+    texts = []
+    for _ in range(n):
+        f = rng.choice(files)
+        size = os.path.getsize(f)
+        length = min(size, rng.choice([rng.randint(1, 256), rng.randint(1, 65536), 1 << 20]))
+        with open(f, "rb") as fh:
+            fh.seek(rng.randint(0, size - length))
+            texts.append(drop_new_characters(fh.read(length)))
+    return texts
+
+
 def check(name, tok_path, bin_dir, texts):
     tok = tokenizers.Tokenizer.from_file(tok_path)
     expected = [tok.encode(t.decode("utf-8", errors="replace"), add_special_tokens=False).ids for t in texts]
@@ -139,11 +159,20 @@ def main():
                     help="more tokenizer.json files to check (e.g. tests/fixtures/tokenizer/variants/*.json)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--texts", type=int, default=400)
+    ap.add_argument("--files", action="append", default=[],
+                    help="glob (recursive **) of files to take --texts random slices from instead of "
+                         "generated text, e.g. '/usr/lib/python3*/**/*.py' or '/usr/bin/*'")
     a = ap.parse_args()
     rng = random.Random(a.seed)
+    if a.files:
+        texts = file_texts(rng, a.files, a.texts)
+        if not texts:
+            print("no files match --files; skipping", file=sys.stderr)
+            sys.exit(77)
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<|im_start|>user\n",
                 "<sw>", "[L]", "[R]", "[LR]", "n\u0303am"]  # the last five: the variants' added tokens
-    texts = make_texts(rng, a.texts, specials)
+    if not a.files:
+        texts = make_texts(rng, a.texts, specials)
     ok, ran = True, 0
     for name, path in [("qwen3", a.qwen3), ("tiny", a.tiny)] + [(os.path.basename(v), v) for v in a.variant]:
         if path and os.path.exists(path):
