@@ -14,30 +14,17 @@ exit 1: a mismatch (printed with the options and the seed that reproduce it).
 """
 
 import argparse
-import importlib
 import os
 import random
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 import unicodedata
 
-SKIP = 77
+from live_common import import_or_skip, quiet_transformers, run_tool, tools_present
+
 REL_TOL = 1e-4
-
-
-def import_or_skip():
-    missing = []
-    for name in ("torch", "transformers", "safetensors", "tokenizers"):
-        try:
-            importlib.import_module(name)
-        except Exception as e:  # ImportError, or a broken install (e.g. OSError from a .so)
-            missing.append(f"{name} ({type(e).__name__}: {e})")
-    if missing:
-        print("hf_crosscheck: skipped: cannot import " + "; ".join(missing), flush=True)
-        sys.exit(SKIP)
 
 
 # --------------------------------------------------------------------------- tokenizer
@@ -172,13 +159,6 @@ def draw_documents(rng, T):
     return bounds, doc_ids
 
 
-def run_tool(args):
-    r = subprocess.run(args, capture_output=True, text=True)
-    if r.returncode != 0:
-        raise RuntimeError(f"{' '.join(args)} exited {r.returncode}: {r.stderr.strip()}")
-    return r
-
-
 def load_hf(model_dir):
     import torch
     import transformers
@@ -279,21 +259,11 @@ def main():
     a = ap.parse_args()
 
     start = time.monotonic()
-    import_or_skip()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import torch
-    import transformers
+    import_or_skip("hf_crosscheck", ("torch", "transformers", "safetensors", "tokenizers"))
+    torch, transformers = quiet_transformers()
 
-    transformers.logging.set_verbosity_error()
-    try:
-        transformers.utils.logging.disable_progress_bar()
-    except AttributeError:
-        pass
-
-    for tool in ("retain-make-tiny", "retain-forward"):
-        if not os.access(os.path.join(a.bin_dir, tool), os.X_OK):
-            print(f"hf_crosscheck: {tool} not found in {a.bin_dir} (build the project first)", flush=True)
-            return 1
+    if not tools_present("hf_crosscheck", a.bin_dir, ("retain-make-tiny", "retain-forward")):
+        return 1
 
     seed = a.seed if a.seed is not None else time.time_ns() % 1_000_000_007
     print(f"hf_crosscheck: seed {seed} (reproduce with --seed {seed}); torch {torch.__version__}, "

@@ -20,32 +20,19 @@ exits 77, which CTest reports as skipped. Exit 0: all cases match; exit 1: a mis
 """
 
 import argparse
-import importlib
 import importlib.util
 import os
 import random
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 
-SKIP = 77
+from live_common import import_or_skip, quiet_transformers, run_tool, tools_present
+
 REL_TOL = 1e-4
 HERE = os.path.dirname(os.path.abspath(__file__))
 REFERENCE_SCRIPT = os.path.join(os.path.dirname(HERE), "fixtures", "gates", "make_fixtures.py")
-
-
-def import_or_skip():
-    missing = []
-    for name in ("torch", "transformers", "safetensors"):
-        try:
-            importlib.import_module(name)
-        except Exception as e:  # ImportError, or a broken install (e.g. OSError from a .so)
-            missing.append(f"{name} ({type(e).__name__}: {e})")
-    if missing:
-        print("student_crosscheck: skipped: cannot import " + "; ".join(missing), flush=True)
-        sys.exit(SKIP)
 
 
 def load_reference():
@@ -110,13 +97,6 @@ def make_tiny_args(bin_dir, out, o, g):
     if g["source"] == "make-tiny":
         args += ["--gates", g["kind"], "--gate-hidden", str(g["G"]), "--bias-init", str(g["bias-init"])]
     return args
-
-
-def run_tool(args):
-    r = subprocess.run(args, capture_output=True, text=True)
-    if r.returncode != 0:
-        raise RuntimeError(f"{' '.join(args)} exited {r.returncode}: {r.stderr.strip()}")
-    return r
 
 
 def write_python_gates(ref, path, g, L, D, K):
@@ -229,23 +209,13 @@ def main():
     a = ap.parse_args()
 
     start = time.monotonic()
-    import_or_skip()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import torch
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    try:
-        transformers.utils.logging.disable_progress_bar()
-    except AttributeError:
-        pass
+    import_or_skip("student_crosscheck", ("torch", "transformers", "safetensors"))
+    torch, transformers = quiet_transformers()
     torch.set_num_threads(1)
     ref = load_reference()
 
-    for tool in ("retain-make-tiny", "retain-forward"):
-        if not os.access(os.path.join(a.bin_dir, tool), os.X_OK):
-            print(f"student_crosscheck: {tool} not found in {a.bin_dir} (build the project first)", flush=True)
-            return 1
+    if not tools_present("student_crosscheck", a.bin_dir, ("retain-make-tiny", "retain-forward")):
+        return 1
 
     seed = a.seed if a.seed is not None else time.time_ns() % 1_000_000_007
     print(f"student_crosscheck: seed {seed} (reproduce with --seed {seed}); torch {torch.__version__}, "
