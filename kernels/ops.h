@@ -41,6 +41,31 @@ void add_inplace(Tensor& x, const Tensor& y);
 void attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& doc, float scale,
                Tensor& out);
 
+// ---- Backward ops (training: activation gradients through the frozen model; no op here
+// computes a gradient for a weight). kernels/cpu/ops_backward.cpp. ----
+
+// dx = dy · w: the backward of linear (y = x·wᵀ) with respect to its input x.
+// dy F32 [N, out], w F32 [out, in], dx F32 [N, in]; accumulate = true adds into dx.
+// dx must not alias dy or w.
+void linear_backward_input(const Tensor& dy, const Tensor& w, Tensor& dx, bool accumulate = false);
+
+// Backward of rmsnorm with respect to x only (the weight w is frozen): for each row,
+//   dx = r·(w⊙dy) − x·r³·⟨w⊙dy, x⟩/D,  r = 1/sqrt(mean(x²) + eps),
+// with r and the row sums in float64. x, dy, dx F32 [..., D] of one shape; w F32 [D].
+// dx is overwritten and may alias dy (not x).
+void rmsnorm_backward(const Tensor& x, const Tensor& w, float eps, const Tensor& dy, Tensor& dx);
+
+// Backward of rope, in place on dx F32 [T, heads, d]: the transposed rotation
+//   (g_j, g_{j+d/2}) <- (g_j·c + g_{j+d/2}·s, g_{j+d/2}·c − g_j·s)
+// with exactly rope()'s c and s (attention factor included). With attention_factor = 1 it is
+// rope's inverse.
+void rope_backward(Tensor& dx, const Tensor& positions, const Tensor& inv_freq, float attention_factor);
+
+// Backward of out = silu(gate)·up: dgate = dout·up·silu'(gate), dup = dout·silu(gate).
+// All F32 of one shape. Elementwise, each index read before it is written: dgate and dup may
+// alias any of gate, up, dout, but not each other.
+void swiglu_backward(const Tensor& gate, const Tensor& up, const Tensor& dout, Tensor& dgate, Tensor& dup);
+
 // p[t] = 0-based position of t inside its run of equal doc ids (DESIGN §4: RoPE positions
 // restart per document; packed data keeps each document contiguous). doc I32 [T] -> I32 [T].
 // Padding (doc < 0) gets position 0.

@@ -7,6 +7,7 @@
 
 #include "kernels/tensor.h"
 #include "model/gates/gates.h"
+#include "model/rope_params.h"
 #include "model/weights.h"
 
 namespace retain {
@@ -20,5 +21,37 @@ namespace retain {
 using LayerProgress = std::function<void(int64_t done, int64_t total)>;
 Tensor qwen3_forward(WeightProvider& weights, const Tensor& ids, const Tensor& doc_ids,
                      const LayerProgress& on_layer = {}, const gates::RetentionGates* gates = nullptr);
+
+// The final-RMSNorm output F32 [T, D] (what lm_head multiplies): the teacher keeps only this.
+// qwen3_forward is ops::linear(qwen3_hidden(...), lm_head), bit for bit.
+Tensor qwen3_hidden(WeightProvider& weights, const Tensor& ids, const Tensor& doc_ids,
+                    const LayerProgress& on_layer = {}, const gates::RetentionGates* gates = nullptr);
+
+// ---- Building blocks shared with the student's backward (model/student.cpp) -------------
+
+// Fails (one line) unless gates of `dims` fit a model of `config` (layers, hidden size, KV heads).
+void check_gates_fit(const Qwen3Config& config, const gates::GateDims& dims);
+
+// What one decoder layer's backward needs, beyond its input x: kept by qwen3_decoder_layer
+// when asked (the student's backward recomputes one layer at a time from its checkpoint).
+struct DecoderLayerSaved {
+  Tensor h;                      // input-RMSNorm output F32 [T, D] (q/k/v and gate input)
+  Tensor q_raw, k_raw;           // projections before the per-head norm, [T, H·d], [T, K·d]
+  Tensor q, k, v;                // attention inputs: q, k normed and rotated, [T, H, d], [T, K, d], [T, K, d]
+  Tensor log_beta;               // gate output F32 [T, K] (gated layers only)
+  gates::GateActivations gate;   // gate pre-activations (gated layers only)
+  Tensor attn, lse;              // attention output [T, H, d] and its log-sum-exp [T, H] (gated only)
+  Tensor x_mid;                  // residual stream after attention F32 [T, D] (the post-norm input)
+  Tensor mlp_gate, mlp_up;       // gate_proj and up_proj outputs before SwiGLU, [T, I]
+};
+
+// Decoder layer `layer`, in place on the residual stream x F32 [T, D]; retention-gated when
+// `gates`. positions = ops::document_positions(doc). With `log_beta_out` (F32 [T, K], gated
+// only) the gate output is copied there; with `saved`, the intermediates above are kept.
+// Neither changes the result: x comes out bit-identical either way.
+void qwen3_decoder_layer(const Qwen3Config& config, const LayerWeights& w, const RopeParams& rope,
+                         const Tensor& positions, const Tensor& doc, const gates::RetentionGates* gates,
+                         int64_t layer, Tensor& x, Tensor* log_beta_out = nullptr,
+                         DecoderLayerSaved* saved = nullptr);
 
 }  // namespace retain

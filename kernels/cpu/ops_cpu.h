@@ -13,4 +13,11 @@ void add_inplace(Tensor& x, const Tensor& y);
 void attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& doc, float scale,
                Tensor& out);
 
+
+// Backward ops (kernels/cpu/ops_backward.cpp).
+void linear_backward_input(const Tensor& dy, const Tensor& w, Tensor& dx, bool accumulate);
+void rmsnorm_backward(const Tensor& x, const Tensor& w, float eps, const Tensor& dy, Tensor& dx);
+void rope_backward(Tensor& dx, const Tensor& positions, const Tensor& inv_freq, float attention_factor);
+void swiglu_backward(const Tensor& gate, const Tensor& up, const Tensor& dout, Tensor& dgate, Tensor& dup);
+
 }  // namespace retain::cpu

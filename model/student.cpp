@@ -1,0 +1,127 @@
+#include "model/student.h"
+
+#include <cmath>
+
+#include "kernels/ops.h"
+#include "kernels/retention.h"
+#include "model/qwen3.h"
+
+namespace retain {
+
+namespace {
+
+void check_ids(const Tensor& ids, const Tensor& doc_ids, const char* what) {
+  RETAIN_CHECK(ids.dtype() == DType::I32 && ids.ndim() == 1 && doc_ids.dtype() == DType::I32 &&
+                   doc_ids.shape() == ids.shape(),
+               "{}: ids {} doc_ids {}", what, shape_str(ids.shape()), shape_str(doc_ids.shape()));
+}
+
+// Layer l's backward: on entry dx = ∂loss/∂x_{l+1} (the layer's output), on return
+// ∂loss/∂x_l. `s` is the layer's recomputed forward, x_in its input, extra_dlog_beta the
+// capacity loss's ∂/∂logβ [T, K] for this layer (or null). Adds the gate's parameter grads.
+void layer_backward(const Qwen3Config& c, const LayerWeights& w, const RopeParams& rope, const StudentPass& pass,
+                    gates::RetentionGates& gates, int64_t layer, const Tensor& x_in, DecoderLayerSaved& s,
+                    const Tensor* extra_dlog_beta, Tensor& dx) {
+  const int64_t T = dx.dim(0), D = c.hidden_size, H = c.num_attention_heads, K = c.num_key_value_heads,
+                d = c.head_dim, I = c.intermediate_size;
+  const float eps = static_cast<float>(c.rms_norm_eps);
+  Tensor dh = Tensor::empty({T, D}, DType::F32);
+
+  // MLP block: x_out = x_mid + down(silu(g)·u), g, u = gate/up(post_norm(x_mid)).
+  {
+    Tensor dm = Tensor::empty({T, I}, DType::F32);
+    ops::linear_backward_input(dx, w.down_proj, dm);
+    // dg, du overwrite g, u (no longer needed).
+    ops::swiglu_backward(s.mlp_gate, s.mlp_up, dm, s.mlp_gate, s.mlp_up);
+    ops::linear_backward_input(s.mlp_gate, w.gate_proj, dh);
+    ops::linear_backward_input(s.mlp_up, w.up_proj, dh, /*accumulate=*/true);
+    ops::rmsnorm_backward(s.x_mid, w.post_norm, eps, dh, dh);
+    ops::add_inplace(dx, dh);  // dx = ∂loss/∂x_mid (residual + MLP path)
+    s.mlp_gate = Tensor(), s.mlp_up = Tensor(), s.x_mid = Tensor();
+  }
+
+  // Attention block: x_mid = x_in + o_proj(attn), attn = gated_attention(q, k, v, logβ(h)).
+  Tensor dattn = Tensor::empty({T, H * d}, DType::F32);
+  ops::linear_backward_input(dx, w.o_proj, dattn);
+  Tensor dq = Tensor::empty({T, H, d}, DType::F32), dk = Tensor::empty({T, K, d}, DType::F32),
+         dv = Tensor::empty({T, K, d}, DType::F32), dlog_beta = Tensor::empty({T, K}, DType::F32);
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
+  ops::gated_attention_backward(s.q, s.k, s.v, s.log_beta, pass.doc, scale, s.attn, s.lse, dattn.reshape({T, H, d}),
+                                dq, dk, dv, dlog_beta);
+  dattn = Tensor();
+  if (extra_dlog_beta) ops::add_inplace(dlog_beta, *extra_dlog_beta);
+  ops::rope_backward(dq, pass.positions, rope.inv_freq, rope.attention_factor);
+  ops::rope_backward(dk, pass.positions, rope.inv_freq, rope.attention_factor);
+  Tensor dqh = dq.reshape({T * H, d}), dkh = dk.reshape({T * K, d});
+  ops::rmsnorm_backward(s.q_raw.reshape({T * H, d}), w.q_norm, eps, dqh, dqh);
+  ops::rmsnorm_backward(s.k_raw.reshape({T * K, d}), w.k_norm, eps, dkh, dkh);
+  // ∂loss/∂h: the q, k, v projections, then the gate's path (RetentionGates::backward adds it).
+  ops::linear_backward_input(dq.reshape({T, H * d}), w.q_proj, dh);
+  ops::linear_backward_input(dk.reshape({T, K * d}), w.k_proj, dh, /*accumulate=*/true);
+  ops::linear_backward_input(dv.reshape({T, K * d}), w.v_proj, dh, /*accumulate=*/true);
+  gates.backward(layer, s.h, s.gate, dlog_beta, &dh);
+  ops::rmsnorm_backward(x_in, w.input_norm, eps, dh, dh);
+  ops::add_inplace(dx, dh);  // dx = ∂loss/∂x_in (residual + attention path)
+}
+
+}  // namespace
+
+StudentPass student_forward(WeightProvider& weights, const gates::RetentionGates& gates, const Tensor& ids,
+                            const Tensor& doc_ids) {
+  const Qwen3Config& c = weights.config();
+  check_gates_fit(c, gates.dims());
+  check_ids(ids, doc_ids, "student_forward");
+  const int64_t T = ids.dim(0), L = c.num_hidden_layers, K = c.num_key_value_heads;
+  StudentPass pass;
+  pass.ids = ids, pass.doc = doc_ids;
+  pass.positions = ops::document_positions(doc_ids);
+  pass.log_beta = Tensor::empty({L, T, K}, DType::F32);
+  Tensor x = Tensor::empty({T, c.hidden_size}, DType::F32);
+  ops::embedding(weights.embedding(), ids, x);
+  const RopeParams rope = compute_rope_params(c);
+  pass.layer_inputs.reserve(static_cast<size_t>(L));
+  for (int64_t l = 0; l < L; ++l) {
+    pass.layer_inputs.push_back(x.clone());
+    Tensor log_beta = pass.log_beta.rows(l, l + 1).reshape({T, K});
+    qwen3_decoder_layer(c, weights.layer(l), rope, pass.positions, doc_ids, &gates, l, x, &log_beta);
+  }
+  pass.final_input = x;
+  pass.hidden = Tensor::empty(x.shape(), DType::F32);
+  ops::rmsnorm(x, weights.final_norm(), static_cast<float>(c.rms_norm_eps), pass.hidden);
+  return pass;
+}
+
+void student_backward(WeightProvider& weights, gates::RetentionGates& gates, const StudentPass& pass,
+                      const Tensor& d_hidden, const Tensor& d_log_beta) {
+  const Qwen3Config& c = weights.config();
+  check_gates_fit(c, gates.dims());
+  check_ids(pass.ids, pass.doc, "student_backward");
+  const int64_t T = pass.ids.dim(0), D = c.hidden_size, L = c.num_hidden_layers, K = c.num_key_value_heads;
+  RETAIN_CHECK(static_cast<int64_t>(pass.layer_inputs.size()) == L && pass.final_input.shape() == Shape({T, D}) &&
+                   pass.positions.shape() == pass.ids.shape(),
+               "student_backward: the pass has {} layer inputs and final input {} for {} layers, T {}, D {}",
+               pass.layer_inputs.size(), shape_str(pass.final_input.shape()), L, T, D);
+  RETAIN_CHECK(d_hidden.dtype() == DType::F32 && d_hidden.shape() == Shape({T, D}),
+               "student_backward: d_hidden {} {}, expected F32 [{}, {}]", dtype_name(d_hidden.dtype()),
+               shape_str(d_hidden.shape()), T, D);
+  const bool has_extra = d_log_beta.numel() > 0;
+  RETAIN_CHECK(!has_extra || (d_log_beta.dtype() == DType::F32 && d_log_beta.shape() == Shape({L, T, K})),
+               "student_backward: d_log_beta {} {}, expected F32 [{}, {}, {}] or none", dtype_name(d_log_beta.dtype()),
+               shape_str(d_log_beta.shape()), L, T, K);
+
+  const RopeParams rope = compute_rope_params(c);
+  Tensor dx = Tensor::empty({T, D}, DType::F32);  // ∂loss/∂x_l, from l = L down
+  ops::rmsnorm_backward(pass.final_input, weights.final_norm(), static_cast<float>(c.rms_norm_eps), d_hidden, dx);
+  for (int64_t l = L - 1; l >= 0; --l) {
+    const LayerWeights& w = weights.layer(l);
+    const Tensor& x_in = pass.layer_inputs[static_cast<size_t>(l)];
+    Tensor x = x_in.clone();  // the recomputation runs in place; the checkpoint stays intact
+    DecoderLayerSaved saved;
+    qwen3_decoder_layer(c, w, rope, pass.positions, pass.doc, &gates, l, x, nullptr, &saved);
+    x = Tensor();
+    const Tensor extra = has_extra ? d_log_beta.rows(l, l + 1).reshape({T, K}) : Tensor();
+    layer_backward(c, w, rope, pass, gates, l, x_in, saved, has_extra ? &extra : nullptr, dx);
+  }
+}
+
+}  // namespace retain
