@@ -33,11 +33,22 @@ std::vector<std::pair<const char*, Shape>> layer_shapes(const Qwen3Config& c) {
   };
 }
 
-Tensor* layer_slots(LayerWeights& w, size_t i) {
-  Tensor* slots[] = {&w.input_norm, &w.q_proj, &w.k_proj,    &w.v_proj,  &w.o_proj,   &w.q_norm,
-                     &w.k_norm,     &w.post_norm, &w.gate_proj, &w.up_proj, &w.down_proj};
-  return slots[i];
+Tensor* layer_slots(LayerWeights& w, size_t i) { return layer_fields(w)[i]; }
+
+}  // namespace
+
+std::vector<std::pair<std::string, Shape>> layer_tensors(const Qwen3Config& c, int64_t l) {
+  std::vector<std::pair<std::string, Shape>> out;
+  for (const auto& [suffix, shape] : layer_shapes(c)) out.emplace_back(names::layer(l, suffix), shape);
+  return out;
 }
+
+std::array<Tensor*, 11> layer_fields(LayerWeights& w) {
+  return {&w.input_norm, &w.q_proj, &w.k_proj,    &w.v_proj,  &w.o_proj,   &w.q_norm,
+          &w.k_norm,     &w.post_norm, &w.gate_proj, &w.up_proj, &w.down_proj};
+}
+
+namespace {
 
 bool is_float(DType dt) { return dt == DType::F32 || dt == DType::BF16 || dt == DType::F16; }
 

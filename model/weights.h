@@ -3,6 +3,7 @@
 // The graph never knows where weights live: one rank hands out views/conversions of
 // the memory-mapped checkpoint; FSDP (trainer/dist) will all-gather into a buffer.
 #pragma once
+#include <array>
 #include <memory>
 #include <string>
 #include <vector>
@@ -36,6 +37,11 @@ struct LayerWeights {
   Tensor down_proj;   // [D, I]
 };
 
+// Layer l's tensors (full name, shape) in LayerWeights field order, and those fields in the
+// same order: layer_fields(w)[i] holds layer_tensors(c, l)[i].
+std::vector<std::pair<std::string, Shape>> layer_tensors(const Qwen3Config& config, int64_t l);
+std::array<Tensor*, 11> layer_fields(LayerWeights& w);
+
 // Every tensor Qwen3ForCausalLM has for `config`, with its shape, in a stable order.
 std::vector<std::pair<std::string, Shape>> expected_tensors(const Qwen3Config& config);
 
@@ -64,6 +70,10 @@ class WeightProvider {
   virtual const Tensor& embedding() = 0;   // [V, D]; F32, BF16 or F16 (the embedding op reads any)
   virtual const Tensor& final_norm() = 0;  // F32 [D]
   virtual const Tensor& lm_head() = 0;     // F32 [V, D] (the embedding when tied)
+  // A hint that embedding() and lm_head() are not needed for a while (e.g. after the loss
+  // phase): a provider that gathers them (FSDP) frees them. Tensors they returned are
+  // invalid afterwards. The local provider keeps its copies and ignores it.
+  virtual void release_global() {}
 };
 
 // Single-process provider over a checkpoint: F32 tensors are handed out as views of the

@@ -1,7 +1,6 @@
 // Collectives of retain::dist::Comm against closed-form expectations. The same binary runs
-// plainly (a one-rank LocalComm) and under `mpirun -np N` (MpiComm). Every rank runs every
-// test in the same order and issues the same collectives; checks are non-fatal so that a
-// failure on one rank never skips a collective that the other ranks are waiting in.
+// plainly (a one-rank LocalComm) and under `mpirun -np N` (MpiComm); see mpi_test_main.h for
+// the rules every multi-rank test follows.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -17,13 +16,12 @@
 #include "kernels/base/error.h"
 #include "trainer/dist/comm.h"
 #include "trainer/dist/mpi_check.h"
+#include "tests/mpi/mpi_test_main.h"
 
 namespace retain::dist {
 namespace {
 
-std::unique_ptr<Comm> g_comm;  // built once in main
-
-Comm& comm() { return *g_comm; }
+Comm& comm() { return mpi_test::world(); }
 
 // Odd sizes, zero, and primes (not a multiple of any chunk limit below).
 const size_t kCounts[] = {0, 1, 3, 17, 1013, 65537};
@@ -140,6 +138,52 @@ TEST(Comm, BadArgumentsThrow) {
   comm().broadcast(nullptr, 0, 0);
 }
 
+TEST(Comm, BadArgumentsOfTheNewerCollectivesThrow) {
+  const size_t n = 8, s = size_t(comm().size());
+  std::vector<float> buf(n * s + n);
+  EXPECT_THROW(comm().all_gather_async(nullptr, buf.data(), n), retain::Error);
+  EXPECT_THROW(comm().all_gather_async(buf.data() + comm().rank() * n + 1, buf.data(), n),
+               retain::Error);
+  EXPECT_THROW(comm().all_gather_bytes(buf.data(), nullptr, 4), retain::Error);
+  // Bytes: no in-place form, any overlap is an error.
+  EXPECT_THROW(comm().all_gather_bytes(reinterpret_cast<char*>(buf.data()) + comm().rank() * 4,
+                                       buf.data(), 4),
+               retain::Error);
+  EXPECT_THROW(comm().all_reduce_max(nullptr, 1), retain::Error);
+  // Zero counts: no-ops; the request is complete at once.
+  auto req = comm().all_gather_async(nullptr, nullptr, 0);
+  ASSERT_NE(req, nullptr);
+  EXPECT_TRUE(req->test());
+  req->wait();
+  comm().all_gather_bytes(nullptr, nullptr, 0);
+  comm().all_reduce_max(nullptr, 0);
+}
+
+// abort() ends the process with the code at once, flushing stdio first (no destructors).
+// The MPI form (every rank of the job ends) is the CTest comm.abort_np2: see abort_demo.cpp.
+TEST(Comm, LocalAbortFlushesAndExitsWithTheCode) {
+  if (comm().backend() != "local") GTEST_SKIP() << "death tests fork; not inside an MPI job";
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  const std::string path = ::testing::TempDir() + "retain_abort_flush.txt";
+  std::remove(path.c_str());
+  auto local = make_local_comm();
+  EXPECT_EXIT(
+      {
+        FILE* f = std::fopen(path.c_str(), "w");
+        if (f == nullptr) std::_Exit(99);
+        std::fputs("written before abort", f);  // sits in f's buffer until flushed
+        local->abort(3);
+      },
+      ::testing::ExitedWithCode(3), "");
+  FILE* f = std::fopen(path.c_str(), "r");
+  ASSERT_NE(f, nullptr);
+  char text[64] = {};
+  const size_t n = std::fread(text, 1, sizeof text - 1, f);
+  std::fclose(f);
+  std::remove(path.c_str());
+  EXPECT_EQ(std::string(text, n), "written before abort");
+}
+
 TEST(Comm, MpiErrorsBecomeRetainErrors) {
   if (comm().backend() != "mpi") GTEST_SKIP() << "no MPI in a one-rank plain run";
   // A negative count fails MPI's own argument check, locally on every rank.
@@ -170,6 +214,19 @@ TEST(Comm, LocalCommIsAOneRankWorld) {
   local->all_reduce(send.data(), 3);
   EXPECT_EQ(send, (std::vector<float>{1, 2, 3}));
   EXPECT_THROW(local->broadcast(send.data(), 4, 1), retain::Error);
+  recv.assign(3, 0);
+  auto req = local->all_gather_async(send.data(), recv.data(), 3);
+  EXPECT_TRUE(req->test());  // the copy is done when the request is made
+  EXPECT_EQ(recv, send);
+  const int32_t ids[2] = {-5, 7};
+  int32_t all_ids[2] = {};
+  local->all_gather_bytes(ids, all_ids, sizeof ids);
+  EXPECT_EQ(all_ids[0], -5);
+  EXPECT_EQ(all_ids[1], 7);
+  double m[2] = {-1.5, 2};
+  local->all_reduce_max(m, 2);
+  EXPECT_EQ(m[0], -1.5);
+  EXPECT_EQ(m[1], 2.0);
 }
 
 // ---- the reductions and gathers, with the chunk limit as parameter ---------------------------
@@ -180,6 +237,9 @@ class Chunked : public ::testing::TestWithParam<size_t> {
   void TearDown() override { comm().set_max_chunk(INT_MAX); }
   int r() const { return comm().rank(); }
   int s() const { return comm().size(); }
+  // Nonblocking pieces cost a request each (and a datatype): keep the chunk7 runs to a few
+  // thousand; larger counts are covered by the bigger chunk limits.
+  static bool too_many_pieces(size_t elems) { return elems / GetParam() > 2000; }
 };
 
 TEST_P(Chunked, AllGather) {
@@ -284,6 +344,98 @@ TEST_P(Chunked, BroadcastChunked) {
   EXPECT_EQ(bad, 0u);
 }
 
+TEST_P(Chunked, AllGatherAsync) {
+  for (size_t count : kCounts) {
+    if (too_many_pieces(count)) continue;
+    std::vector<float> send(count), recv(count * size_t(s()), -1.0f);
+    for (size_t i = 0; i < count; ++i) send[i] = gather_value(r(), i);
+    std::unique_ptr<Request> req = comm().all_gather_async(send.data(), recv.data(), count);
+    ASSERT_NE(req, nullptr);
+    req->wait();
+    req->wait();  // idempotent
+    EXPECT_TRUE(req->test());
+    size_t bad = 0;
+    for (int from = 0; from < s(); ++from)
+      for (size_t i = 0; i < count; ++i)
+        bad += recv[size_t(from) * count + i] != gather_value(from, i);
+    EXPECT_EQ(bad, 0u) << "count " << count;
+  }
+}
+
+// Several gathers in flight at once (one in place), a blocking collective issued while they
+// are, completion polled with test(), and one request never waited for (its destructor waits).
+TEST_P(Chunked, AllGatherAsyncOverlapping) {
+  const size_t a = 1013, b = 4099;
+  std::vector<float> send_a(a), recv_a(a * size_t(s()), -1.0f);
+  std::vector<float> in_place(b * size_t(s()), -1.0f);
+  std::vector<float> send_c(17), recv_c(17 * size_t(s()), -1.0f);
+  for (size_t i = 0; i < a; ++i) send_a[i] = gather_value(r(), i);
+  for (size_t i = 0; i < b; ++i) in_place[size_t(r()) * b + i] = gather_value(r(), i + 1);
+  for (size_t i = 0; i < 17; ++i) send_c[i] = gather_value(r(), i + 2);
+
+  auto req_a = comm().all_gather_async(send_a.data(), recv_a.data(), a);
+  auto req_b = comm().all_gather_async(in_place.data() + size_t(r()) * b, in_place.data(), b);
+  {
+    auto req_c = comm().all_gather_async(send_c.data(), recv_c.data(), 17);
+    double x = 1.0;
+    comm().all_reduce(&x, 1);  // blocking, while three gathers are in flight
+    EXPECT_EQ(x, double(s()));
+  }  // req_c destroyed unwaited: it completes there
+  while (!req_b->test()) {
+  }
+  req_a->wait();
+  size_t bad = 0;
+  for (int from = 0; from < s(); ++from) {
+    for (size_t i = 0; i < a; ++i) bad += recv_a[size_t(from) * a + i] != gather_value(from, i);
+    for (size_t i = 0; i < b; ++i)
+      bad += in_place[size_t(from) * b + i] != gather_value(from, i + 1);
+    for (size_t i = 0; i < 17; ++i)
+      bad += recv_c[size_t(from) * 17 + i] != gather_value(from, i + 2);
+  }
+  EXPECT_EQ(bad, 0u);
+}
+
+TEST_P(Chunked, AllGatherBytes) {
+  for (size_t count : kCounts) {
+    if (too_many_pieces(count * sizeof(int32_t))) continue;
+    // int32 token ids and uint8 masks, as --dump-grads gathers a batch.
+    auto id = [](int rank, size_t i) { return int32_t(rank * 100000 + int(i)) * (i % 2 ? -1 : 1); };
+    std::vector<int32_t> ids(count), all_ids(count * size_t(s()), -1);
+    std::vector<uint8_t> mask(count), all_mask(count * size_t(s()), 7);
+    for (size_t i = 0; i < count; ++i) {
+      ids[i] = id(r(), i);
+      mask[i] = uint8_t((i + size_t(r())) % 3 == 0);
+    }
+    comm().all_gather_bytes(ids.data(), all_ids.data(), count * sizeof(int32_t));
+    comm().all_gather_bytes(mask.data(), all_mask.data(), count);
+    size_t bad = 0;
+    for (int from = 0; from < s(); ++from)
+      for (size_t i = 0; i < count; ++i) {
+        bad += all_ids[size_t(from) * count + i] != id(from, i);
+        bad += all_mask[size_t(from) * count + i] != uint8_t((i + size_t(from)) % 3 == 0);
+      }
+    EXPECT_EQ(bad, 0u) << "count " << count;
+  }
+}
+
+TEST_P(Chunked, AllReduceMax) {
+  for (size_t count : kCounts) {
+    // Rank r's value at i is highest on rank (i mod S); negative values and fractions too.
+    std::vector<double> buf(count);
+    for (size_t i = 0; i < count; ++i)
+      buf[i] = -1e6 + double((size_t(r()) + s() - i % size_t(s())) % size_t(s())) * 0.5 +
+               double(i);
+    comm().all_reduce_max(buf.data(), count);
+    size_t bad = 0;
+    for (size_t i = 0; i < count; ++i) bad += buf[i] != -1e6 + double(s() - 1) * 0.5 + double(i);
+    EXPECT_EQ(bad, 0u) << "count " << count;
+  }
+  // A stop signal raised on the last rank only reaches every rank.
+  double stop = comm().rank() == comm().size() - 1 ? 1.0 : 0.0;
+  comm().all_reduce_max(&stop, 1);
+  EXPECT_EQ(stop, 1.0);
+}
+
 // INT_MAX: one call per collective; 1000 and 64: several pieces, the last one short; 7: many.
 INSTANTIATE_TEST_SUITE_P(MaxChunk, Chunked, ::testing::Values(size_t{INT_MAX}, 1000, 64, 7),
                          [](const auto& p) {
@@ -305,54 +457,6 @@ TEST(Comm, BroadcastAboveIntMax) {
   EXPECT_EQ(buf[bytes - 1], 100);
 }
 
-// Non-main ranks print their failures only, each line tagged with the rank.
-class FailurePrinter : public ::testing::EmptyTestEventListener {
- public:
-  explicit FailurePrinter(int rank) : rank_(rank) {}
-  void OnTestPartResult(const ::testing::TestPartResult& result) override {
-    if (!result.failed()) return;
-    std::fprintf(stderr, "[rank %d] %s:%d: Failure\n%s\n", rank_,
-                 result.file_name() ? result.file_name() : "?", result.line_number(),
-                 result.message());
-  }
-  void OnTestEnd(const ::testing::TestInfo& info) override {
-    if (info.result()->Failed())
-      std::fprintf(stderr, "[rank %d] [  FAILED  ] %s.%s\n", rank_, info.test_suite_name(),
-                   info.name());
-  }
-
- private:
-  int rank_;
-};
-
 }  // namespace
 }  // namespace retain::dist
 
-int main(int argc, char** argv) {
-  ::testing::InitGoogleTest(&argc, argv);
-  using retain::dist::g_comm;
-  try {
-    g_comm = retain::dist::make_comm();
-    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
-    if (!g_comm->is_main_rank()) {
-      delete listeners.Release(listeners.default_result_printer());
-      listeners.Append(new retain::dist::FailurePrinter(g_comm->rank()));
-    }
-    const int local = RUN_ALL_TESTS();
-    // Every rank's failure fails every rank's exit status, and rank 0 says which ones.
-    std::vector<double> failed(size_t(g_comm->size()), 0.0);
-    failed[size_t(g_comm->rank())] = local != 0 ? 1.0 : 0.0;
-    g_comm->all_reduce(failed.data(), failed.size());
-    std::string bad;
-    for (size_t r = 0; r < failed.size(); ++r)
-      if (failed[r] != 0.0) bad += (bad.empty() ? "" : ", ") + std::to_string(r);
-    if (!bad.empty() && g_comm->is_main_rank())
-      std::fprintf(stderr, "test_comm: tests failed on rank(s) %s of %d\n", bad.c_str(),
-                   g_comm->size());
-    g_comm.reset();  // finalizes MPI
-    return bad.empty() ? 0 : 1;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "test_comm: %s\n", e.what());
-    return 1;
-  }
-}

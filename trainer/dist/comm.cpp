@@ -2,6 +2,7 @@
 #include "trainer/dist/comm.h"
 
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 
 #include "kernels/base/error.h"
@@ -31,17 +32,52 @@ void check_ptr(const char* op, const char* what, const void* p) {
 
 }  // namespace
 
+namespace {
+
+// The checks all_gather and all_gather_async share.
+void check_all_gather(const char* op, const Comm& comm, const float* send, const float* recv,
+                      size_t count_per_rank) {
+  check_ptr(op, "send", send);
+  check_ptr(op, "recv", recv);
+  const size_t n = static_cast<size_t>(comm.size());
+  const size_t block = checked_bytes(op, count_per_rank, sizeof(float), 1);
+  const Span out = span_of(recv, checked_bytes(op, count_per_rank, sizeof(float), n));
+  const bool in_place = send == recv + static_cast<size_t>(comm.rank()) * count_per_rank;
+  if (!in_place && overlap(span_of(send, block), out))
+    fail("{}: send overlaps recv without being this rank's block of it", op);
+}
+
+// A request that completed when it was made.
+class DoneRequest final : public Request {
+ public:
+  void wait() override {}
+  bool test() override { return true; }
+};
+
+}  // namespace
+
 void Comm::all_gather(const float* send, float* recv, size_t count_per_rank) {
   if (count_per_rank == 0) return;
-  check_ptr("all_gather", "send", send);
-  check_ptr("all_gather", "recv", recv);
-  const size_t n = static_cast<size_t>(size());
-  const size_t block = checked_bytes("all_gather", count_per_rank, sizeof(float), 1);
-  const Span out = span_of(recv, checked_bytes("all_gather", count_per_rank, sizeof(float), n));
-  const bool in_place = send == recv + static_cast<size_t>(rank()) * count_per_rank;
-  if (!in_place && overlap(span_of(send, block), out))
-    fail("all_gather: send overlaps recv without being this rank's block of it");
+  check_all_gather("all_gather", *this, send, recv, count_per_rank);
   do_all_gather(send, recv, count_per_rank);
+}
+
+std::unique_ptr<Request> Comm::all_gather_async(const float* send, float* recv,
+                                                size_t count_per_rank) {
+  if (count_per_rank == 0) return std::make_unique<DoneRequest>();
+  check_all_gather("all_gather_async", *this, send, recv, count_per_rank);
+  return do_all_gather_async(send, recv, count_per_rank);
+}
+
+void Comm::all_gather_bytes(const void* send, void* recv, size_t bytes_per_rank) {
+  if (bytes_per_rank == 0) return;
+  check_ptr("all_gather_bytes", "send", send);
+  check_ptr("all_gather_bytes", "recv", recv);
+  const size_t n = static_cast<size_t>(size());
+  const Span out = span_of(recv, checked_bytes("all_gather_bytes", bytes_per_rank, 1, n));
+  if (overlap(span_of(send, bytes_per_rank), out))
+    fail("all_gather_bytes: send and recv overlap");
+  do_all_gather_bytes(send, recv, bytes_per_rank);
 }
 
 void Comm::reduce_scatter(const float* send, float* recv, size_t count_per_rank) {
@@ -67,6 +103,12 @@ void Comm::all_reduce(double* buf, size_t count) {
   do_all_reduce(buf, count);
 }
 
+void Comm::all_reduce_max(double* buf, size_t count) {
+  if (count == 0) return;
+  check_ptr("all_reduce_max", "buf", buf);
+  do_all_reduce_max(buf, count);
+}
+
 void Comm::broadcast(void* buf, size_t bytes, int root) {
   if (root < 0 || root >= size())
     fail("broadcast: root {} is not a rank of this {}-rank world", root, size());
@@ -76,6 +118,12 @@ void Comm::broadcast(void* buf, size_t bytes, int root) {
 }
 
 void Comm::barrier() { do_barrier(); }
+
+void Comm::abort(int code) {
+  std::fflush(nullptr);  // what the process printed so far still reaches the log
+  do_abort(code);
+  std::_Exit(code);  // the backend could not abort the job: at least this rank stops
+}
 
 void Comm::set_max_chunk(size_t elems) {
   if (elems == 0 || elems > static_cast<size_t>(INT_MAX))

@@ -2,8 +2,9 @@
 //   - MPI   (host buffers), used when the process was started by mpirun/mpiexec;
 //   - local (a one-rank world, plain copies), used for a plain run, which needs no MPI runtime;
 //   - NCCL  (device buffers; the NCCL id goes out over MPI), added later.
-// Every collective is blocking and must be called by all ranks in the same order with the
-// same counts (and root). Reductions are sums. Buffers of `count == 0` may be null.
+// Every collective must be called by all ranks in the same order with the same counts (and
+// root); blocking ones return when done, all_gather_async returns a Request to wait on.
+// Reductions are sums unless named otherwise. Buffers of `count == 0` may be null.
 #pragma once
 #include <climits>
 #include <cstddef>
@@ -11,6 +12,29 @@
 #include <string_view>
 
 namespace retain::dist {
+
+// A collective in flight (all_gather_async). Its buffers belong to it until wait() returns:
+// the send buffer must not be written, the recv buffer neither read nor written.
+// Destroying a Request that was not waited for waits for it (a collective cannot be
+// abandoned: the other ranks take part in it), dropping any error; call wait() to see errors.
+// A Request must be waited for or destroyed before the Comm that made it.
+class Request {
+ public:
+  virtual ~Request() = default;
+  Request(const Request&) = delete;
+  Request& operator=(const Request&) = delete;
+
+  // Blocks until the collective completed on this rank (recv holds the result). Idempotent.
+  virtual void wait() = 0;
+  // Never blocks: true when complete (then wait() returns at once). With MPI it also drives
+  // the collective forward: without a progress thread, MPI advances a nonblocking
+  // collective only inside MPI calls, so a caller that computes meanwhile may test() now
+  // and then to overlap more of the transfer.
+  virtual bool test() = 0;
+
+ protected:
+  Request() = default;
+};
 
 class Comm {
  public:
@@ -29,6 +53,17 @@ class Comm {
   // In place when send == recv + rank() * count_per_rank; any other overlap is an error.
   void all_gather(const float* send, float* recv, size_t count_per_rank);
 
+  // all_gather without blocking (MPI_Iallgather, in max_chunk() pieces like all_gather).
+  // Same layout and in-place rule; see Request for who owns the buffers until wait().
+  // Blocking and nonblocking collectives may interleave, in the same order on every rank.
+  // The local backend copies at once and returns a completed request.
+  std::unique_ptr<Request> all_gather_async(const float* send, float* recv,
+                                            size_t count_per_rank);
+
+  // all_gather of raw bytes (any trivially copyable data: int32 token ids, uint8 masks):
+  // recv[r * bytes_per_rank + i] = send_of_rank_r[i]. send and recv must not overlap.
+  void all_gather_bytes(const void* send, void* recv, size_t bytes_per_rank);
+
   // send holds size() * count_per_rank; recv[i] = sum over ranks r of
   // send_of_rank_r[rank() * count_per_rank + i]. send and recv must not overlap.
   void reduce_scatter(const float* send, float* recv, size_t count_per_rank);
@@ -37,14 +72,25 @@ class Comm {
   void all_reduce(float* buf, size_t count);
   void all_reduce(double* buf, size_t count);
 
+  // buf[i] = max over ranks of buf[i], in place (e.g. agreeing on a stop signal: 1 on any
+  // rank stops every rank). NaN on any rank gives an unspecified result: don't.
+  void all_reduce_max(double* buf, size_t count);
+
   // Copies `bytes` bytes of rank `root`'s buf into every rank's buf.
   void broadcast(void* buf, size_t bytes, int root);
 
   void barrier();
 
-  // Most elements handed to one backend call (bytes for broadcast); larger buffers go in
-  // pieces. MPI takes int counts, so the default is INT_MAX. Tests lower it to exercise the
-  // chunked paths. Every rank must use the same value.
+  // Ends the whole job at once with exit status `code`: MPI_Abort on MPI_COMM_WORLD (every
+  // rank of every process is killed, so one rank's fatal error never leaves the others
+  // waiting in a collective forever), for the local backend std::_Exit after flushing stdio.
+  // No destructors run and nothing else is flushed: write and close files first. Use it for
+  // errors seen by some ranks only; an error every rank sees alike may simply be thrown.
+  [[noreturn]] void abort(int code);
+
+  // Most elements handed to one backend call (bytes for broadcast and all_gather_bytes);
+  // larger buffers go in pieces. MPI takes int counts, so the default is INT_MAX. Tests
+  // lower it to exercise the chunked paths. Every rank must use the same value.
   void set_max_chunk(size_t elems);
   size_t max_chunk() const { return max_chunk_; }
 
@@ -54,11 +100,17 @@ class Comm {
  private:
   // Called with validated arguments and count > 0 only.
   virtual void do_all_gather(const float* send, float* recv, size_t count_per_rank) = 0;
+  virtual std::unique_ptr<Request> do_all_gather_async(const float* send, float* recv,
+                                                       size_t count_per_rank) = 0;
+  virtual void do_all_gather_bytes(const void* send, void* recv, size_t bytes_per_rank) = 0;
   virtual void do_reduce_scatter(const float* send, float* recv, size_t count_per_rank) = 0;
   virtual void do_all_reduce(float* buf, size_t count) = 0;
   virtual void do_all_reduce(double* buf, size_t count) = 0;
+  virtual void do_all_reduce_max(double* buf, size_t count) = 0;
   virtual void do_broadcast(void* buf, size_t bytes, int root) = 0;
   virtual void do_barrier() = 0;
+  // May return only if it could not abort; abort() then ends this process.
+  virtual void do_abort(int code) = 0;
 
   size_t max_chunk_ = INT_MAX;
 };

@@ -5,6 +5,8 @@
 #include <mutex>
 #include <string>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 #include "kernels/base/error.h"
 #include "trainer/dist/comm.h"
@@ -95,6 +97,52 @@ class TypeGuard {
   MPI_Datatype type = MPI_DATATYPE_NULL;
 };
 
+// The pieces of one nonblocking collective, and the datatypes they use (freed after).
+// It must be waited for (or destroyed) before the comm that made it.
+class MpiRequest final : public Request {
+ public:
+  MpiRequest() = default;
+  ~MpiRequest() override {
+    // A collective cannot be abandoned; errors have nowhere to go from a destructor.
+    if (!done_)
+      MPI_Waitall(static_cast<int>(requests_.size()), requests_.data(), MPI_STATUSES_IGNORE);
+    free_types();
+  }
+
+  void add(MPI_Request r) { requests_.push_back(r); }
+  void keep(MPI_Datatype t) { types_.push_back(t); }
+
+  void wait() override {
+    if (done_) return;
+    done_ = true;  // even if it fails: the destructor must not wait on a failed collective
+    MPI_CHECK(
+        MPI_Waitall(static_cast<int>(requests_.size()), requests_.data(), MPI_STATUSES_IGNORE));
+    free_types();
+  }
+
+  bool test() override {
+    if (done_) return true;
+    int flag = 0;
+    MPI_CHECK(MPI_Testall(static_cast<int>(requests_.size()), requests_.data(), &flag,
+                          MPI_STATUSES_IGNORE));
+    if (flag) {
+      done_ = true;
+      free_types();
+    }
+    return flag != 0;
+  }
+
+ private:
+  void free_types() {
+    for (MPI_Datatype& t : types_) MPI_Type_free(&t);
+    types_.clear();
+  }
+
+  std::vector<MPI_Request> requests_;
+  std::vector<MPI_Datatype> types_;
+  bool done_ = false;
+};
+
 class MpiComm final : public Comm {
  public:
   MpiComm() {
@@ -116,23 +164,58 @@ class MpiComm final : public Comm {
   static int as_int(size_t n) { return static_cast<int>(n); }
 
   void do_all_gather(const float* send, float* recv, size_t count) override {
-    const void* src = send == recv + static_cast<size_t>(rank_) * count ? MPI_IN_PLACE : send;
+    gather(send, recv, count, MPI_FLOAT, sizeof(float), nullptr);
+  }
+
+  std::unique_ptr<Request> do_all_gather_async(const float* send, float* recv,
+                                               size_t count) override {
+    auto request = std::make_unique<MpiRequest>();
+    gather(send, recv, count, MPI_FLOAT, sizeof(float), request.get());
+    return request;
+  }
+
+  void do_all_gather_bytes(const void* send, void* recv, size_t bytes) override {
+    gather(send, recv, bytes, MPI_BYTE, 1, nullptr);
+  }
+
+  // all_gather of `count` elements of `type` (`elem` bytes each) per rank, in max_chunk()
+  // pieces. Blocking when `pending` is null; otherwise nonblocking, and the requests (with
+  // the datatypes they use) go to `pending`.
+  void gather(const void* send, void* recv, size_t count, MPI_Datatype type, size_t elem,
+              MpiRequest* pending) {
+    auto* out = static_cast<char*>(recv);
+    const bool in_place = send == out + static_cast<size_t>(rank_) * count * elem;
     if (count <= max_chunk()) {
-      MPI_CHECK(
-          MPI_Allgather(src, as_int(count), MPI_FLOAT, recv, as_int(count), MPI_FLOAT, comm_));
+      const void* src = in_place ? MPI_IN_PLACE : send;
+      const int n = as_int(count);
+      if (pending == nullptr) {
+        MPI_CHECK(MPI_Allgather(src, n, type, out, n, type, comm_));
+      } else {
+        MPI_Request r = MPI_REQUEST_NULL;
+        MPI_CHECK(MPI_Iallgather(src, n, type, out, n, type, comm_, &r));
+        pending->add(r);
+      }
       return;
     }
-    // Piece [off, off + n) of every rank's block: one element of a type of n floats whose
-    // extent is a whole block, so rank r's piece lands at recv + r * count + off.
+    // Piece [off, off + n) of every rank's block: one element of a type of n elements whose
+    // extent is a whole block, so rank r's piece lands at recv + (r * count + off) elements.
     for (size_t off = 0; off < count; off += max_chunk()) {
       const size_t n = std::min(max_chunk(), count - off);
       TypeGuard piece, strided;
-      MPI_CHECK(MPI_Type_contiguous(as_int(n), MPI_FLOAT, &piece.type));
-      MPI_CHECK(MPI_Type_create_resized(piece.type, 0, static_cast<MPI_Aint>(count * sizeof(float)),
+      MPI_CHECK(MPI_Type_contiguous(as_int(n), type, &piece.type));
+      MPI_CHECK(MPI_Type_create_resized(piece.type, 0, static_cast<MPI_Aint>(count * elem),
                                         &strided.type));
       MPI_CHECK(MPI_Type_commit(&strided.type));
-      MPI_CHECK(MPI_Allgather(src == MPI_IN_PLACE ? MPI_IN_PLACE : send + off, as_int(n), MPI_FLOAT,
-                              recv + off, 1, strided.type, comm_));
+      const void* src = in_place ? MPI_IN_PLACE : static_cast<const char*>(send) + off * elem;
+      if (pending == nullptr) {
+        MPI_CHECK(MPI_Allgather(src, as_int(n), type, out + off * elem, 1, strided.type, comm_));
+      } else {
+        MPI_Request r = MPI_REQUEST_NULL;
+        MPI_CHECK(MPI_Iallgather(src, as_int(n), type, out + off * elem, 1, strided.type, comm_,
+                                 &r));
+        pending->add(r);
+        pending->keep(std::exchange(strided.type, MPI_DATATYPE_NULL));
+      }
     }
   }
 
@@ -154,14 +237,17 @@ class MpiComm final : public Comm {
   }
 
   template <typename T>
-  void all_reduce_impl(T* buf, size_t count) {
+  void all_reduce_impl(T* buf, size_t count, MPI_Op op = MPI_SUM) {
     for (size_t off = 0; off < count; off += max_chunk()) {
       const size_t n = std::min(max_chunk(), count - off);
-      MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, buf + off, as_int(n), mpi_type<T>(), MPI_SUM, comm_));
+      MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, buf + off, as_int(n), mpi_type<T>(), op, comm_));
     }
   }
   void do_all_reduce(float* buf, size_t count) override { all_reduce_impl(buf, count); }
   void do_all_reduce(double* buf, size_t count) override { all_reduce_impl(buf, count); }
+  void do_all_reduce_max(double* buf, size_t count) override {
+    all_reduce_impl(buf, count, MPI_MAX);
+  }
 
   void do_broadcast(void* buf, size_t bytes, int root) override {
     auto* p = static_cast<char*>(buf);
@@ -172,6 +258,9 @@ class MpiComm final : public Comm {
   }
 
   void do_barrier() override { MPI_CHECK(MPI_Barrier(comm_)); }
+
+  // On the world, not our duplicate: every process of the job goes, whatever it is doing.
+  void do_abort(int code) override { MPI_Abort(MPI_COMM_WORLD, code); }
 
   MpiLease lease_;  // first member: MPI is up before comm_ is made and down after it is freed
   MPI_Comm comm_ = MPI_COMM_NULL;

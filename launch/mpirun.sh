@@ -1,0 +1,162 @@
+#!/usr/bin/env bash
+# Runs a retain program on N ranks with OpenMPI, on this host or across the nodes of a
+# hostfile, with the MCA choices that matter for it, and prints the whole mpirun command
+# first (so that it can be rerun or adapted by hand).
+#
+#   launch/mpirun.sh -np 8 [--hostfile launch/hostfile.example] [--dry-run] -- \
+#       build/bin/retain-train --model DIR --data FILE.h5 --out RUN_DIR ...
+#
+# Options: -np N (ranks; one per GPU), --hostfile FILE (nodes and their slots; without it,
+# all ranks run here), --dry-run (print the command only), -h/--help.
+#
+# What it decides, and the environment variables that override it:
+#   transport   RETAIN_MPI_TRANSPORT=auto|shm|tcp|ucx. auto: shared memory only on one host
+#               (pml ob1, btl self,vader: no seconds lost probing network devices); across
+#               nodes UCX when this OpenMPI has it (InfiniBand/RoCE), else TCP.
+#   interface   RETAIN_MPI_IFACE=eth0 (or a CIDR such as 10.0.0.0/16): the network TCP and
+#               the runtime use between nodes; without it OpenMPI may try docker0/virbr0 and hang.
+#   single copy RETAIN_MPI_SINGLE_COPY=auto|cma|none. Large shared-memory messages go by CMA
+#               (process_vm_readv), which containers refuse without CAP_SYS_PTRACE; auto
+#               picks none in a container lacking it (slower for big gathers, but works).
+#   threads     RETAIN_THREADS_PER_RANK=T: OpenMP threads per rank, each rank bound to T cores.
+#               Without it: on one host OMP_NUM_THREADS = cores / ranks and no binding (OpenMPI
+#               would otherwise bind each rank to ONE core, all its threads on it); across
+#               nodes OMP_NUM_THREADS is passed on as it is set here (if at all).
+#   oversubscribe  RETAIN_MPI_OVERSUBSCRIBE=1: more ranks than cores/slots (tests on small
+#               machines); ranks waiting in a collective then yield their core.
+#   extra       RETAIN_MPI_EXTRA="...": more mpirun arguments, word-split, added last.
+# Running as root (containers) adds --allow-run-as-root. OMP_NUM_THREADS, PATH,
+# LD_LIBRARY_PATH and every RETAIN_*, NCCL_* and CUDA_* variable set here are exported to
+# every rank (-x), so that remote nodes see the same settings.
+set -euo pipefail
+
+me=launch/mpirun.sh
+usage() {  # the header comment
+  sed -n '2,/^set /{/^set /d;s/^# \{0,1\}//;p;}' "$0"
+}
+die() {  # usage errors: exit 2
+  echo "$me: error: $*" >&2
+  exit 2
+}
+
+np="" hostfile="" dry_run=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    -np | -n | --np)
+      [ $# -ge 2 ] || die "$1 needs a number of ranks"
+      np=$2
+      shift 2
+      ;;
+    --hostfile | -hostfile)
+      [ $# -ge 2 ] || die "$1 needs a file"
+      hostfile=$2
+      shift 2
+      ;;
+    --dry-run) dry_run=1; shift ;;
+    -h | --help) usage; exit 0 ;;
+    --) shift; break ;;
+    -*) die "unknown option '$1' (options: -np N, --hostfile FILE, --dry-run; then -- PROGRAM ARGS...)" ;;
+    *) break ;;
+  esac
+done
+[ -n "$np" ] || die "missing -np N"
+[[ "$np" =~ ^[1-9][0-9]*$ ]] || die "-np '$np' is not a positive number of ranks"
+[ $# -ge 1 ] || die "missing the program to run (after --)"
+if [ -n "$hostfile" ]; then
+  [ -f "$hostfile" ] || die "$hostfile: no such hostfile"
+  grep -Eq '^[[:space:]]*[^#[:space:]]' "$hostfile" || die "$hostfile: names no host"
+fi
+program=$1
+if [[ "$program" == */* ]]; then
+  [ -x "$program" ] || die "$program: not an executable file (build it first: launch/build.sh)"
+else
+  command -v "$program" >/dev/null || die "$program: not found on PATH"
+fi
+command -v mpirun >/dev/null || die "mpirun not found (install OpenMPI: launch/install-deps.sh)"
+
+# One host or several: a hostfile, or a Slurm allocation of more than one node.
+multi_node=0
+if [ -n "$hostfile" ] || [ "${SLURM_JOB_NUM_NODES:-1}" -gt 1 ]; then multi_node=1; fi
+
+args=(mpirun -np "$np")
+[ -n "$hostfile" ] && args+=(--hostfile "$hostfile")
+[ "$(id -u)" -eq 0 ] && args+=(--allow-run-as-root)
+
+# Transport.
+transport=${RETAIN_MPI_TRANSPORT:-auto}
+if [ "$transport" = auto ]; then
+  if [ $multi_node -eq 0 ]; then
+    transport=shm
+  elif ompi_info 2>/dev/null | grep -q 'MCA pml: ucx'; then
+    transport=ucx
+  else
+    transport=tcp
+  fi
+fi
+case "$transport" in
+  shm) args+=(--mca pml ob1 --mca btl "self,vader") ;;
+  tcp) args+=(--mca pml ob1 --mca btl "self,vader,tcp") ;;
+  ucx) args+=(--mca pml ucx --mca btl "^openib,uct") ;;  # UCX moves the data; no BTL fights it
+  *) die "RETAIN_MPI_TRANSPORT='$transport' is not auto, shm, tcp or ucx" ;;
+esac
+if [ -n "${RETAIN_MPI_IFACE:-}" ]; then
+  args+=(--mca btl_tcp_if_include "$RETAIN_MPI_IFACE" --mca oob_tcp_if_include "$RETAIN_MPI_IFACE")
+fi
+
+# Single-copy shared memory: CMA needs ptrace rights, which a container may not grant.
+single_copy=${RETAIN_MPI_SINGLE_COPY:-auto}
+if [ "$single_copy" = auto ]; then
+  single_copy=cma
+  if [ -e /.dockerenv ] || [ -e /run/.containerenv ] || [ -n "${container:-}" ]; then
+    cap_eff=$(awk '/^CapEff:/ {print $2}' /proc/self/status 2>/dev/null || echo 0)
+    # CAP_SYS_PTRACE is capability 19.
+    if [ $(( (16#${cap_eff:-0} >> 19) & 1 )) -eq 0 ]; then single_copy=none; fi
+  fi
+fi
+case "$single_copy" in
+  cma | none) args+=(--mca btl_vader_single_copy_mechanism "$single_copy") ;;
+  *) die "RETAIN_MPI_SINGLE_COPY='$single_copy' is not auto, cma or none" ;;
+esac
+
+# Threads and binding.
+exports=()
+if [ -n "${RETAIN_THREADS_PER_RANK:-}" ]; then
+  [[ "$RETAIN_THREADS_PER_RANK" =~ ^[1-9][0-9]*$ ]] ||
+    die "RETAIN_THREADS_PER_RANK='$RETAIN_THREADS_PER_RANK' is not a positive number"
+  args+=(--map-by "slot:PE=$RETAIN_THREADS_PER_RANK" --bind-to core)
+  exports+=("OMP_NUM_THREADS=$RETAIN_THREADS_PER_RANK")
+else
+  args+=(--bind-to none)
+  if [ $multi_node -eq 0 ]; then
+    threads=$(( $(nproc) / np ))
+    exports+=("OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( threads > 0 ? threads : 1 ))}")
+  elif [ -n "${OMP_NUM_THREADS:-}" ]; then
+    exports+=("OMP_NUM_THREADS=$OMP_NUM_THREADS")
+  fi
+fi
+
+if [ "${RETAIN_MPI_OVERSUBSCRIBE:-0}" = 1 ]; then
+  args+=(--oversubscribe --mca mpi_yield_when_idle 1)
+fi
+
+# The environment every rank must share (remote nodes do not inherit ours): by name, so that
+# mpirun passes on the values of the shell it runs in.
+for name in PATH LD_LIBRARY_PATH $(compgen -e | grep -E '^(RETAIN|NCCL|CUDA)_' || true); do
+  if [ -n "${!name:-}" ]; then exports+=("$name"); fi
+done
+for e in "${exports[@]}"; do args+=(-x "$e"); done
+
+if [ -n "${RETAIN_MPI_EXTRA:-}" ]; then
+  read -r -a extra <<<"$RETAIN_MPI_EXTRA"
+  args+=("${extra[@]}")
+fi
+args+=("$@")
+
+# The command, quoted (only where needed) so that it can be pasted back into a shell.
+line=$me:
+for a in "${args[@]}"; do
+  if [[ "$a" =~ ^[A-Za-z0-9_@%+=:,./^-]+$ ]]; then line+=" $a"; else line+=" $(printf '%q' "$a")"; fi
+done
+echo "$line" >&2
+[ $dry_run -eq 1 ] && exit 0
+exec "${args[@]}"

@@ -1,0 +1,156 @@
+// FSDP-sharded frozen weights (DESIGN §2): each rank keeps 1/N of every parameter, as F32,
+// and all-gathers what the model asks for just before it is used, one layer at a time,
+// prefetching the layer it will probably ask for next.
+//
+// Layout. Every layer is one flat F32 vector (its 11 tensors in LayerWeights order, each
+// starting on a 64-byte boundary), padded with zeros to N equal shards (N = world size);
+// rank r keeps shard r, converted from the checkpoint's BF16/F16/F32 once at construction
+// by reading only its own slice of the memory-mapped file. The embedding and (untied)
+// lm_head are sharded the same way, as one vector each. The final norm ([D]) is small and
+// kept whole on every rank. With N = 1 nothing is copied: the "gathered" buffers are views
+// of the shards, so a one-rank run holds the model once, in F32.
+//
+// Collectives. Every call that may gather (layer, embedding, lm_head, release_global, the
+// constructor and the destructor) is a collective over `comm`: every rank must make the same
+// sequence of these calls with the same arguments, as the model graph does when every rank
+// runs the same step. Which calls actually communicate depends only on that sequence, so
+// ranks never disagree. config(), final_norm(), resident_bytes() and stats() are local.
+// `comm` must outlive the provider. Not thread-safe; call from the thread that owns `comm`.
+//
+// Validity of what is returned:
+//   layer(l)             views into one of two layer buffers, valid until the next layer()
+//                        call (the same contract as LocalWeightProvider). The other buffer
+//                        receives the prefetch meanwhile.
+//   embedding()/lm_head() F32 [V, D], gathered on first request and kept until the next
+//                        layer() call or release_global(), whichever comes first, then freed
+//                        (when tied, both are the same tensor). So: embedding() before layer 0,
+//                        lm_head() for a whole loss phase (teacher and student hidden states,
+//                        logits and their gradient in chunks) as long as no layer() call comes
+//                        in between. Asking again after a release gathers again.
+//   final_norm()         F32 [D], valid for the provider's lifetime.
+//
+// Prefetch. After serving layer l, the provider starts a nonblocking all_gather of the layer
+// it expects next (LayerPrefetchPolicy): l+1 going up, l-1 going down, and at the first or
+// last layer, what followed that end the last time in the same context (learned, so the
+// steady pattern of a training step — forward, forward, backward, or forward then backward —
+// runs without waiting after the first step). A wrong guess is waited for and discarded;
+// results never depend on guesses. With MPI on CPU, a nonblocking collective advances mostly
+// inside MPI calls (OpenMPI runs no progress thread), so the overlap with computation is
+// partial: for a 63 MB layer on 2 ranks of one (busy) host, ~110 ms per blocking gather and
+// ~30 ms still waited for after 50-200 ms of computation (test_fsdp's FsdpBench).
+#pragma once
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "model/weights.h"
+#include "trainer/dist/comm.h"
+
+namespace retain::dist {
+
+// Which layer to gather ahead, from the sequence of layer requests. Pure bookkeeping (no
+// communication), deterministic, so every rank makes the same guesses.
+class LayerPrefetchPolicy {
+ public:
+  explicit LayerPrefetchPolicy(int64_t layers);
+  // Records a request for layer l; returns the layer expected next (never l), or -1 for a
+  // one-layer model. A repeated request (l again) changes nothing and returns the last guess.
+  int64_t observe(int64_t l);
+
+ private:
+  int64_t layers_;
+  int64_t last_ = -1;
+  int64_t dir_ = +1;
+  int64_t guess_ = -1;
+  // At an end (layer 0 or L-1, reached by moving toward it) the next request is learned,
+  // keyed by (this end, the end reached before it: 0, 1 or none = 2).
+  int prev_end_ = 2;
+  int pending_key_ = -1;  // the key waiting for the next different request
+  std::array<int64_t, 6> learned_;
+};
+
+// Counters for tests and logs.
+struct FsdpStats {
+  int64_t layer_requests = 0;   // layer() calls
+  int64_t layer_gathers = 0;    // layer all_gathers started (prefetches included)
+  int64_t prefetch_hits = 0;    // requests served by a prefetch (or a buffer that held it)
+  int64_t prefetch_misses = 0;  // prefetched layers discarded unused
+  int64_t waited_gathers = 0;   // requests that had to gather their layer there and then
+  int64_t reused = 0;           // requests for the layer already being used
+  int64_t global_gathers = 0;   // embedding / lm_head all_gathers
+};
+
+class FsdpWeightProvider : public WeightProvider {
+ public:
+  // Collective. Every rank must open the same checkpoint; the constructor checks that all
+  // ranks see the same configuration and tensor sizes (every rank fails alike otherwise).
+  FsdpWeightProvider(std::shared_ptr<const Qwen3Checkpoint> ckpt, Comm& comm);
+  // Collective: waits for a prefetch still in flight.
+  ~FsdpWeightProvider() override;
+  FsdpWeightProvider(const FsdpWeightProvider&) = delete;
+  FsdpWeightProvider& operator=(const FsdpWeightProvider&) = delete;
+
+  const Qwen3Config& config() const override { return ckpt_->config(); }
+  const LayerWeights& layer(int64_t l) override;
+  const Tensor& embedding() override;
+  const Tensor& final_norm() override { return final_norm_; }
+  const Tensor& lm_head() override;
+  void release_global() override;
+
+  // Bytes this rank holds now: shards, final norm, layer buffers and gathered globals.
+  int64_t resident_bytes() const;
+  // The part of resident_bytes() that never changes: shards and final norm.
+  int64_t shard_bytes() const;
+  const FsdpStats& stats() const { return stats_; }
+
+ private:
+  // One sharded flat vector: its tensors' names, shapes and offsets, and this rank's shard.
+  struct Piece {
+    std::string name;
+    Shape shape;
+    int64_t offset;
+  };
+  struct Unit {
+    std::vector<Piece> pieces;
+    int64_t shard_len = 0;  // floats per rank; the full vector is N * shard_len
+    Tensor shard;           // F32 [shard_len]
+  };
+  // A layer buffer: the layer it holds (or is receiving), its views, a gather in flight.
+  struct Slot {
+    int64_t layer = -1;
+    bool prefetched = false;  // filled by a guess, not yet asked for
+    Tensor buffer;
+    LayerWeights weights;
+    std::unique_ptr<Request> pending;
+  };
+  // A gathered embedding or lm_head: the buffer and the [V, D] view of it (empty: released).
+  struct Global {
+    Tensor buffer;
+    Tensor full;
+  };
+
+  Unit make_unit(std::vector<std::pair<std::string, Shape>> tensors) const;
+  // Starts gathering `unit` into `buffer` (allocated if needed; with one rank, the shard
+  // itself); null when nothing is left to wait for.
+  std::unique_ptr<Request> start_gather(const Unit& unit, Tensor& buffer, bool blocking);
+  void fill_slot(Slot& slot, int64_t l, bool prefetch);
+  void settle(Slot& slot);  // waits for the slot's gather, if any
+  Tensor view_of(const Tensor& buffer, const Piece& piece) const;
+  const Tensor& gathered_global(const Unit& unit, Global& g);
+  void check_same_model_everywhere() const;
+
+  std::shared_ptr<const Qwen3Checkpoint> ckpt_;
+  Comm& comm_;
+  std::vector<Unit> layers_;
+  Unit embed_, head_;  // head_ has no pieces when tied
+  Tensor final_norm_;
+  Global embed_full_, head_full_;  // gathered globals (empty when released)
+  std::array<Slot, 2> slots_;
+  int current_ = -1;  // the slot handed out by the last layer() call
+  LayerPrefetchPolicy policy_;
+  FsdpStats stats_;
+};
+
+}  // namespace retain::dist
