@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The main job on a tiny built-in model: build; make a random tiny Qwen3 in the Hugging
 # Face layout with random retention gates; pack a small corpus (this repository's docs)
-# with its tokenizer; run the teacher and the gated student over the first packed sequence.
+# with its tokenizer; run the teacher and the gated student on two documents; then train
+# TRIM-KV gates on the packed corpus with two ranks (mpirun -np 2) for a few hundred steps.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./launch/install-deps.sh
-./launch/build.sh --target retain-make-tiny retain-forward retain-pack
+./launch/build.sh --target retain-make-tiny retain-forward retain-pack retain-train
 BIN=${BUILD_DIR:-build}/bin
 WORK=${BUILD_DIR:-build}/quickstart
 mkdir -p "$WORK"
@@ -25,4 +26,13 @@ DOCS="0 0 0 0 0 0 0 0 0 0 0 0 0 0 1 1 1 1 1 1 1 1 1 1"
 "$BIN/retain-forward" --model "$WORK/tiny-qwen3" --ids "$IDS" --doc-ids "$DOCS" --out "$WORK/teacher.safetensors"
 "$BIN/retain-forward" --model "$WORK/tiny-qwen3" --ids "$IDS" --doc-ids "$DOCS" \
   --gates "$WORK/tiny-qwen3/gates.safetensors" --gate-kind trimkv --out "$WORK/student.safetensors"
-echo "quickstart: done; dataset $WORK/docs.h5, logits $WORK/teacher.safetensors and $WORK/student.safetensors"
+echo "== 4. train trimkv gates with 2 ranks: memory budget M = 24 tokens, 300 steps (rank 0 prints every 25)"
+rm -rf "$WORK/run"
+# mpirun as root in containers needs both variables; shared memory only on one host.
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl=self,vader OMPI_MCA_pml=ob1 \
+  OMPI_MCA_btl_vader_single_copy_mechanism=none OMPI_MCA_hwloc_base_binding_policy=none
+mpirun -np 2 --oversubscribe "$BIN/retain-train" --model "$WORK/tiny-qwen3" --data "$WORK/docs.h5" \
+  --out "$WORK/run" --gate trimkv --gate-hidden 16 --bias-init 4 --memory 24 --lr 0.01 --warmup 20 --min-lr 0.001 \
+  --steps 300 --global-batch 2 --save-every 100 --log-every 25 --seed 1
+echo "quickstart: done; dataset $WORK/docs.h5, logits $WORK/teacher.safetensors and $WORK/student.safetensors,"
+echo "            trained gates $WORK/run/gates.safetensors, checkpoints in $WORK/run/checkpoints, metrics $WORK/run/metrics.jsonl"

@@ -1,0 +1,261 @@
+// retain-train end to end on the fixture model: 2 ranks equal 1 rank, resume equals an
+// uninterrupted run (after --stop-after, SIGTERM and SIGKILL), and bad inputs give one clear
+// line and a non-zero exit.
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <sstream>
+#include <thread>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "model/safetensors.h"
+#include "tests/trainer/train_helpers.h"
+
+namespace retain::trainer::test {
+namespace {
+
+using namespace std::chrono_literals;
+
+// A run of the fixture model with gates that visibly decay, a learning rate that moves them.
+std::string train_args(const std::string& data, const std::string& out, const std::string& kind, int steps) {
+  return " --model " + kModel + " --data " + data + " --out " + out + " --gate " + kind + " --init-gates " +
+         kFixtures + "/gates-" + kind + ".safetensors --memory 4 --global-batch 4 --seed 3 --lr 0.01 --warmup 2 " +
+         "--loss-chunk 16 --steps " + std::to_string(steps);
+}
+
+std::vector<nlohmann::json> metrics(const std::string& run_dir) {
+  std::vector<nlohmann::json> v;
+  std::ifstream in(run_dir + "/metrics.jsonl");
+  for (std::string line; std::getline(in, line);)
+    if (!line.empty()) v.push_back(nlohmann::json::parse(line));
+  return v;
+}
+
+// Every gate tensor of two runs' final gates: bit-identical (tol = 0) or within tol relative.
+void expect_same_gates(const std::string& run_a, const std::string& run_b, double tol) {
+  const SafetensorsFile a = SafetensorsFile::open(run_a + "/gates.safetensors");
+  const SafetensorsFile b = SafetensorsFile::open(run_b + "/gates.safetensors");
+  ASSERT_EQ(a.names(), b.names());
+  for (const std::string& n : a.names()) {
+    if (tol == 0)
+      EXPECT_TRUE(bytes_equal(a.tensor(n), b.tensor(n))) << n << " differs";
+    else
+      EXPECT_LE(rel_diff(a.tensor(n), b.tensor(n)), tol) << n;
+  }
+}
+
+// The per-step losses of two runs' metrics.jsonl: equal (tol = 0) or within tol relative.
+void expect_same_losses(const std::string& run_a, const std::string& run_b, double tol) {
+  const auto a = metrics(run_a), b = metrics(run_b);
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i)
+    for (const char* f : {"step", "loss", "kl", "ntp", "cap", "grad_norm", "lr"}) {
+      const double x = a[i].at(f).get<double>(), y = b[i].at(f).get<double>();
+      EXPECT_LE(std::abs(x - y), tol * std::abs(y)) << "step " << i + 1 << " " << f << ": " << x << " vs " << y;
+    }
+}
+
+// The step named by RUN/checkpoints/latest, or -1.
+int latest_step(const std::string& run_dir) {
+  std::ifstream in(run_dir + "/checkpoints/latest");
+  std::string name;
+  if (!(in >> name) || name.rfind("step-", 0) != 0) return -1;
+  return std::stoi(name.substr(5));
+}
+
+pid_t spawn(const std::string& command) {
+  const pid_t pid = fork();
+  if (pid == 0) {
+    execl("/bin/sh", "sh", "-c", ("exec " + command + " >/dev/null 2>&1").c_str(), static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  return pid;
+}
+
+// Waits until RUN/checkpoints/latest names step >= `step` (or the process ended); true if so.
+bool wait_for_checkpoint(const std::string& run_dir, int step, pid_t pid) {
+  for (int i = 0; i < 3000; ++i) {
+    if (latest_step(run_dir) >= step) return true;
+    int status;
+    if (waitpid(pid, &status, WNOHANG) == pid) return false;
+    std::this_thread::sleep_for(10ms);
+  }
+  return false;
+}
+
+class TrainRuns : public ::testing::Test {
+ protected:
+  void SetUp() override { data_ = pack_fixture_corpus(dir_); }
+  Result train(const std::string& extra, int ranks = 1) {
+    const std::string cmd = (ranks > 1 ? mpirun(ranks) : std::string()) + bin("retain-train") + extra;
+    return run(cmd, dir_);
+  }
+  TempDir dir_;
+  std::string data_;
+};
+
+TEST_F(TrainRuns, TwoRanksEqualOneRank) {
+  for (const char* kind : {"trimkv", "dbtrimkv"}) {
+    const std::string one = dir_ / (std::string("one-") + kind), two = dir_ / (std::string("two-") + kind);
+    Result r = train(train_args(data_, one, kind, 5) + " --micro-batch 2");
+    ASSERT_EQ(r.code, 0) << r.err;
+    r = train(train_args(data_, two, kind, 5) + " --micro-batch 1", 2);
+    ASSERT_EQ(r.code, 0) << r.err;
+    expect_same_gates(one, two, 1e-5);
+    expect_same_losses(one, two, 1e-5);
+    // The gates did move: training is not a no-op.
+    const SafetensorsFile init = SafetensorsFile::open(kFixtures + "/gates-" + kind + ".safetensors");
+    const SafetensorsFile end = SafetensorsFile::open(one + "/gates.safetensors");
+    for (const std::string& n : init.names()) EXPECT_GT(rel_diff(end.tensor(n), init.tensor(n)), 1e-4) << n;
+  }
+}
+
+TEST_F(TrainRuns, ResumeAfterStopAfterIsExact) {
+  const std::string full = dir_ / "full", parts = dir_ / "parts", parts2 = dir_ / "parts2";
+  Result r = train(train_args(data_, full, "trimkv", 6) + " --save-every 2");
+  ASSERT_EQ(r.code, 0) << r.err;
+  r = train(train_args(data_, parts, "trimkv", 6) + " --save-every 2 --stop-after 3");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(latest_step(parts), 3);
+  EXPECT_FALSE(fs::exists(parts + "/gates.safetensors"));  // not finished
+  r = train(train_args(data_, parts, "trimkv", 6) + " --save-every 2 --resume");
+  ASSERT_EQ(r.code, 0) << r.err;
+  expect_same_gates(full, parts, 0);
+  expect_same_losses(full, parts, 0);
+  // Saved by one rank, resumed by two (the optimizer state is re-sharded).
+  r = train(train_args(data_, parts2, "trimkv", 6) + " --save-every 2 --stop-after 3");
+  ASSERT_EQ(r.code, 0) << r.err;
+  r = train(train_args(data_, parts2, "trimkv", 6) + " --save-every 2 --resume", 2);
+  ASSERT_EQ(r.code, 0) << r.err;
+  expect_same_gates(full, parts2, 1e-5);
+}
+
+TEST_F(TrainRuns, SigkillAtAnyMomentThenResume) {
+  const std::string full = dir_ / "full";
+  Result r = train(train_args(data_, full, "dbtrimkv", 40) + " --save-every 1 --keep-last 2");
+  ASSERT_EQ(r.code, 0) << r.err;
+  // Killed at three different moments (while saving every step, a kill often lands mid-save).
+  const std::string killed = dir_ / "killed";
+  for (int round = 0; round < 3; ++round) {
+    const pid_t pid = spawn(bin("retain-train") + train_args(data_, killed, "dbtrimkv", 40) +
+                            " --save-every 1 --keep-last 2" + (round ? " --resume" : ""));
+    const int before = latest_step(killed);
+    if (wait_for_checkpoint(killed, before + 2, pid)) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(3 * round));
+      kill(pid, SIGKILL);
+    }
+    int status;
+    waitpid(pid, &status, 0);
+  }
+  r = train(train_args(data_, killed, "dbtrimkv", 40) + " --save-every 1 --keep-last 2 --resume");
+  ASSERT_EQ(r.code, 0) << r.err;
+  expect_same_gates(full, killed, 0);
+  expect_same_losses(full, killed, 0);
+}
+
+// The processes whose parent is `parent` (mpirun's ranks on this host).
+std::vector<pid_t> children(pid_t parent) {
+  std::vector<pid_t> out;
+  for (const auto& e : fs::directory_iterator("/proc")) {
+    const std::string name = e.path().filename().string();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    std::ifstream stat(e.path() / "stat");
+    std::string line;
+    if (!std::getline(stat, line)) continue;
+    // pid (comm) state ppid ...: comm may hold spaces, so parse after the last ')'.
+    const size_t close = line.rfind(')');
+    if (close == std::string::npos) continue;
+    std::istringstream rest(line.substr(close + 1));
+    std::string state;
+    pid_t ppid = 0;
+    rest >> state >> ppid;
+    if (ppid == parent) out.push_back(static_cast<pid_t>(std::stoi(name)));
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+TEST_F(TrainRuns, SigtermOnOneRankStopsEveryRankAndResumes) {
+  const std::string full = dir_ / "full", term = dir_ / "term";
+  Result r = train(train_args(data_, full, "trimkv", 40) + " --save-every 10");
+  ASSERT_EQ(r.code, 0) << r.err;
+  // As a scheduler's preemption signal reaching only one rank: the ranks agree on the step to
+  // stop at, every rank saves its shard, every rank exits 0.
+  const pid_t pid = spawn(mpirun(2) + bin("retain-train") + train_args(data_, term, "trimkv", 40) + " --save-every 10");
+  ASSERT_TRUE(wait_for_checkpoint(term, 10, pid)) << "no checkpoint appeared";
+  const std::vector<pid_t> ranks = children(pid);
+  ASSERT_EQ(ranks.size(), 2u);
+  kill(ranks.back(), SIGTERM);
+  int status;
+  waitpid(pid, &status, 0);
+  ASSERT_TRUE(WIFEXITED(status)) << "killed by signal " << (WIFSIGNALED(status) ? WTERMSIG(status) : 0);
+  EXPECT_EQ(WEXITSTATUS(status), 0);
+  const int stopped = latest_step(term);
+  ASSERT_GE(stopped, 10);
+  if (stopped < 40) {
+    EXPECT_FALSE(fs::exists(term + "/gates.safetensors"));
+    r = train(train_args(data_, term, "trimkv", 40) + " --save-every 10 --resume", 2);
+    ASSERT_EQ(r.code, 0) << r.err;
+  }
+  expect_same_gates(full, term, 1e-5);
+}
+
+// One line on stderr naming the problem, a non-zero exit, no run directory left behind.
+void expect_clean_error(const Result& r, const std::string& needle) {
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.err.find(needle), std::string::npos) << r.err;
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+}
+
+TEST_F(TrainRuns, BadInputsAreClearErrors) {
+  const std::string out = dir_ / "run";
+  expect_clean_error(train(train_args(dir_ / "missing.h5", out, "trimkv", 1)), "missing.h5");
+  EXPECT_FALSE(fs::exists(out));
+  expect_clean_error(train(train_args(data_, out, "trimkv", 1) + " --seq-len 64"), "--seq-len");
+  EXPECT_FALSE(fs::exists(out));
+  expect_clean_error(train(" --model " + (dir_ / "nomodel") + " --data " + data_ + " --out " + out), "nomodel");
+
+  // A model whose tokenizer.json differs from the one the data was packed with.
+  const std::string other = dir_ / "other-model";
+  fs::copy(kModel, other);
+  { std::ofstream(other + "/tokenizer.json", std::ios::app) << "\n"; }
+  expect_clean_error(train(" --model " + other + " --data " + data_ + " --out " + out), "tokenizer");
+  // Data packed with a tokenizer of 300 tokens (41 extra added tokens) for a model of 259.
+  const std::string small = dir_ / "small-model";
+  ASSERT_EQ(run(bin("retain-make-tiny") + " --out " + small + " --vocab 259", dir_).code, 0);
+  nlohmann::json tok = nlohmann::json::parse(slurp(small + "/tokenizer.json"));
+  for (int id = 259; id < 300; ++id)
+    tok["added_tokens"].push_back({{"id", id}, {"content", "<extra_" + std::to_string(id) + ">"}, {"single_word", false},
+                                   {"lstrip", false}, {"rstrip", false}, {"normalized", false}, {"special", true}});
+  std::ofstream(small + "/tokenizer.json") << tok.dump();
+  const std::string wide = dir_ / "wide.h5";
+  ASSERT_EQ(run(bin("retain-pack") + " --tokenizer " + small + " --input " + kFixtures + "/corpus.jsonl --out " + wide +
+                    " --seq-len 40 -q",
+                dir_)
+                .code,
+            0);
+  expect_clean_error(train(" --model " + small + " --data " + wide + " --out " + out), "vocab");
+  EXPECT_FALSE(fs::exists(out));
+
+  // A finished run: no restart over it without --resume; a resume must keep the trajectory.
+  ASSERT_EQ(train(train_args(data_, out, "trimkv", 2)).code, 0);
+  expect_clean_error(train(train_args(data_, out, "trimkv", 2)), "--resume");
+  expect_clean_error(train(train_args(data_, out, "trimkv", 4) + " --resume --lr 0.5"), "lr");
+  // Two ranks: one error line, from one rank (mpirun adds its own summary of the exit codes).
+  const Result two = train(train_args(dir_ / "missing.h5", dir_ / "run2", "trimkv", 1), 2);
+  EXPECT_NE(two.code, 0);
+  size_t lines = 0;
+  for (size_t at = two.err.find("retain-train: error:"); at != std::string::npos;
+       at = two.err.find("retain-train: error:", at + 1))
+    ++lines;
+  EXPECT_EQ(lines, 1u) << two.err;
+  EXPECT_NE(two.err.find("missing.h5"), std::string::npos) << two.err;
+}
+
+}  // namespace
+}  // namespace retain::trainer::test

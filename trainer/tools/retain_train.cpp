@@ -1,0 +1,128 @@
+// retain-train: trains retention gates on a frozen Qwen3 (DESIGN §7). One process is a
+// one-rank world; under mpirun every rank runs this same main (rank 0 alone prints).
+#include <iostream>
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include "kernels/base/cli.h"
+#include "trainer/dist/comm.h"
+#include "trainer/train.h"
+#include "trainer/train_config.h"
+
+using namespace retain;
+
+namespace {
+
+constexpr const char* kUsage =
+    "Usage: retain-train --model DIR --data FILE.h5 --out RUN_DIR [--gate trimkv|dbtrimkv]\n"
+    "                    [--memory M] [--cap-weight λ] [--kl-weight W] [--ntp-weight W]\n"
+    "                    [--bias-init B] [--gate-hidden G] [--lr LR] [--steps N] [--seed S]\n"
+    "                    [--resume] [--dump-grads FILE.safetensors] [more options below]\n"
+    "       mpirun -np N retain-train ...   (data parallel; frozen weights sharded FSDP-style)\n\n"
+    "Trains TRIM-KV (trimkv) or DBTrimKV (dbtrimkv) retention gates on the frozen Qwen3 in DIR\n"
+    "with the packed dataset FILE.h5 (retain-pack): loss = kl-weight·KL(teacher‖student) +\n"
+    "ntp-weight·NTP + cap-weight·capacity(M) (docs/math.md). RUN_DIR receives config.json,\n"
+    "metrics.jsonl, checkpoints/step-XXXXXXXX/ (every --save-every steps, the last --keep-last\n"
+    "kept, `checkpoints/latest` naming the newest) and, at the end, gates.safetensors.\n"
+    "SIGTERM/SIGINT save a checkpoint and exit; --resume continues the run exactly.\n"
+    "--dump-grads runs one optimizer-free step on the first batch and writes every gate\n"
+    "parameter, its gradient (grad/NAME), the losses (loss/*) and the batch (batch/*).";
+
+int run(int argc, char** argv, dist::Comm& comm) {
+  trainer::TrainConfig c;
+  std::string gate = "trimkv";
+  cli::po::options_description opts("Options");
+  opts.add_options()
+      ("model", cli::po::value(&c.model_dir)->required(), "frozen Qwen3 (Hugging Face directory)")
+      ("data", cli::po::value(&c.data_path)->required(), "packed dataset (.h5 from retain-pack)")
+      ("out", cli::po::value(&c.run_dir), "run directory (required unless --dump-grads)")
+      ("gate", cli::po::value(&gate)->default_value("trimkv"), "trimkv (local capacity) or dbtrimkv (global)")
+      ("memory", cli::po::value(&c.memory)->default_value(128), "memory budget M of the capacity loss (tokens)")
+      ("cap-weight", cli::po::value(&c.cap_weight)->default_value(1.0), "λ: weight of the capacity loss")
+      ("kl-weight", cli::po::value(&c.kl_weight)->default_value(0.5), "weight of KL(teacher‖student)")
+      ("ntp-weight", cli::po::value(&c.ntp_weight)->default_value(0.5), "weight of the next-token loss")
+      ("bias-init", cli::po::value(&c.bias_init)->default_value(18.0), "initial gate bias b (18: β≈1, plain attention)")
+      ("gate-hidden", cli::po::value(&c.gate_hidden)->default_value(512), "gate hidden size G for new gates")
+      ("init-gates", cli::po::value(&c.init_gates), "start from this gate file instead of fresh gates")
+      ("lr", cli::po::value(&c.lr)->default_value(2e-4), "peak learning rate (AdamW)")
+      ("min-lr", cli::po::value(&c.min_lr)->default_value(0.0), "learning rate at the end of the cosine")
+      ("warmup", cli::po::value(&c.warmup)->default_value(0), "linear warmup steps")
+      ("weight-decay", cli::po::value(&c.weight_decay)->default_value(1e-6), "AdamW decoupled weight decay")
+      ("clip", cli::po::value(&c.clip)->default_value(1.0), "global gradient-norm clip (0: off)")
+      ("steps", cli::po::value(&c.steps)->default_value(100), "optimizer steps")
+      ("global-batch", cli::po::value(&c.global_batch)->default_value(0),
+       "sequences per optimizer step over all ranks (0: one micro-batch per rank)")
+      ("micro-batch", cli::po::value(&c.micro_batch)->default_value(1),
+       "sequences per forward pass on one rank (global-batch / (ranks × micro-batch) are accumulated)")
+      ("loss-chunk", cli::po::value(&c.loss_chunk)->default_value(1024), "tokens per KL/NTP logits chunk")
+      ("seq-len", cli::po::value(&c.seq_len)->default_value(0), "expected sequence length (0: the dataset's)")
+      ("seed", cli::po::value(&c.seed)->default_value(0), "seed of the gate init and the data order")
+      ("save-every", cli::po::value(&c.save_every)->default_value(100), "checkpoint every N steps (and at the end)")
+      ("keep-last", cli::po::value(&c.keep_last)->default_value(3), "checkpoints kept (0: all)")
+      ("log-every", cli::po::value(&c.log_every)->default_value(1), "metrics line every N steps")
+      ("stop-after", cli::po::value(&c.stop_after)->default_value(0),
+       "save a checkpoint and exit after N steps of this invocation (0: run to --steps)")
+      ("resume", cli::po::bool_switch(&c.resume), "continue the run in --out from its latest checkpoint")
+      ("dump-grads", cli::po::value(&c.dump_grads), "write one step's gradients to FILE.safetensors and exit");
+  cli::po::variables_map vm;
+  // --help goes to rank 0's stdout only.
+  if (comm.is_main_rank()) {
+    if (!cli::parse(argc, argv, kUsage, opts, vm)) return 0;
+  } else {
+    cli::po::store(cli::po::command_line_parser(argc, argv).options(opts).allow_unregistered().run(), vm);
+    if (vm.count("help")) return 0;
+    cli::po::notify(vm);
+  }
+  c.gate = gates::parse_gate_kind(gate, "--gate");
+  if (c.dump_grads.empty() && c.run_dir.empty()) throw cli::UsageError("--out is required (unless --dump-grads)");
+  if (c.steps < 0) throw cli::UsageError(fmt::format("--steps must be ≥ 0, got {}", c.steps));
+  if (c.loss_chunk <= 0) throw cli::UsageError(fmt::format("--loss-chunk must be positive, got {}", c.loss_chunk));
+  if (c.micro_batch <= 0) throw cli::UsageError(fmt::format("--micro-batch must be positive, got {}", c.micro_batch));
+  if (c.global_batch < 0) throw cli::UsageError(fmt::format("--global-batch must be ≥ 0, got {}", c.global_batch));
+  if (c.gate_hidden <= 0) throw cli::UsageError(fmt::format("--gate-hidden must be positive, got {}", c.gate_hidden));
+  if (!(c.memory >= 0) || !std::isfinite(c.memory))
+    throw cli::UsageError(fmt::format("--memory must be a finite number ≥ 0, got {}", c.memory));
+  if (!(c.lr >= 0) || !(c.min_lr >= 0)) throw cli::UsageError("--lr and --min-lr must be ≥ 0");
+  if (!c.dump_grads.empty()) {
+    trainer::dump_gradients(c, comm);
+    return 0;
+  }
+  return trainer::run_training(c, comm);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::unique_ptr<dist::Comm> comm;
+  try {
+    comm = dist::make_comm();
+  } catch (const std::exception& e) {
+    std::cerr << "retain-train: error: " << e.what() << "\n";
+    return 1;
+  }
+  const bool main_rank = comm->is_main_rank();
+  if (!main_rank) spdlog::set_level(spdlog::level::err);  // rank 0 alone prints progress
+  try {
+    return run(argc, argv, *comm);
+  } catch (const trainer::CollectiveError& e) {
+    // Raised on every rank together: each exits on its own, one of them says why.
+    if (e.print()) std::cerr << "retain-train: error: " << e.what() << "\n";
+    return 1;
+  } catch (const cli::UsageError& e) {  // same argv on every rank
+    if (main_rank) std::cerr << "retain-train: error: " << e.what() << " (see --help)\n";
+    return 2;
+  } catch (const cli::po::error& e) {
+    if (main_rank) std::cerr << "retain-train: error: " << e.what() << " (see --help)\n";
+    return 2;
+  } catch (const std::exception& e) {
+    // One rank failed alone: the others would wait for it in their next collective forever.
+    if (comm->size() == 1) {
+      std::cerr << "retain-train: error: " << e.what() << "\n";
+      return 1;
+    }
+    std::cerr << "retain-train: error: rank " << comm->rank() << ": " << e.what() << "\n";
+    std::cerr.flush();
+    comm->abort(1);
+  }
+}

@@ -1,0 +1,414 @@
+#include "trainer/train.h"
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <optional>
+
+#include <spdlog/spdlog.h>
+
+#include "checkpoints/checkpoint.h"
+#include "data/loader.h"
+#include "data/packed_dataset.h"
+#include "kernels/base/atomic_file.h"
+#include "kernels/base/error.h"
+#include "model/safetensors.h"
+#include "model/weights.h"
+#include "trainer/dist/fsdp.h"
+#include "trainer/flat_params.h"
+#include "trainer/metrics.h"
+#include "trainer/optim.h"
+#include "trainer/signals.h"
+#include "trainer/step.h"
+
+namespace retain::trainer {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// What both training and --dump-grads open: the frozen model, the dataset (checked against the
+// model), the weight provider for this world and the batch geometry.
+struct Inputs {
+  std::shared_ptr<const Qwen3Checkpoint> model;
+  std::optional<data::PackedDataset> data;
+  std::unique_ptr<WeightProvider> weights;
+  int64_t global_batch = 0;
+  LossConfig loss;
+};
+
+// Opens and checks everything on this rank; no collectives (see collectively()).
+Inputs open_inputs(const TrainConfig& cfg, const dist::Comm& comm) {
+  Inputs in;
+  in.model = std::make_shared<const Qwen3Checkpoint>(Qwen3Checkpoint::open(cfg.model_dir));
+  const Qwen3Config& mc = in.model->config();
+  in.data.emplace(data::PackedDataset::open(cfg.data_path));
+  const data::PackedDataset& ds = *in.data;
+  data::check_dataset_matches_model(ds, cfg.model_dir, mc);
+  if (cfg.seq_len > 0 && cfg.seq_len != ds.seq_len())
+    fail("{}: sequences are {} tokens long, but --seq-len is {}", cfg.data_path, ds.seq_len(), cfg.seq_len);
+  if (ds.seq_len() > mc.max_position_embeddings)
+    fail("{}: sequences of {} tokens exceed the model's max_position_embeddings {} ({}/config.json)", cfg.data_path,
+         ds.seq_len(), mc.max_position_embeddings, cfg.model_dir);
+
+  const int64_t world = comm.size();
+  in.global_batch = cfg.global_batch > 0 ? cfg.global_batch : world * cfg.micro_batch;
+  if (cfg.micro_batch <= 0) fail("--micro-batch must be positive, got {}", cfg.micro_batch);
+  if (in.global_batch % (world * cfg.micro_batch) != 0)
+    fail("--global-batch {} is not a multiple of {} ranks × --micro-batch {}", in.global_batch, world,
+         cfg.micro_batch);
+  if (in.global_batch > ds.num_sequences())
+    fail("{}: {} sequences, fewer than one global batch of {}", cfg.data_path, ds.num_sequences(), in.global_batch);
+
+  in.loss.memory = cfg.memory;
+  in.loss.mode = cfg.global_capacity() ? ops::CapacityMode::global : ops::CapacityMode::local;
+  in.loss.kl_weight = cfg.kl_weight;
+  in.loss.ntp_weight = cfg.ntp_weight;
+  in.loss.cap_weight = cfg.cap_weight;
+  in.loss.loss_chunk = cfg.loss_chunk;
+  return in;
+}
+
+// One rank reads the mapped checkpoint layer by layer; several shard it (FSDP, collective).
+void make_weight_provider(Inputs& in, dist::Comm& comm) {
+  if (comm.size() == 1)
+    in.weights = std::make_unique<LocalWeightProvider>(in.model);
+  else
+    in.weights = std::make_unique<dist::FsdpWeightProvider>(in.model, comm);
+}
+
+gates::RetentionGates initial_gates(const TrainConfig& cfg, const Qwen3Config& mc) {
+  if (!cfg.init_gates.empty()) return gates::RetentionGates::load(cfg.init_gates, mc, cfg.gate);
+  const gates::GateDims dims{cfg.gate, mc.num_hidden_layers, mc.hidden_size, cfg.gate_hidden, mc.num_key_value_heads};
+  return gates::RetentionGates::init(dims, cfg.bias_init, cfg.seed);
+}
+
+// Names a non-finite loss component, or "" when all are finite.
+std::string nonfinite_loss(const StepLosses& l) {
+  if (!std::isfinite(l.kl())) return fmt::format("the KL loss is {}", l.kl());
+  if (!std::isfinite(l.ntp())) return fmt::format("the NTP loss is {}", l.ntp());
+  if (!std::isfinite(l.cap())) return fmt::format("the capacity loss is {}", l.cap());
+  return {};
+}
+
+// The first gate parameter whose (global) gradient holds a NaN/Inf, agreed over ranks.
+std::string nonfinite_gradient(const gates::RetentionGates& gates, dist::Comm& comm) {
+  const auto& params = gates.parameters();
+  std::vector<double> bad(params.size(), 0.0);
+  for (size_t p = 0; p < params.size(); ++p) {
+    const float* g = params[p].grad.data<float>();
+    for (int64_t i = 0; i < params[p].grad.numel(); ++i)
+      if (!std::isfinite(g[i])) {
+        bad[p] = 1;
+        break;
+      }
+  }
+  comm.all_reduce(bad.data(), bad.size());
+  for (size_t p = 0; p < params.size(); ++p)
+    if (bad[p] > 0) return fmt::format("the gradient of {} is not finite", params[p].name());
+  return "the gradient norm is not finite";
+}
+
+// Runs f() on every rank and agrees on the outcome: when any rank fails, every rank throws a
+// CollectiveError, and only the lowest failing rank's message is printed (setup errors such as
+// a missing file are usually the same on every rank).
+template <typename F>
+void collectively(dist::Comm& comm, F&& f) {
+  std::string error;
+  try {
+    f();
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  std::vector<double> failed(static_cast<size_t>(comm.size()), 0.0);
+  failed[static_cast<size_t>(comm.rank())] = error.empty() ? 0.0 : 1.0;
+  comm.all_reduce(failed.data(), failed.size());
+  int first = -1;
+  for (int r = 0; r < comm.size() && first < 0; ++r)
+    if (failed[static_cast<size_t>(r)] > 0) first = r;
+  if (first < 0) return;
+  const bool mine = first == comm.rank();
+  const std::string prefix = comm.size() > 1 ? fmt::format("rank {}: ", first) : std::string();
+  throw CollectiveError(mine ? prefix + error : std::string("another rank failed"), mine);
+}
+
+bool stderr_is_tty() { return isatty(STDERR_FILENO) == 1; }
+
+}  // namespace
+
+int run_training(const TrainConfig& cfg, dist::Comm& comm) {
+  const bool main_rank = comm.is_main_rank();
+  Inputs in;
+  collectively(comm, [&] { in = open_inputs(cfg, comm); });
+  const Qwen3Config& mc = in.model->config();
+  const data::PackedDataset& ds = *in.data;
+  const nlohmann::json config_json = to_json(cfg);
+
+  // The run directory: a fresh run refuses one that already has checkpoints.
+  collectively(comm, [&] {
+    if (main_rank) {
+      fs::create_directories(cfg.run_dir);
+      ckpt::remove_stale_temporaries(cfg.run_dir);
+    }
+  });
+  std::optional<std::string> resume_dir;
+  collectively(comm, [&] {
+    const std::optional<std::string> latest = ckpt::latest_checkpoint(cfg.run_dir);
+    if (latest && !cfg.resume)
+      fail("{}: the run directory already has checkpoints (latest: {}); pass --resume to continue it, or choose "
+           "another --out",
+           cfg.run_dir, fs::path(*latest).filename().string());
+    if (cfg.resume) resume_dir = latest;
+  });
+
+  // Gates, optimizer shard, data cursor: from the latest checkpoint or fresh.
+  gates::RetentionGates gates;
+  collectively(comm, [&] { gates = initial_gates(cfg, mc); });
+  const int64_t n = flat_size(gates);
+  const ShardRange range = shard_range(n, comm.rank(), comm.size());
+  const int64_t shard = range.end - range.begin;
+  AdamWConfig adam_cfg;
+  adam_cfg.lr = cfg.lr;
+  adam_cfg.weight_decay = cfg.weight_decay;
+  AdamW adam(shard, adam_cfg);
+  data::Cursor cursor{cfg.seed, 0, 0};
+  int64_t step = 0;
+  collectively(comm, [&] {
+    if (!resume_dir) return;
+    const ckpt::Loaded loaded = ckpt::load_checkpoint(*resume_dir, n, range.begin, range.end);
+    const std::string diff = trajectory_difference(loaded.state.at("config"), config_json);
+    if (!diff.empty()) fail("{}: cannot resume with a different configuration: {}", *resume_dir, diff);
+    gates = gates::RetentionGates::load(loaded.gates_path, mc, cfg.gate);
+    adam.set_state(loaded.optimizer.t, loaded.optimizer.m, loaded.optimizer.v);
+    cursor = data::Cursor::from_json(loaded.state.at("cursor"), in.global_batch, ds.num_sequences(),
+                                     *resume_dir + "/state.json");
+    step = loaded.step;
+  });
+  if (main_rank) {
+    if (resume_dir)
+      spdlog::info("resuming {} at step {}", *resume_dir, step);
+    else if (cfg.resume)
+      spdlog::info("--resume: {} has no checkpoint yet; starting a new run", cfg.run_dir);
+  }
+  collectively(comm, [&] {
+    if (main_rank) write_file_atomic(cfg.run_dir + "/config.json", config_json.dump(2) + "\n");
+  });
+  make_weight_provider(in, comm);
+
+  data::LoaderOptions lopt;
+  lopt.global_batch = in.global_batch;
+  lopt.rank = comm.rank();
+  lopt.world_size = comm.size();
+  lopt.seed = cfg.seed;
+  data::Loader loader(ds, lopt, cursor);
+
+  Schedule schedule;
+  schedule.lr = cfg.lr;
+  schedule.min_lr = cfg.min_lr;
+  schedule.warmup_steps = cfg.warmup;
+  schedule.total_steps = cfg.steps;
+
+  if (main_rank) {
+    spdlog::info("model {}: {} layers, hidden {}, {} heads / {} KV heads; {} gates, {} parameters", cfg.model_dir,
+                 mc.num_hidden_layers, mc.hidden_size, mc.num_attention_heads, mc.num_key_value_heads,
+                 gates::gate_kind_name(cfg.gate), gates.num_parameters());
+    spdlog::info("data {}: {} sequences of {} tokens; global batch {} ({} ranks × {} micro-batches of {}), {} "
+                 "steps per epoch",
+                 cfg.data_path, ds.num_sequences(), ds.seq_len(), in.global_batch, comm.size(),
+                 in.global_batch / (comm.size() * cfg.micro_batch), cfg.micro_batch, loader.steps_per_epoch());
+  }
+
+  // Flat views: values and gradients (padded to a multiple of the world size).
+  std::vector<float> values(static_cast<size_t>(range.padded), 0.0f), grads(values.size(), 0.0f),
+      grad_shard(static_cast<size_t>(shard), 0.0f);
+  std::optional<MetricsLog> metrics_log;
+  std::optional<ProgressDisplay> progress;
+  if (main_rank) {
+    metrics_log.emplace(cfg.run_dir + "/metrics.jsonl", step);
+    progress.emplace(cfg.steps, stderr_is_tty(), std::max<int64_t>(cfg.log_every, 1));
+  }
+
+  auto save = [&](int64_t done) {
+    ckpt::SaveRequest req;
+    req.step = done;
+    req.gates = &gates;
+    req.state = {{"config", config_json}, {"cursor", loader.cursor().to_json(in.global_batch, ds.num_sequences())}};
+    req.optimizer.t = adam.t();
+    req.optimizer.flat_size = n;
+    req.optimizer.begin = range.begin;
+    req.optimizer.end = range.end;
+    req.optimizer.m = adam.m();
+    req.optimizer.v = adam.v();
+    req.keep_last = cfg.keep_last;
+    const std::string dir = ckpt::save_checkpoint(comm, cfg.run_dir, req);
+    if (main_rank) spdlog::info("saved {}", dir);
+    return dir;
+  };
+
+  install_stop_signal_handlers();
+  const auto run_start = Clock::now();
+  const int64_t first_step = step;
+  std::string last_saved;
+  bool stopped = false;
+  std::optional<StepMetrics> first_metrics, last_metrics;  // of this invocation, for the summary
+  while (step < cfg.steps) {
+    const auto t0 = Clock::now();
+    const data::PackedBatch batch = loader.next();
+    gates.zero_grad();
+    const bool log_step = (step + 1) % std::max<int64_t>(cfg.log_every, 1) == 0 || step + 1 == cfg.steps;
+    RetentionStats stats;
+    const StepLosses losses = compute_gradients(*in.weights, gates, make_micro_batches(batch, cfg.micro_batch),
+                                                in.loss, comm, log_step ? &stats : nullptr);
+
+    // Gradient: this rank's part → reduce-scatter → the global gradient of this rank's shard.
+    flatten_grads(gates, grads.data());
+    comm.reduce_scatter(grads.data(), grad_shard.data(), static_cast<size_t>(shard));
+    double sq = 0;
+    for (float g : grad_shard) sq += static_cast<double>(g) * g;
+    comm.all_reduce(&sq, 1);
+    const double grad_norm = std::sqrt(sq);
+    std::string bad = nonfinite_loss(losses);
+    if (bad.empty() && !std::isfinite(grad_norm)) bad = nonfinite_gradient(gates, comm);
+    if (!bad.empty())  // the losses and the norm are global: every rank stops here together
+      throw CollectiveError(fmt::format("step {}: {}; stopping (the last good checkpoint is {})", step + 1, bad,
+           last_saved.empty() ? (resume_dir ? *resume_dir : std::string("none")) : last_saved), main_rank);
+
+    const double factor = clip_factor(grad_norm, cfg.clip);
+    if (factor != 1.0)
+      for (float& g : grad_shard) g = static_cast<float>(g * factor);
+    const double lr = schedule.at(step);
+    flatten_values(gates, values.data());
+    adam.step(values.data() + range.begin, grad_shard.data(), lr);
+    comm.all_gather(values.data() + range.begin, values.data(), static_cast<size_t>(shard));
+    unflatten_values(gates, values.data());
+    ++step;
+
+    const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+    if (main_rank) {
+      StepMetrics m;
+      m.step = step;
+      m.total_steps = cfg.steps;
+      m.loss = losses.total(in.loss);
+      m.kl = losses.kl();
+      m.ntp = losses.ntp();
+      m.cap = losses.cap();
+      m.lr = lr;
+      m.grad_norm = grad_norm;
+      m.tokens = losses.tokens;
+      m.step_seconds = seconds;
+      m.tokens_per_s = seconds > 0 ? static_cast<double>(losses.tokens) / seconds : 0.0;
+      const double elapsed = std::chrono::duration<double>(Clock::now() - run_start).count();
+      m.eta_seconds = elapsed / static_cast<double>(step - first_step) * static_cast<double>(cfg.steps - step);
+      m.mean_beta = stats.mean_beta;
+      m.effective_cache = stats.effective_cache;
+      if (log_step) metrics_log->write(m);
+      progress->update(m);
+      if (!first_metrics) first_metrics = m;
+      last_metrics = m;
+    }
+
+    // Stop signals: any rank's signal stops every rank at the same step; --stop-after likewise.
+    double signal = stop_signal() != 0 ? 1.0 : 0.0;
+    comm.all_reduce(&signal, 1);
+    const bool stop_here = cfg.stop_after > 0 && step - first_step == cfg.stop_after && step < cfg.steps;
+    if (stop_here) signal = 1;
+    const bool save_now = step % std::max<int64_t>(cfg.save_every, 1) == 0 || step == cfg.steps || signal > 0;
+    if (save_now) last_saved = save(step);
+    if (signal > 0) {
+      stopped = true;
+      break;
+    }
+  }
+  if (main_rank) {
+    progress->finish();
+    if (first_metrics && last_metrics->step > first_metrics->step)
+      spdlog::info("steps {}..{}: loss {:.4f} → {:.4f}, capacity {:.4f} → {:.4f}, KL {:.4f} → {:.4f}, NTP {:.4f} → {:.4f}",
+                   first_metrics->step, last_metrics->step, first_metrics->loss, last_metrics->loss,
+                   first_metrics->cap, last_metrics->cap, first_metrics->kl, last_metrics->kl, first_metrics->ntp,
+                   last_metrics->ntp);
+    if (stopped)
+      spdlog::info("stopped after step {} ({}); continue with --resume", step,
+                   stop_signal() ? fmt::format("signal {}", stop_signal()) : std::string("--stop-after"));
+    if (step >= cfg.steps) {
+      gates.save(cfg.run_dir + "/gates.safetensors",
+                 {{"memory", fmt::format("{}", cfg.memory)}, {"base_model", cfg.model_dir}, {"step", std::to_string(step)}});
+      spdlog::info("done: {} steps; gates {}/gates.safetensors, checkpoint {}", step, cfg.run_dir,
+                   last_saved.empty() ? std::string("(none new)") : last_saved);
+    }
+  }
+  comm.barrier();
+  return 0;
+}
+
+void dump_gradients(const TrainConfig& cfg, dist::Comm& comm) {
+  Inputs in;
+  gates::RetentionGates gates;
+  collectively(comm, [&] {
+    in = open_inputs(cfg, comm);
+    gates = initial_gates(cfg, in.model->config());
+  });
+  make_weight_provider(in, comm);
+  const data::PackedDataset& ds = *in.data;
+  data::LoaderOptions lopt;
+  lopt.global_batch = in.global_batch;
+  lopt.rank = comm.rank();
+  lopt.world_size = comm.size();
+  lopt.seed = cfg.seed;
+  data::Loader loader(ds, lopt);
+  const data::PackedBatch batch = loader.next();
+  gates.zero_grad();
+  const StepLosses losses = compute_gradients(*in.weights, gates, make_micro_batches(batch, cfg.micro_batch), in.loss, comm);
+
+  // The global gradient on every rank, then the global batch in rank order.
+  const int64_t n = flat_size(gates);
+  std::vector<float> grads(static_cast<size_t>(n));
+  flatten_grads(gates, grads.data());
+  comm.all_reduce(grads.data(), grads.size());
+  const int64_t B = in.global_batch, S = ds.seq_len(), local = batch.input_ids.dim(0);
+  Tensor ids = Tensor::empty({B, S}, DType::I32), docs = Tensor::empty({B, S}, DType::I32),
+         mask = Tensor::empty({B, S}, DType::U8);
+  comm.all_gather_bytes(batch.input_ids.data<int32_t>(), ids.data<int32_t>(), static_cast<size_t>(local * S) * 4);
+  comm.all_gather_bytes(batch.doc_ids.data<int32_t>(), docs.data<int32_t>(), static_cast<size_t>(local * S) * 4);
+  comm.all_gather_bytes(batch.target_mask.data<uint8_t>(), mask.data<uint8_t>(), static_cast<size_t>(local * S));
+  if (!comm.is_main_rank()) return;
+
+  std::vector<std::pair<std::string, Tensor>> out;
+  int64_t offset = 0;
+  for (const gates::GateParameter& p : gates.parameters()) {
+    Tensor g = Tensor::empty(p.value.shape(), DType::F32);
+    std::memcpy(g.data<float>(), grads.data() + offset, g.nbytes());
+    offset += p.value.numel();
+    for (const std::string& name : p.file_names) {
+      out.emplace_back(name, p.value);
+      out.emplace_back("grad/" + name, g);
+    }
+  }
+  auto scalar = [](double x) { return Tensor::from_vector<double>({x}, {}); };
+  out.emplace_back("loss/total", scalar(losses.total(in.loss)));
+  out.emplace_back("loss/kl", scalar(losses.kl()));
+  out.emplace_back("loss/ntp", scalar(losses.ntp()));
+  out.emplace_back("loss/cap", scalar(losses.cap()));
+  out.emplace_back("batch/input_ids", ids);
+  out.emplace_back("batch/doc_ids", docs);
+  out.emplace_back("batch/target_mask", mask);
+  write_safetensors(cfg.dump_grads, out,
+                    {{"format", "retain-dump-grads"},
+                     {"gate_kind", std::string(gates::gate_kind_name(cfg.gate))},
+                     {"memory", fmt::format("{}", cfg.memory)},
+                     {"kl_weight", fmt::format("{}", cfg.kl_weight)},
+                     {"ntp_weight", fmt::format("{}", cfg.ntp_weight)},
+                     {"cap_weight", fmt::format("{}", cfg.cap_weight)},
+                     {"loss_positions", std::to_string(losses.positions)},
+                     {"cap_positive", std::to_string(losses.cap_positive)},
+                     {"world_size", std::to_string(comm.size())}});
+  spdlog::info("wrote {}: {} gate tensors, loss {:.6f} (kl {:.6f}, ntp {:.6f}, cap {:.6f})", cfg.dump_grads,
+               gates.parameters().size(), losses.total(in.loss), losses.kl(), losses.ntp(), losses.cap());
+}
+
+}  // namespace retain::trainer

@@ -1,0 +1,57 @@
+#include "trainer/train_config.h"
+
+#include <fmt/format.h>
+
+namespace retain::trainer {
+
+nlohmann::json to_json(const TrainConfig& c) {
+  return {
+      {"model", c.model_dir},
+      {"data", c.data_path},
+      {"out", c.run_dir},
+      {"gate", std::string(gates::gate_kind_name(c.gate))},
+      {"gate_hidden", c.gate_hidden},
+      {"bias_init", c.bias_init},
+      {"init_gates", c.init_gates},
+      {"memory", c.memory},
+      {"cap_weight", c.cap_weight},
+      {"kl_weight", c.kl_weight},
+      {"ntp_weight", c.ntp_weight},
+      {"loss_chunk", c.loss_chunk},
+      {"capacity", c.global_capacity() ? "global" : "local"},
+      {"lr", c.lr},
+      {"min_lr", c.min_lr},
+      {"warmup", c.warmup},
+      {"weight_decay", c.weight_decay},
+      {"clip", c.clip},
+      {"steps", c.steps},
+      {"global_batch", c.global_batch},
+      {"micro_batch", c.micro_batch},
+      {"seed", c.seed},
+      {"save_every", c.save_every},
+      {"keep_last", c.keep_last},
+      {"log_every", c.log_every},
+      {"stop_after", c.stop_after},
+      {"seq_len", c.seq_len},
+  };
+}
+
+std::string trajectory_difference(const nlohmann::json& saved, const nlohmann::json& now) {
+  // loss_chunk only changes float rounding inside a chunk's GEMM, not the math, but an exact
+  // resume needs it equal too.
+  static const char* const kFields[] = {"model",  "data",         "gate",       "gate_hidden", "bias_init",
+                                        "init_gates", "memory",   "cap_weight", "kl_weight",   "ntp_weight",
+                                        "loss_chunk", "lr",       "min_lr",     "warmup",      "weight_decay",
+                                        "clip",   "global_batch", "micro_batch", "seed",       "seq_len"};
+  for (const char* f : kFields) {
+    const bool in_saved = saved.contains(f), in_now = now.contains(f);
+    if (!in_saved || !in_now) {
+      if (in_saved != in_now) return fmt::format("{}: missing in the {}", f, in_saved ? "new config" : "checkpoint");
+      continue;
+    }
+    if (saved[f] != now[f]) return fmt::format("{}: {} in the checkpoint, {} now", f, saved[f].dump(), now[f].dump());
+  }
+  return {};
+}
+
+}  // namespace retain::trainer

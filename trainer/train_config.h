@@ -1,0 +1,57 @@
+// Everything a training run is configured by: the command line of retain-train resolved into
+// one struct, written to RUN/config.json and into every checkpoint, and compared on --resume.
+#pragma once
+#include <cstdint>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "model/gates/gates.h"
+
+namespace retain::trainer {
+
+struct TrainConfig {
+  // Inputs and outputs.
+  std::string model_dir, data_path, run_dir;
+  bool resume = false;
+  std::string dump_grads;  // non-empty: one optimizer-free step on the first batch, then exit
+
+  // Gates (DESIGN §4).
+  gates::GateKind gate = gates::GateKind::trimkv;
+  int64_t gate_hidden = 512;
+  double bias_init = 18.0;
+  std::string init_gates;  // optional: start from this gate file instead of a fresh init
+
+  // Loss (DESIGN §4).
+  double memory = 128;  // M
+  double cap_weight = 1.0, kl_weight = 0.5, ntp_weight = 0.5;
+  int64_t loss_chunk = 1024;  // tokens per KL/NTP chunk
+
+  // Optimization.
+  double lr = 2e-4, min_lr = 0, weight_decay = 1e-6, clip = 1.0;
+  int64_t warmup = 0;
+  int64_t steps = 100;
+  int64_t global_batch = 0;  // sequences per optimizer step over all ranks (0: one per rank)
+  int64_t micro_batch = 1;   // sequences per forward pass on one rank
+  uint64_t seed = 0;
+
+  // Bookkeeping.
+  int64_t save_every = 100;
+  int keep_last = 3;
+  int64_t log_every = 1;
+  int64_t stop_after = 0;  // > 0: save and stop after this many steps of this invocation (time-sliced jobs)
+  int64_t seq_len = 0;  // 0: the dataset's; otherwise must equal it
+
+  // DESIGN §4: local hinge for trimkv, global for dbtrimkv.
+  bool global_capacity() const { return gate == gates::GateKind::dbtrimkv; }
+};
+
+nlohmann::json to_json(const TrainConfig& c);
+
+// The fields that define the trajectory of a run (model, data, gates, loss, optimizer, batch,
+// seed). A resume must agree on all of them, or it would not continue the same run; it may
+// change steps, save/log cadence and keep_last. Returns "" or a one-line description of the
+// first difference ("lr: 0.0002 in the checkpoint, 0.001 now").
+std::string trajectory_difference(const nlohmann::json& saved, const nlohmann::json& now);
+
+}  // namespace retain::trainer
