@@ -7,6 +7,10 @@
 #include <string>
 
 #include "kernels/cpu/retention_cpu.h"
+#include "kernels/cuda/memory.h"
+#ifdef RETAIN_CUDA_KERNELS
+#include "kernels/cuda/retention_cuda.h"
+#endif
 
 namespace retain::ops {
 
@@ -37,34 +41,59 @@ void check_length(const char* op, int64_t T) {
   if (T >= (int64_t{1} << 24)) fail("{}: sequence length {} is not below 2^24", op, T);
 }
 
+// The multi-index "2, 0, 5" of flat element x of t.
+std::string index_str(const Tensor& t, int64_t x) {
+  std::string index;
+  for (int64_t a = t.ndim() - 1, rest = x; a >= 0; --a) {
+    index = fmt::format("{}{}", rest % t.dim(a), index.empty() ? "" : ", " + index);
+    rest /= t.dim(a);
+  }
+  return index;
+}
+
+[[noreturn]] void bad_log_beta(const char* op, const Tensor& log_beta, int64_t x, float value) {
+  fail("{}: log_beta[{}] = {} is not ≤ 0 (it must be a logsigmoid output)", op, index_str(log_beta, x), value);
+}
+
 // logβ is a logsigmoid output, so ≤ 0 (−inf allowed): that keeps every exp((t − i)·logβ) ≤ 1
 // in the capacity sums, and a NaN or positive value can only come from a bug upstream.
 void check_log_beta(const char* op, const Tensor& log_beta) {
   const float* lb = log_beta.data<float>();
-  for (int64_t x = 0; x < log_beta.numel(); ++x) {
-    if (lb[x] <= 0.0f) continue;
-    std::string index;
-    for (int64_t a = log_beta.ndim() - 1, rest = x; a >= 0; --a) {
-      index = fmt::format("{}{}", rest % log_beta.dim(a), index.empty() ? "" : ", " + index);
-      rest /= log_beta.dim(a);
-    }
-    fail("{}: log_beta[{}] = {} is not ≤ 0 (it must be a logsigmoid output)", op, index, lb[x]);
-  }
+  for (int64_t x = 0; x < log_beta.numel(); ++x)
+    if (!(lb[x] <= 0.0f)) bad_log_beta(op, log_beta, x, lb[x]);
 }
+
+#ifdef RETAIN_CUDA_KERNELS
+// The same check for a CUDA log_beta: a device scan, then the one offending value copied back.
+void check_log_beta_cuda(const char* op, const Tensor& log_beta) {
+  const int64_t x = cuda::first_not_nonpositive(log_beta);
+  if (x < 0) return;
+  float value = 0;
+  cuda::copy_to_host(&value, log_beta.data<float>() + x, sizeof(float));
+  bad_log_beta(op, log_beta, x, value);
+}
+#endif
 
 struct AttentionDims {
   int64_t T, H, K, d;
 };
 
+// The activations (q, k, v, out, dout, dq, dk, dv) are F32 on the CPU and BF16 on CUDA (the
+// kernels' tensor-core inputs); log_beta, lse, dlog_beta stay F32 and doc I32 everywhere.
+DType activation_dtype(const Tensor& q) { return q.device() == Device::CUDA ? DType::BF16 : DType::F32; }
+
 AttentionDims check_attention_inputs(const char* op, const Tensor& q, const Tensor& k, const Tensor& v,
                                      const Tensor& log_beta, const Tensor& doc, float scale) {
-  expect_ndim(op, "q", q, DType::F32, 3, "[T, H, d]");
+  const DType act = activation_dtype(q);
+  if (q.device() == Device::CUDA && q.dtype() != act)
+    fail("{}: q is a CUDA {} tensor; on CUDA q, k, v, out, dout, dq, dk, dv must be BF16", op, dtype_name(q.dtype()));
+  expect_ndim(op, "q", q, act, 3, "[T, H, d]");
   const AttentionDims a{q.dim(0), q.dim(1), 0, q.dim(2)};
-  expect_ndim(op, "k", k, DType::F32, 3, "[T, K, d]");
+  expect_ndim(op, "k", k, act, 3, "[T, K, d]");
   const int64_t K = k.dim(1);
   if (K <= 0 || a.H % K != 0) fail("{}: {} query heads are not a multiple of {} KV heads", op, a.H, K);
-  expect(op, "k", k, DType::F32, {a.T, K, a.d}, "[T, K, d]");
-  expect(op, "v", v, DType::F32, {a.T, K, a.d}, "[T, K, d]");
+  expect(op, "k", k, act, {a.T, K, a.d}, "[T, K, d]");
+  expect(op, "v", v, act, {a.T, K, a.d}, "[T, K, d]");
   expect(op, "log_beta", log_beta, DType::F32, {a.T, K}, "[T, K]");
   expect(op, "doc", doc, DType::I32, {a.T}, "[T]");
   if (!std::isfinite(scale)) fail("{}: scale {} is not finite", op, scale);
@@ -72,11 +101,34 @@ AttentionDims check_attention_inputs(const char* op, const Tensor& q, const Tens
   return {a.T, a.H, K, a.d};
 }
 
+// Every tensor of an attention call on q's device (CUDA: kernels/cuda/gated_attention.cu), and
+// log_beta checked there.
+void check_attention_device(const char* op, const Tensor& q, std::initializer_list<const Tensor*> ts) {
+  for (const Tensor* t : ts)
+    if (t->device() != q.device())
+      fail("{}: all tensors must be on one device (q is on {}, another is on {})", op, device_name(q.device()),
+           device_name(t->device()));
+}
+
+// Every tensor of a capacity call on log_beta's device: CUDA runs kernels/cuda/capacity.cu.
+void require_device(const char* op, Device device, std::initializer_list<const Tensor*> ts) {
+  for (const Tensor* t : ts)
+    if (t->device() != device)
+      fail("{}: all tensors must be on one device (log_beta is on {}, another is on {})", op, device_name(device),
+           device_name(t->device()));
+}
+
+bool on_cuda(const Tensor& log_beta) { return log_beta.device() == Device::CUDA; }
+
 void check_capacity_inputs(const char* op, const Tensor& log_beta, const Tensor& doc) {
   expect_ndim(op, "log_beta", log_beta, DType::F32, 3, "[L, T, K]");
   expect(op, "doc", doc, DType::I32, {log_beta.dim(1)}, "[T]");
   check_length(op, log_beta.dim(1));
-  require_cpu(op, {&log_beta, &doc});
+  require_device(op, log_beta.device(), {&doc});
+#ifdef RETAIN_CUDA_KERNELS
+  if (on_cuda(log_beta)) return check_log_beta_cuda(op, log_beta);
+#endif
+  require_cpu(op, {&log_beta});
   check_log_beta(op, log_beta);
 }
 
@@ -84,10 +136,25 @@ void check_capacity_loss_inputs(const char* op, const Tensor& log_beta, const Te
                                 double memory) {
   check_capacity_inputs(op, log_beta, doc);
   expect(op, "positions", positions, DType::I32, {log_beta.dim(1)}, "[T]");
-  require_cpu(op, {&positions});
-  const int32_t* p = positions.data<int32_t>();
-  for (int64_t t = 0; t < positions.numel(); ++t)
-    if (p[t] < 0) fail("{}: positions[{}] = {} is negative", op, t, p[t]);
+  require_device(op, log_beta.device(), {&positions});
+  int64_t negative = -1;
+#ifdef RETAIN_CUDA_KERNELS
+  if (on_cuda(log_beta)) negative = cuda::first_negative(positions);
+#endif
+  if (!on_cuda(log_beta)) {
+    const int32_t* p = positions.data<int32_t>();
+    for (int64_t t = 0; t < positions.numel() && negative < 0; ++t)
+      if (p[t] < 0) negative = t;
+  }
+  if (negative >= 0) {
+    int32_t value = 0;
+    const int32_t* at = positions.data<int32_t>() + negative;
+    if (on_cuda(log_beta))
+      cuda::copy_to_host(&value, at, sizeof(value));
+    else
+      value = *at;
+    fail("{}: positions[{}] = {} is negative", op, negative, value);
+  }
   if (!std::isfinite(memory) || memory < 0) fail("{}: memory M = {} is not a finite number ≥ 0", op, memory);
 }
 
@@ -97,9 +164,17 @@ void gated_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Te
                      float scale, Tensor& out, Tensor& lse) {
   const char* op = "gated_attention";
   const AttentionDims a = check_attention_inputs(op, q, k, v, log_beta, doc, scale);
-  expect(op, "out", out, DType::F32, q.shape(), "[T, H, d]");
+  expect(op, "out", out, activation_dtype(q), q.shape(), "[T, H, d]");
   expect(op, "lse", lse, DType::F32, {a.T, a.H}, "[T, H]");
-  require_cpu(op, {&q, &k, &v, &log_beta, &doc, &out, &lse});
+  check_attention_device(op, q, {&k, &v, &log_beta, &doc, &out, &lse});
+  if (q.device() == Device::CUDA) {
+#ifdef RETAIN_CUDA_KERNELS
+    check_log_beta_cuda(op, log_beta);
+    return cuda::gated_attention(q, k, v, log_beta, doc, scale, out, lse);
+#else
+    fail("{}: this build of retain has no CUDA support", op);
+#endif
+  }
   check_log_beta(op, log_beta);
   cpu::gated_attention(q, k, v, log_beta, doc, scale, out, lse);
 }
@@ -109,14 +184,23 @@ void gated_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
                               const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv, Tensor& dlog_beta) {
   const char* op = "gated_attention_backward";
   const AttentionDims a = check_attention_inputs(op, q, k, v, log_beta, doc, scale);
-  expect(op, "out", out, DType::F32, q.shape(), "[T, H, d]");
+  const DType act = activation_dtype(q);
+  expect(op, "out", out, act, q.shape(), "[T, H, d]");
   expect(op, "lse", lse, DType::F32, {a.T, a.H}, "[T, H]");
-  expect(op, "dout", dout, DType::F32, q.shape(), "[T, H, d]");
-  expect(op, "dq", dq, DType::F32, q.shape(), "[T, H, d]");
-  expect(op, "dk", dk, DType::F32, k.shape(), "[T, K, d]");
-  expect(op, "dv", dv, DType::F32, k.shape(), "[T, K, d]");
+  expect(op, "dout", dout, act, q.shape(), "[T, H, d]");
+  expect(op, "dq", dq, act, q.shape(), "[T, H, d]");
+  expect(op, "dk", dk, act, k.shape(), "[T, K, d]");
+  expect(op, "dv", dv, act, k.shape(), "[T, K, d]");
   expect(op, "dlog_beta", dlog_beta, DType::F32, {a.T, a.K}, "[T, K]");
-  require_cpu(op, {&q, &k, &v, &log_beta, &doc, &out, &lse, &dout, &dq, &dk, &dv, &dlog_beta});
+  check_attention_device(op, q, {&k, &v, &log_beta, &doc, &out, &lse, &dout, &dq, &dk, &dv, &dlog_beta});
+  if (q.device() == Device::CUDA) {
+#ifdef RETAIN_CUDA_KERNELS
+    check_log_beta_cuda(op, log_beta);
+    return cuda::gated_attention_backward(q, k, v, log_beta, doc, scale, out, lse, dout, dq, dk, dv, dlog_beta);
+#else
+    fail("{}: this build of retain has no CUDA support", op);
+#endif
+  }
   check_log_beta(op, log_beta);
   cpu::gated_attention_backward(q, k, v, log_beta, doc, scale, out, lse, dout, dq, dk, dv, dlog_beta);
 }
@@ -125,13 +209,19 @@ void capacity_sums(const Tensor& log_beta, const Tensor& doc, Tensor& S) {
   const char* op = "capacity_sums";
   check_capacity_inputs(op, log_beta, doc);
   expect(op, "S", S, DType::F32, log_beta.shape(), "[L, T, K]");
-  require_cpu(op, {&S});
+  require_device(op, log_beta.device(), {&S});
+#ifdef RETAIN_CUDA_KERNELS
+  if (on_cuda(log_beta)) return cuda::capacity_sums(log_beta, doc, S);
+#endif
   cpu::capacity_sums(log_beta, doc, S);
 }
 
 CapacityLoss capacity_loss(const Tensor& log_beta, const Tensor& doc, const Tensor& positions, double memory,
                            CapacityMode mode) {
   check_capacity_loss_inputs("capacity_loss", log_beta, doc, positions, memory);
+#ifdef RETAIN_CUDA_KERNELS
+  if (on_cuda(log_beta)) return cuda::capacity_loss(log_beta, doc, positions, memory, mode);
+#endif
   return cpu::capacity_loss(log_beta, doc, positions, memory, mode);
 }
 
@@ -141,7 +231,10 @@ void capacity_loss_backward(const Tensor& log_beta, const Tensor& doc, const Ten
   check_capacity_loss_inputs(op, log_beta, doc, positions, memory);
   if (!std::isfinite(scale)) fail("{}: scale {} is not finite", op, scale);
   expect(op, "dlog_beta", dlog_beta, DType::F32, log_beta.shape(), "[L, T, K]");
-  require_cpu(op, {&dlog_beta});
+  require_device(op, log_beta.device(), {&dlog_beta});
+#ifdef RETAIN_CUDA_KERNELS
+  if (on_cuda(log_beta)) return cuda::capacity_loss_backward(log_beta, doc, positions, memory, mode, scale, dlog_beta);
+#endif
   cpu::capacity_loss_backward(log_beta, doc, positions, memory, mode, scale, dlog_beta);
 }
 

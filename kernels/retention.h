@@ -15,6 +15,9 @@ namespace retain::ops {
 //   score(t, i) = (q_t·k_i)·scale + (t − i)·log_beta[i, κ(h)],  softmax over allowed i.
 // q F32 [T, H, d]; k, v F32 [T, K, d]; log_beta F32 [T, K]; doc I32 [T].
 // out F32 [T, H, d]; lse F32 [T, H] (per-row log-sum-exp of the scores, kept for backward).
+// CUDA (every tensor on the device; kernels/cuda/gated_attention.cu): q, k, v, out BF16, the
+// rest as above (log_beta, lse F32, doc I32); d = 64 or 128; fp32 accumulation, probabilities
+// rounded to bf16 before they multiply v (FlashAttention-2 numerics, ~1e-2 relative to F32).
 // Padding rows: out = 0, lse = -inf. log_beta ≡ 0 is plain attention. log_beta must be ≤ 0
 // (a logsigmoid output; a positive or NaN entry is a retain::Error naming its index); the
 // i = t decay is exactly 0, so -inf is allowed. T < 2^24 (t − i is exact in float32). O(T·d) memory:
@@ -26,7 +29,8 @@ void gated_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Te
 // Gradients of the above given dout F32 [T, H, d] (recomputes the probabilities from q, k,
 // log_beta and lse). dq [T, H, d], dk, dv [T, K, d], dlog_beta [T, K], all F32, overwritten;
 // padding tokens get 0. dlog_beta[i, κ] = Σ_{h in group κ} Σ_t (t − i)·dS[t, i]. out and lse
-// must be the forward's.
+// must be the forward's. CUDA: q, k, v, out, dout, dq, dk, dv BF16; log_beta, lse, dlog_beta
+// F32; doc I32 (dS is rounded to bf16 for dq and dk; dlog_beta uses the fp32 dS).
 void gated_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
                               const Tensor& log_beta, const Tensor& doc, float scale,
                               const Tensor& out, const Tensor& lse, const Tensor& dout,
@@ -36,6 +40,10 @@ void gated_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
 // log_beta F32 [L, T, K]; doc I32 [T]; S F32 [L, T, K] (0 on padding rows). Every log_beta
 // must be ≤ 0 (a logsigmoid output, -inf allowed): a positive or NaN entry is a retain::Error
 // naming its index (so no term exceeds 1). O(T·K) extra memory, float64 sums.
+// CUDA (log_beta, doc, positions and the outputs all on the device; kernels/cuda/capacity.cu):
+// the same math and dtypes for the three capacity functions, float32 partials of ≤ 64 terms
+// summed in float64 (worst case < 1e-5 relative to this reference, typically ~1e-7),
+// deterministic.
 void capacity_sums(const Tensor& log_beta, const Tensor& doc, Tensor& S);
 
 // The capacity hinge of DESIGN §4 for one sequence, as a sum and a count so the caller can

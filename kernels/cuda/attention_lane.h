@@ -1,0 +1,139 @@
+// The per-lane arithmetic of the CUDA attention kernels (gated_attention.cu) on their mma
+// fragments: masks, decays, the online softmax, the recomputed probabilities and the gradient
+// terms. __host__ __device__, so tests/cuda/test_attention_tiles.cpp runs the kernels' very
+// element code in a CPU emulation of whole CTAs (with emulated ldmatrix/mma) and compares it to
+// the CPU reference op. What stays device-only: quad reductions (shuffles; the emulation adds
+// across the 4 lanes), shared-memory staging and barriers.
+//
+// A warp's tile fragment is float s[NT][4]: element (nt, e) of lane `lane` sits at fragment row
+// c_row(lane, e) (this lane's row e / 2 of {group, group + 8}) and column 8·nt + c_col(lane, e).
+// Logits are in base-2 units (·log2 e) so that exp is exp2.
+#pragma once
+#include <math.h>
+
+#include <cstdint>
+
+#include "kernels/cuda/attention_tiles.h"
+
+namespace retain::cuda::tiles {
+
+inline constexpr float kLog2e = 1.4426950408889634f;
+inline constexpr float kLn2 = 0.6931471805599453f;
+
+// ---- query rows × key columns (forward, dq) --------------------------------------------
+// Row x ∈ {0, 1} of this lane is query t[x] (document doc_t[x], -1 past T); column c is key
+// i0 + c, with lb2[c] = logβ_i·log2 e and doc_k[c] its document (-1 past T), c ∈ [0, 64).
+// q·k in s becomes the base-2 logit (q·k)·scale·log2 e + (t − i)·logβ_i·log2 e, or −inf where
+// the pair is not allowed (all_allowed: tile_all_allowed, no mask needed).
+template <int NT>
+RETAIN_HD void query_row_logits(float (&s)[NT][4], int lane, const int64_t (&t)[2], const int32_t (&doc_t)[2],
+                                int64_t i0, const float* lb2, const int32_t* doc_k, bool all_allowed, float scale2) {
+RETAIN_UNROLL
+  for (int nt = 0; nt < NT; ++nt)
+RETAIN_UNROLL
+    for (int e = 0; e < 4; ++e) {
+      const int x = e / 2, c = 8 * nt + c_col(lane, e);
+      const int64_t i = i0 + c;
+      float val = s[nt][e] * scale2 + decay(t[x], i, lb2[c]);
+      if (!all_allowed && !pair_allowed(t[x], i, doc_t[x], doc_k[c])) val = -INFINITY;
+      s[nt][e] = val;
+    }
+}
+
+// This lane's maxima of its two rows (to be reduced over the 4 lanes of the quad).
+template <int NT>
+RETAIN_HD void lane_row_max(const float (&s)[NT][4], float (&mx)[2]) {
+  mx[0] = mx[1] = -INFINITY;
+RETAIN_UNROLL
+  for (int nt = 0; nt < NT; ++nt)
+RETAIN_UNROLL
+    for (int e = 0; e < 4; ++e) mx[e / 2] = fmaxf(mx[e / 2], s[nt][e]);
+}
+
+// One online-softmax step: tile_max = the rows' maxima over this tile (whole quad), m the
+// running maxima (−inf: nothing allowed yet), l this lane's running partial sums relative to
+// m. Logits in s become probabilities relative to the new maxima; alpha = exp2(m_old − m_new)
+// rescales what was accumulated before (0 when nothing was). A row with nothing allowed so far
+// keeps m = −inf and uses 0 as its reference, so no −inf − (−inf) ever occurs.
+template <int NT>
+RETAIN_HD void online_softmax_step(float (&s)[NT][4], const float (&tile_max)[2], float (&m)[2], float (&l)[2],
+                                   float (&alpha)[2]) {
+  float m_use[2];
+RETAIN_UNROLL
+  for (int x = 0; x < 2; ++x) {
+    const float m_new = fmaxf(m[x], tile_max[x]);
+    m_use[x] = m_new == -INFINITY ? 0.0f : m_new;
+    alpha[x] = exp2f(m[x] - m_use[x]);
+    m[x] = m_new;
+  }
+  float rowsum[2] = {0.0f, 0.0f};
+RETAIN_UNROLL
+  for (int nt = 0; nt < NT; ++nt)
+RETAIN_UNROLL
+    for (int e = 0; e < 4; ++e) {
+      const float p = exp2f(s[nt][e] - m_use[e / 2]);  // masked: exp2(−inf) = 0
+      s[nt][e] = p;
+      rowsum[e / 2] += p;
+    }
+RETAIN_UNROLL
+  for (int x = 0; x < 2; ++x) l[x] = l[x] * alpha[x] + rowsum[x];
+}
+
+// A finished row: l = the whole row's sum (quad-reduced), m its maximum. inv multiplies the
+// accumulated output (0 for a row with nothing allowed: padding, past T), lse is natural-log.
+RETAIN_HD void finish_row(float l, float m, float& inv, float& lse) {
+  inv = l > 0.0f ? 1.0f / l : 0.0f;
+  lse = l > 0.0f ? (m + log2f(l)) * kLn2 : -INFINITY;
+}
+
+// The saved lse of a row in base-2 units, 0 for −inf (rows that allow nothing, whose
+// probabilities are masked to 0 before this value could matter).
+RETAIN_HD float lse_base2(float lse) { return lse == -INFINITY ? 0.0f : lse * kLog2e; }
+
+// dq: s = q·k and dp = dO·v of a tile → dS = P∘(dP − D_t) in s, P = exp2(logit − lse2_t)
+// (lse2, delta: this lane's two rows).
+template <int NT>
+RETAIN_HD void query_row_dscores(float (&s)[NT][4], const float (&dp)[NT][4], int lane, const int64_t (&t)[2],
+                                 const int32_t (&doc_t)[2], int64_t i0, const float* lb2, const int32_t* doc_k,
+                                 bool all_allowed, float scale2, const float (&lse2)[2], const float (&delta)[2]) {
+RETAIN_UNROLL
+  for (int nt = 0; nt < NT; ++nt)
+RETAIN_UNROLL
+    for (int e = 0; e < 4; ++e) {
+      const int x = e / 2, c = 8 * nt + c_col(lane, e);
+      const int64_t i = i0 + c;
+      const bool allowed = all_allowed || pair_allowed(t[x], i, doc_t[x], doc_k[c]);
+      const float val = s[nt][e] * scale2 + decay(t[x], i, lb2[c]);
+      const float p = allowed ? exp2f(val - lse2[x]) : 0.0f;
+      s[nt][e] = p * (dp[nt][e] - delta[x]);
+    }
+}
+
+// ---- key rows × query columns (dk, dv, dlogβ) ------------------------------------------
+// Row x of this lane is key i[x] (document doc_i[x], -1 past T; lb2_i[x] = logβ·log2 e);
+// column c (relative to the tile) is query q0 + c with lse2[c], delta[c], doc_q[c] from the
+// tile's staged rows; the fragment's columns start at tile column col0. s = k·q, dp = v·dO
+// become P (in s) and dS = P∘(dP − D_t) (in dp), and dlb[x] += Σ (t − i)·dS over the fragment
+// (fp32 dS: the bf16 rounding only enters dk's product).
+template <int NT>
+RETAIN_HD void key_row_grads(float (&s)[NT][4], float (&dp)[NT][4], int lane, const int64_t (&i)[2],
+                             const int32_t (&doc_i)[2], const float (&lb2_i)[2], int64_t q0, int col0,
+                             const float* lse2, const float* delta, const int32_t* doc_q, bool all_allowed,
+                             float scale2, float (&dlb)[2]) {
+RETAIN_UNROLL
+  for (int nt = 0; nt < NT; ++nt)
+RETAIN_UNROLL
+    for (int e = 0; e < 4; ++e) {
+      const int x = e / 2, c = col0 + 8 * nt + c_col(lane, e);
+      const int64_t t = q0 + c;
+      const bool allowed = all_allowed || pair_allowed(t, i[x], doc_q[c], doc_i[x]);
+      const float val = s[nt][e] * scale2 + decay(t, i[x], lb2_i[x]);
+      const float p = allowed ? exp2f(val - lse2[c]) : 0.0f;
+      const float ds = p * (dp[nt][e] - delta[c]);
+      dlb[x] += allowed ? static_cast<float>(t - i[x]) * ds : 0.0f;  // t − i ≥ 0 where allowed
+      s[nt][e] = p;
+      dp[nt][e] = ds;
+    }
+}
+
+}  // namespace retain::cuda::tiles

@@ -1,0 +1,535 @@
+// CUDA capacity sums, capacity hinge and its gradient (DESIGN §4; the CPU reference is
+// kernels/cpu/capacity.cpp, formulas in docs/math.md "Capacity"). The tile schedule and the
+// per-lane arithmetic live in kernels/cuda/capacity_tiles.h (shared with a CPU emulation test);
+// this file adds shared memory, barriers, reductions and launches.
+//
+// Kernels (all on the default stream, every launch checked):
+//   tile_info   per (layer, key tile): max logβ over the tile's non-padding keys per head
+//               (the e^-60 skip) and, for layer 0, the tile's document range.
+//   sums        block = (query tile qb, layer l, head group z): a warp per KV head, a lane per
+//               4 consecutive rows; loops over key tiles kb = 0..qb (never above the diagonal),
+//               skipping tiles with no shared document or (per head) no term above e^-60; the
+//               key tile (logβ, β = e^logβ, doc) is staged in shared memory and read by
+//               broadcast. Per row: float32 partials of ≤ 64 terms added into float64. Then,
+//               as asked: S (float32), the local hinge (sum, count) as per-block partials, the
+//               local slope g = ∂ℓ/∂S and per-tile "any g ≠ 0" flags, or Σ_κ S per row (float64,
+//               for the global hinge).
+//   totals      global mode: Σ_{l,κ} S per row in a fixed order, the global hinge and slope.
+//   grads       block = (key tile kb, layer l, head group z): a lane per 4 consecutive keys,
+//               loops over query tiles qb = kb..; the transposed pass
+//               dlogβ_i = scale·Σ_{t>i} g_t·(t − i)·e^{(t−i)·logβ_i}, float64 per key.
+//   reduce      the per-block loss partials summed in a fixed order (deterministic results).
+// Memory besides inputs and outputs: O(L·T·K/128) tile data, g (L·T·K floats local, T global),
+// and Σ_κ S per (layer, head group, row) in float64 in global mode — O(T) per layer, no T×T.
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "kernels/cuda/capacity_tiles.h"
+#include "kernels/cuda/check.h"
+#include "kernels/cuda/retention_cuda.h"
+
+namespace retain::cuda {
+
+namespace {
+
+using namespace capacity;
+
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr int kReduceThreads = 256;
+
+#define RETAIN_LAUNCH_CHECK() CUDA_CHECK(cudaGetLastError())
+
+// ---- tile_info ---------------------------------------------------------------------------
+// grid (nb, L), kTile threads: thread j looks at key i = kb·kTile + j.
+__global__ void __launch_bounds__(kTile) tile_info_kernel(const float* __restrict__ lb, const int32_t* __restrict__ doc,
+                                                          int64_t T, int K, int64_t nb, float* __restrict__ tile_max,
+                                                          TileDocs* __restrict__ docs) {
+  const int64_t kb = blockIdx.x, l = blockIdx.y;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t i = kb * kTile + threadIdx.x;
+  const int32_t d = i < T ? doc[i] : -1;
+  const bool real = d >= 0;
+  __shared__ float s_max[kTile / 32];
+  __shared__ int32_t s_lo[kTile / 32], s_hi[kTile / 32], s_pad[kTile / 32];
+  for (int k = 0; k < K; ++k) {
+    float v = real ? lb[(l * T + i) * K + k] : -INFINITY;
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, o));
+    if (lane == 0) s_max[warp] = v;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      float m = s_max[0];
+      for (int w = 1; w < kTile / 32; ++w) m = fmaxf(m, s_max[w]);
+      tile_max[(l * nb + kb) * K + k] = m;
+    }
+    __syncthreads();  // s_max is reused by the next head
+  }
+  if (l != 0) return;  // the document ranges do not depend on the layer
+  int32_t lo = real ? d : INT32_MAX, hi = real ? d : INT32_MIN, pad = real ? 0 : 1;
+  for (int o = 16; o > 0; o >>= 1) {
+    lo = min(lo, __shfl_xor_sync(kFullMask, lo, o));
+    hi = max(hi, __shfl_xor_sync(kFullMask, hi, o));
+    pad = max(pad, __shfl_xor_sync(kFullMask, pad, o));
+  }
+  if (lane == 0) {
+    s_lo[warp] = lo;
+    s_hi[warp] = hi;
+    s_pad[warp] = pad;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    TileDocs r{s_lo[0], s_hi[0], s_pad[0]};
+    for (int w = 1; w < kTile / 32; ++w) {
+      r.lo = min(r.lo, s_lo[w]);
+      r.hi = max(r.hi, s_hi[w]);
+      r.padded = max(r.padded, s_pad[w]);
+    }
+    docs[kb] = r;
+  }
+}
+
+// ---- sums --------------------------------------------------------------------------------
+struct SumsArgs {
+  const float* lb;       // [L, T, K]
+  const int32_t* doc;    // [T]
+  const int32_t* pos;    // [T], needed by the hinge outputs only
+  int64_t T, nb;
+  int K, W;              // heads, heads per block (= blockDim.x / 32)
+  const float* tile_max;  // [L, nb, K]
+  const TileDocs* docs;  // [nb]
+  double M;
+  float* S;                       // [L, T, K] or null
+  double* part_sum;               // local hinge partials, one per block, or null
+  unsigned long long* part_count;
+  float* g;                       // local slopes [L, T, K] or null
+  uint8_t* g_any;                 // [L, nb, K]: some slope of the (layer, query tile, head) ≠ 0
+  double* head_totals;            // [L·Z, T]: Σ_κ S over the block's heads, or null
+};
+
+__global__ void __launch_bounds__(32 * kHeadsPerBlock) sums_kernel(SumsArgs a) {
+  const int64_t nb = a.nb, T = a.T;
+  const int64_t qb = nb - 1 - blockIdx.x;  // the longest rows start first
+  const int64_t l = blockIdx.y;
+  const int z = blockIdx.z, W = a.W, K = a.K;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int kappa = z * W + warp;
+  const bool active = kappa < K;  // the last head group may be partial
+  __shared__ float s_lb[kHeadsPerBlock][kTile];
+  __shared__ float s_beta[kHeadsPerBlock][kTile];
+  __shared__ int32_t s_doc[kTile];
+  __shared__ double s_tot[kHeadsPerBlock][kTile];
+  __shared__ double s_sum[kHeadsPerBlock];
+  __shared__ unsigned long long s_count[kHeadsPerBlock];
+
+  const int64_t t0 = qb * kTile + lane * kRun;
+  int32_t rdoc[kRun];
+  for (int r = 0; r < kRun; ++r) rdoc[r] = t0 + r < T ? row_doc(a.doc[t0 + r]) : kPadRow;
+  double acc[kRun] = {0, 0, 0, 0};
+  const TileDocs qd = a.docs[qb];
+  const float* head_max = a.tile_max + l * nb * K;
+
+  for (int64_t kb = 0; kb <= qb; ++kb) {
+    const TileDocs kd = a.docs[kb];
+    const bool mine = active && tiles_may_meet(qd, kd) && !tile_negligible(qb, kb, head_max[kb * K + kappa]);
+    // Also the barrier after the previous tile's reads: shared memory may be overwritten.
+    if (!__syncthreads_or(mine)) continue;
+    const int64_t i0 = kb * kTile;
+    for (int x = threadIdx.x; x < W * kTile; x += blockDim.x) {
+      const int j = x / W, w = x % W;  // neighbouring threads read neighbouring heads of a key
+      const int64_t i = i0 + j;
+      const int k = z * W + w;
+      const float v = i < T && k < K ? a.lb[(l * T + i) * K + k] : -INFINITY;
+      s_lb[w][j] = v;
+      s_beta[w][j] = expf(v);
+    }
+    for (int j = threadIdx.x; j < kTile; j += blockDim.x) s_doc[j] = i0 + j < T ? key_doc(a.doc[i0 + j]) : kPadKey;
+    __syncthreads();
+    if (mine) {
+      if (kb == qb)
+        lane_sums_diagonal(s_lb[warp], s_doc, i0, kTile, t0, rdoc, acc);
+      else
+        lane_sums_off_diagonal(s_lb[warp], s_beta[warp], s_doc, i0, kTile, t0, rdoc, tile_one_document(qd, kd), acc);
+    }
+  }
+  lane_self_terms(rdoc, acc);
+
+  // Outputs of the lane's rows for head kappa.
+  double ell_sum = 0;
+  unsigned long long ell_count = 0;
+  bool slope_any = false;
+  for (int r = 0; r < kRun; ++r) {
+    const int64_t t = t0 + r;
+    const double s = rdoc[r] >= 0 ? acc[r] : 0.0;  // padding rows: S = 0, no ℓ
+    if (a.head_totals) s_tot[warp][lane * kRun + r] = active ? s : 0.0;
+    if (!active || t >= T) continue;
+    const int64_t out = (l * T + t) * K + kappa;
+    if (a.S) a.S[out] = static_cast<float>(s);
+    if (a.part_sum || a.g) {
+      double ell = 0, slope = 0;
+      if (rdoc[r] >= 0) {
+        const double den = local_denominator(a.pos[t], a.M);
+        ell = hinge(s - a.M, den);
+        slope = hinge_slope(s - a.M, den);
+      }
+      if (ell > 0) {
+        ell_sum += ell;
+        ++ell_count;
+      }
+      if (a.g) a.g[out] = static_cast<float>(slope);
+      slope_any = slope_any || slope != 0;
+    }
+  }
+  if (a.g) {
+    const bool any = __any_sync(kFullMask, slope_any);  // whole warps: all lanes share `active`
+    if (active && lane == 0) a.g_any[(l * nb + qb) * K + kappa] = any ? 1 : 0;
+  }
+  if (a.part_sum) {
+    for (int o = 16; o > 0; o >>= 1) {
+      ell_sum += __shfl_xor_sync(kFullMask, ell_sum, o);
+      ell_count += __shfl_xor_sync(kFullMask, ell_count, o);
+    }
+    if (lane == 0) {
+      s_sum[warp] = ell_sum;
+      s_count[warp] = ell_count;
+    }
+  }
+  __syncthreads();
+  if (a.part_sum && threadIdx.x == 0) {
+    double sum = 0;
+    unsigned long long count = 0;
+    for (int w = 0; w < W; ++w) {  // a fixed order: the result does not depend on scheduling
+      sum += s_sum[w];
+      count += s_count[w];
+    }
+    const int64_t block = (static_cast<int64_t>(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+    a.part_sum[block] = sum;
+    a.part_count[block] = count;
+  }
+  if (a.head_totals) {
+    const int Z = gridDim.z;
+    for (int j = threadIdx.x; j < kTile; j += blockDim.x) {
+      const int64_t t = qb * kTile + j;
+      if (t >= T) continue;
+      double tot = 0;
+      for (int w = 0; w < W; ++w) tot += s_tot[w][j];
+      a.head_totals[(l * Z + z) * T + t] = tot;
+    }
+  }
+}
+
+// ---- totals (global hinge) ---------------------------------------------------------------
+// grid (nb), kTile threads: row t = qb·kTile + thread.
+__global__ void __launch_bounds__(kTile) totals_kernel(const double* __restrict__ head_totals, int64_t parts,
+                                                       const int32_t* __restrict__ doc, const int32_t* __restrict__ pos,
+                                                       int64_t T, double M, double N, double* part_sum,
+                                                       unsigned long long* part_count, float* g, uint8_t* g_any) {
+  const int64_t qb = blockIdx.x, t = qb * kTile + threadIdx.x;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  __shared__ double s_sum[kTile / 32];
+  __shared__ unsigned long long s_count[kTile / 32];
+  double ell = 0, slope = 0;
+  if (t < T && doc[t] >= 0) {
+    double total = 0;
+    for (int64_t x = 0; x < parts; ++x) total += head_totals[x * T + t];  // layers, then head groups
+    const double den = global_denominator(pos[t], M, N);
+    ell = hinge(total - M * N, den);
+    slope = hinge_slope(total - M * N, den);
+  }
+  if (g && t < T) g[t] = static_cast<float>(slope);
+  double sum = ell;
+  unsigned long long count = ell > 0 ? 1 : 0;
+  for (int o = 16; o > 0; o >>= 1) {
+    sum += __shfl_xor_sync(kFullMask, sum, o);
+    count += __shfl_xor_sync(kFullMask, count, o);
+  }
+  if (lane == 0) {
+    s_sum[warp] = sum;
+    s_count[warp] = count;
+  }
+  const int any = __syncthreads_or(slope != 0);  // also publishes s_sum / s_count
+  if (threadIdx.x == 0) {
+    if (g_any) g_any[qb] = any ? 1 : 0;
+    if (part_sum) {
+      double total_sum = 0;
+      unsigned long long total_count = 0;
+      for (int w = 0; w < kTile / 32; ++w) {
+        total_sum += s_sum[w];
+        total_count += s_count[w];
+      }
+      part_sum[qb] = total_sum;
+      part_count[qb] = total_count;
+    }
+  }
+}
+
+// ---- grads -------------------------------------------------------------------------------
+struct GradArgs {
+  const float* lb;
+  const int32_t* doc;
+  int64_t T, nb;
+  int K, W;
+  const float* tile_max;
+  const TileDocs* docs;
+  const float* g;        // local: [L, T, K]; global: [T]
+  const uint8_t* g_any;  // local: [L, nb, K]; global: [nb]
+  bool per_head;         // local (true) or global (false) slopes
+  double scale;
+  float* dlb;  // [L, T, K]
+};
+
+__global__ void __launch_bounds__(32 * kHeadsPerBlock) grads_kernel(GradArgs a) {
+  const int64_t nb = a.nb, T = a.T;
+  const int64_t kb = blockIdx.x;  // the longest columns (small kb) start first
+  const int64_t l = blockIdx.y;
+  const int z = blockIdx.z, W = a.W, K = a.K;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int kappa = z * W + warp;
+  const bool active = kappa < K;
+  __shared__ float s_g[kHeadsPerBlock][kTile];
+  __shared__ int32_t s_doc[kTile];
+
+  // The lane's keys stay in registers for the whole column.
+  const int64_t i0 = kb * kTile + lane * kRun;
+  float lbk[kRun], bk[kRun];
+  int32_t kdoc[kRun];
+  for (int j = 0; j < kRun; ++j) {
+    const int64_t i = i0 + j;
+    const bool real = active && i < T;
+    lbk[j] = real ? a.lb[(l * T + i) * K + kappa] : -INFINITY;
+    bk[j] = expf(lbk[j]);
+    kdoc[j] = real ? key_doc(a.doc[i]) : kPadKey;
+  }
+  double acc[kRun] = {0, 0, 0, 0};
+  const TileDocs kd = a.docs[kb];
+  const float key_max = active ? a.tile_max[(l * nb + kb) * K + kappa] : -INFINITY;
+
+  for (int64_t qb = kb; qb < nb; ++qb) {
+    const bool live = active && !tile_negligible(qb, kb, key_max);
+    // tile_negligible is monotone in qb: once no head of the block is live, none will be.
+    if (!__syncthreads_or(live)) break;
+    const TileDocs qd = a.docs[qb];
+    const uint8_t any = a.per_head ? (live ? a.g_any[(l * nb + qb) * K + kappa] : 0) : a.g_any[qb];
+    const bool mine = live && any != 0 && tiles_may_meet(qd, kd);
+    if (!__syncthreads_or(mine)) continue;
+    const int64_t t0 = qb * kTile;
+    for (int x = threadIdx.x; x < W * kTile; x += blockDim.x) {
+      const int j = x / W, w = x % W;
+      const int64_t t = t0 + j;
+      const int k = z * W + w;
+      float gv = 0;
+      if (t < T && k < K) gv = a.per_head ? a.g[(l * T + t) * K + k] : a.g[t];
+      s_g[w][j] = gv;
+    }
+    for (int j = threadIdx.x; j < kTile; j += blockDim.x) s_doc[j] = t0 + j < T ? row_doc(a.doc[t0 + j]) : kPadRow;
+    __syncthreads();
+    if (mine) {
+      if (qb == kb)
+        lane_grads_diagonal(s_g[warp], s_doc, t0, kTile, i0, lbk, kdoc, acc);
+      else
+        lane_grads_off_diagonal(s_g[warp], s_doc, t0, kTile, i0, lbk, bk, kdoc, tile_one_document(qd, kd), acc);
+    }
+  }
+  if (!active) return;
+  for (int j = 0; j < kRun; ++j) {
+    const int64_t i = i0 + j;
+    if (i < T) a.dlb[(l * T + i) * K + kappa] = kdoc[j] >= 0 ? static_cast<float>(a.scale * acc[j]) : 0.0f;
+  }
+}
+
+// ---- reduce ------------------------------------------------------------------------------
+// One block: the partials in a fixed order (thread x takes x, x + 256, ...; then a fixed tree).
+__global__ void __launch_bounds__(kReduceThreads) reduce_kernel(const double* sum, const unsigned long long* count,
+                                                                int64_t n, double* out_sum,
+                                                                unsigned long long* out_count) {
+  __shared__ double s_sum[kReduceThreads];
+  __shared__ unsigned long long s_count[kReduceThreads];
+  double s = 0;
+  unsigned long long c = 0;
+  for (int64_t x = threadIdx.x; x < n; x += kReduceThreads) {
+    s += sum[x];
+    c += count[x];
+  }
+  s_sum[threadIdx.x] = s;
+  s_count[threadIdx.x] = c;
+  __syncthreads();
+  for (int half = kReduceThreads / 2; half > 0; half /= 2) {
+    if (static_cast<int>(threadIdx.x) < half) {
+      s_sum[threadIdx.x] += s_sum[threadIdx.x + half];
+      s_count[threadIdx.x] += s_count[threadIdx.x + half];
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    *out_sum = s_sum[0];
+    *out_count = s_count[0];
+  }
+}
+
+// ---- first negative ----------------------------------------------------------------------
+__global__ void first_negative_kernel(const int32_t* x, int64_t n, unsigned long long* first) {
+  for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < n;
+       j += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    if (x[j] < 0) atomicMin(first, static_cast<unsigned long long>(j));
+}
+
+// ---- host side ---------------------------------------------------------------------------
+template <typename T> T* ptr(Tensor& t) { return static_cast<T*>(t.raw()); }
+template <typename T> const T* ptr(const Tensor& t) { return static_cast<const T*>(t.raw()); }
+
+// Launch geometry and the tile data of one log_beta [L, T, K].
+struct Plan {
+  int64_t L, T, nb;
+  int K, W, Z;
+  Tensor tile_max;  // F32 [L, nb, K]
+  Tensor docs;      // I32 [nb, 3] = TileDocs
+
+  Plan(const Tensor& log_beta, const Tensor& doc)
+      : L(log_beta.dim(0)), T(log_beta.dim(1)), nb(tile_count(log_beta.dim(1))), K(static_cast<int>(log_beta.dim(2))) {
+    W = K < kHeadsPerBlock ? K : kHeadsPerBlock;
+    Z = (K + W - 1) / W;
+    tile_max = Tensor::empty({L, nb, K}, DType::F32, Device::CUDA);
+    docs = Tensor::empty({nb, 3}, DType::I32, Device::CUDA);
+    static_assert(sizeof(TileDocs) == 3 * sizeof(int32_t), "TileDocs is stored as 3 int32");
+    tile_info_kernel<<<dim3(static_cast<unsigned>(nb), static_cast<unsigned>(L)), kTile>>>(
+        ptr<float>(log_beta), ptr<int32_t>(doc), T, K, nb, ptr<float>(tile_max), tile_docs());
+    RETAIN_LAUNCH_CHECK();
+  }
+  TileDocs* tile_docs() { return reinterpret_cast<TileDocs*>(docs.raw()); }
+
+  SumsArgs sums_args(const Tensor& log_beta, const Tensor& doc) {
+    SumsArgs a{};
+    a.lb = ptr<float>(log_beta);
+    a.doc = ptr<int32_t>(doc);
+    a.T = T;
+    a.nb = nb;
+    a.K = K;
+    a.W = W;
+    a.tile_max = ptr<float>(tile_max);
+    a.docs = tile_docs();
+    return a;
+  }
+  void launch_sums(const SumsArgs& a) const {
+    sums_kernel<<<dim3(static_cast<unsigned>(nb), static_cast<unsigned>(L), static_cast<unsigned>(Z)), 32 * W>>>(a);
+    RETAIN_LAUNCH_CHECK();
+  }
+  int64_t sum_blocks() const { return nb * L * Z; }
+};
+
+// Σ of n per-block partials → (sum, count) on the host.
+ops::CapacityLoss reduce_to_host(const Tensor& part_sum, const Tensor& part_count, int64_t n) {
+  Tensor out = Tensor::empty({2}, DType::F64, Device::CUDA);  // [sum, count bits]
+  double* o = ptr<double>(out);
+  reduce_kernel<<<1, kReduceThreads>>>(ptr<double>(part_sum), ptr<unsigned long long>(part_count), n, o,
+                                       reinterpret_cast<unsigned long long*>(o + 1));
+  RETAIN_LAUNCH_CHECK();
+  double host[2];
+  CUDA_CHECK(cudaMemcpy(host, o, sizeof(host), cudaMemcpyDeviceToHost));
+  unsigned long long count = 0;
+  static_assert(sizeof(count) == sizeof(double));
+  std::memcpy(&count, &host[1], sizeof(count));
+  return {host[0], static_cast<int64_t>(count)};
+}
+
+// Global mode: Σ_κ S per (layer, head group, row), then totals_kernel. Fills g / g_any when
+// given, and returns the loss partials (nb of them) in part_sum / part_count when given.
+void global_totals(Plan& plan, const Tensor& log_beta, const Tensor& doc, const Tensor& positions, double M,
+                   double* part_sum, unsigned long long* part_count, float* g, uint8_t* g_any) {
+  Tensor head_totals = Tensor::empty({plan.L * plan.Z, plan.T}, DType::F64, Device::CUDA);
+  SumsArgs a = plan.sums_args(log_beta, doc);
+  a.head_totals = ptr<double>(head_totals);
+  plan.launch_sums(a);
+  const double N = static_cast<double>(plan.L * plan.K);
+  totals_kernel<<<static_cast<unsigned>(plan.nb), kTile>>>(ptr<double>(head_totals), plan.L * plan.Z,
+                                                           ptr<int32_t>(doc), ptr<int32_t>(positions), plan.T, M, N,
+                                                           part_sum, part_count, g, g_any);
+  RETAIN_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+int64_t first_negative(const Tensor& x) {
+  const int64_t n = x.numel();
+  if (n == 0) return -1;
+  Tensor first = Tensor::empty({1}, DType::I64, Device::CUDA);
+  const unsigned long long none = ~0ull;
+  CUDA_CHECK(cudaMemcpy(first.raw(), &none, sizeof(none), cudaMemcpyHostToDevice));
+  const int64_t blocks = (n + 255) / 256 < 4096 ? (n + 255) / 256 : 4096;
+  first_negative_kernel<<<static_cast<unsigned>(blocks), 256>>>(ptr<int32_t>(x), n,
+                                                                 static_cast<unsigned long long*>(first.raw()));
+  RETAIN_LAUNCH_CHECK();
+  unsigned long long host = 0;
+  CUDA_CHECK(cudaMemcpy(&host, first.raw(), sizeof(host), cudaMemcpyDeviceToHost));
+  return host == none ? -1 : static_cast<int64_t>(host);
+}
+
+void capacity_sums(const Tensor& log_beta, const Tensor& doc, Tensor& S) {
+  if (log_beta.numel() == 0) return;
+  Plan plan(log_beta, doc);
+  SumsArgs a = plan.sums_args(log_beta, doc);
+  a.S = ptr<float>(S);
+  plan.launch_sums(a);
+}
+
+ops::CapacityLoss capacity_loss(const Tensor& log_beta, const Tensor& doc, const Tensor& positions, double memory,
+                                ops::CapacityMode mode) {
+  if (log_beta.numel() == 0) return {};
+  Plan plan(log_beta, doc);
+  if (mode == ops::CapacityMode::local) {
+    Tensor part_sum = Tensor::empty({plan.sum_blocks()}, DType::F64, Device::CUDA);
+    Tensor part_count = Tensor::empty({plan.sum_blocks()}, DType::I64, Device::CUDA);
+    SumsArgs a = plan.sums_args(log_beta, doc);
+    a.pos = ptr<int32_t>(positions);
+    a.M = memory;
+    a.part_sum = ptr<double>(part_sum);
+    a.part_count = static_cast<unsigned long long*>(part_count.raw());
+    plan.launch_sums(a);
+    return reduce_to_host(part_sum, part_count, plan.sum_blocks());
+  }
+  Tensor part_sum = Tensor::empty({plan.nb}, DType::F64, Device::CUDA);
+  Tensor part_count = Tensor::empty({plan.nb}, DType::I64, Device::CUDA);
+  global_totals(plan, log_beta, doc, positions, memory, ptr<double>(part_sum),
+                static_cast<unsigned long long*>(part_count.raw()), nullptr, nullptr);
+  return reduce_to_host(part_sum, part_count, plan.nb);
+}
+
+void capacity_loss_backward(const Tensor& log_beta, const Tensor& doc, const Tensor& positions, double memory,
+                            ops::CapacityMode mode, double scale, Tensor& dlog_beta) {
+  if (log_beta.numel() == 0) return;
+  Plan plan(log_beta, doc);
+  const bool local = mode == ops::CapacityMode::local;
+  Tensor g = local ? Tensor::empty(log_beta.shape(), DType::F32, Device::CUDA)
+                   : Tensor::empty({plan.T}, DType::F32, Device::CUDA);
+  Tensor g_any = local ? Tensor::empty({plan.L, plan.nb, plan.K}, DType::U8, Device::CUDA)
+                       : Tensor::empty({plan.nb}, DType::U8, Device::CUDA);
+  if (local) {
+    SumsArgs a = plan.sums_args(log_beta, doc);
+    a.pos = ptr<int32_t>(positions);
+    a.M = memory;
+    a.g = ptr<float>(g);
+    a.g_any = ptr<uint8_t>(g_any);
+    plan.launch_sums(a);
+  } else {
+    global_totals(plan, log_beta, doc, positions, memory, nullptr, nullptr, ptr<float>(g), ptr<uint8_t>(g_any));
+  }
+  GradArgs b{};
+  b.lb = ptr<float>(log_beta);
+  b.doc = ptr<int32_t>(doc);
+  b.T = plan.T;
+  b.nb = plan.nb;
+  b.K = plan.K;
+  b.W = plan.W;
+  b.tile_max = ptr<float>(plan.tile_max);
+  b.docs = plan.tile_docs();
+  b.g = ptr<float>(g);
+  b.g_any = ptr<uint8_t>(g_any);
+  b.per_head = local;
+  b.scale = scale;
+  b.dlb = ptr<float>(dlog_beta);
+  grads_kernel<<<dim3(static_cast<unsigned>(plan.nb), static_cast<unsigned>(plan.L), static_cast<unsigned>(plan.Z)),
+                 32 * plan.W>>>(b);
+  RETAIN_LAUNCH_CHECK();
+}
+
+}  // namespace retain::cuda

@@ -1,0 +1,738 @@
+// CUDA retention-gated attention, forward and backward (DESIGN §4; the CPU reference is
+// kernels/cpu/gated_attention.cpp, whose tiling this follows). FlashAttention-2 structure:
+//
+//   forward   one CTA per (query block, query head): Q in registers, K/V tiles streamed
+//             through a 2-stage cp.async pipeline, online softmax in registers, out in bf16
+//             and the row log-sum-exp in fp32.
+//   backward  delta:  D[t, h] = Σ_j dout·out (fp32), one warp per row.
+//             dk/dv:  one CTA per (key block, KV head), over the group's query heads and
+//                     the query blocks at or after it; dk, dv, dlogβ accumulate in registers
+//                     (so GQA needs no atomics: one CTA owns a key block's gradients).
+//             dq:     one CTA per (query block, query head), over key blocks, like the
+//                     forward. A separate kernel instead of FA2's fp32 atomics: it recomputes
+//                     S and dP (7 tile products per tile pair instead of 5) but is
+//                     deterministic, needs no fp32 scratch and no conversion pass.
+//
+// Blocks are kBlock = 64 tokens and CTAs have 4 warps; warp w owns rows 16w..16w+15 of the
+// CTA's block (query rows in forward/dq, key rows in dk/dv), i.e. one m16 row-block of every
+// mma. Tiles above the diagonal and tiles whose blocks share no document id are never
+// visited (the per-block document ranges come from a small kernel); tiles strictly below the
+// diagonal inside one document skip the per-pair mask. Scores are kept in base-2 units
+// (multiplied by log2 e) so that exp is one ex2. Index math lives in attention_tiles.h and is
+// unit-tested on the host (tests/cuda/test_attention_tiles.cpp).
+//
+// Numerics: bf16 operands, fp32 accumulators, P and dS rounded to bf16 before their products
+// (as FlashAttention-2); the softmax statistics, D, dS (for dlogβ) and dlogβ stay fp32.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <utility>
+
+#include "kernels/cuda/attention_lane.h"
+#include "kernels/cuda/attention_tiles.h"
+#include "kernels/cuda/check.h"
+#include "kernels/cuda/mma.cuh"
+#include "kernels/cuda/retention_cuda.h"
+
+namespace retain::cuda {
+
+namespace {
+
+using namespace tiles;
+using bf16 = __nv_bfloat16;
+using ptx::cp_async_16;
+using ptx::cp_async_commit;
+using ptx::cp_async_wait;
+using ptx::ldmatrix_x4;
+using ptx::ldmatrix_x4_trans;
+using ptx::mma_bf16_16816;
+using ptx::pack_bf16;
+
+constexpr float kNegInf = -INFINITY;
+
+struct Params {
+  const bf16* q;         // [T, H, d]
+  const bf16* k;         // [T, K, d]
+  const bf16* v;         // [T, K, d]
+  const float* log_beta; // [T, K]
+  const int32_t* doc;    // [T]
+  const DocRange* ranges;  // [nb]
+  const float* lbmax;      // [nb, K] per-block max logβ, or nullptr: no weight skip (exact)
+  float log_eps;           // the weight skip's log ε (when lbmax is set)
+  bf16* out;             // [T, H, d]   forward
+  float* lse;            // [T, H]      forward output, backward input
+  const bf16* dout;      // [T, H, d]   backward
+  const float* delta;    // [T, H]      backward: D = Σ_j dout·out
+  bf16* dq;              // [T, H, d]
+  bf16* dk;              // [T, K, d]
+  bf16* dv;              // [T, K, d]
+  float* dlog_beta;      // [T, K]
+  int64_t T;
+  int H, K, group, nb;
+  float scale;   // head_dim^-0.5 (or the caller's)
+  float scale2;  // scale · log2 e
+};
+
+// ---- block-level helpers -----------------------------------------------------------------
+
+// Issues cp.async copies of rows [row0, row0 + kBlock) of a [rows, stride] bf16 matrix
+// (columns [0, D) of each row, starting at `base`) into a swizzled smem tile. Rows at or past
+// `valid` (a short last block) are zero-filled, reading row row0 instead (valid ≥ 1 always).
+template <int D>
+__device__ __forceinline__ void load_tile_async(bf16* tile, const bf16* base, int64_t stride, int64_t row0,
+                                                int valid) {
+  constexpr int kChunks = D / 8;  // 16-byte chunks per row
+#pragma unroll
+  for (int c = threadIdx.x; c < kBlock * kChunks; c += kThreads) {
+    const int r = c / kChunks, ch = c % kChunks;
+    const bool in = r < valid;
+    const bf16* src = base + (row0 + (in ? r : 0)) * stride + ch * 8;
+    cp_async_16(tile + swizzled_chunk(r, ch, kChunks) * 8, src, in);
+  }
+}
+
+// The 16-byte chunk (8 bf16) of a swizzled tile holding (row, chunk).
+template <int D>
+__device__ __forceinline__ const bf16* tile_chunk(const bf16* tile, int row, int chunk) {
+  return tile + swizzled_chunk(row, chunk, D / 8) * 8;
+}
+
+// acc[NT][4] += A(16 rows of `a_tile` from a_row0, all D dims) · B, where B's columns are the
+// NT·8 rows of `b_tile` from b_row0 (B = [k = dim][n = row]): S = Q·Kᵀ-shaped products.
+// A via ldmatrix (pattern_a), B via ldmatrix without .trans (pattern_b).
+template <int D, int NT>
+__device__ __forceinline__ void rows_times_rows_t(float (&acc)[NT][4], const bf16* a_tile, int a_row0,
+                                                  const bf16* b_tile, int b_row0, int lane) {
+  static_assert(NT % 2 == 0, "n-tiles come in pairs (16 rows of B per ldmatrix.x4)");
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks) {
+    uint32_t a[4];
+    ldmatrix_x4(a, tile_chunk<D>(a_tile, a_row0 + ldsm_a_row(lane), 2 * ks + ldsm_a_chunk(lane)));
+#pragma unroll
+    for (int np = 0; np < NT / 2; ++np) {
+      uint32_t b[4];
+      ldmatrix_x4(b, tile_chunk<D>(b_tile, b_row0 + 16 * np + ldsm_b_row(lane), 2 * ks + ldsm_b_chunk(lane)));
+      mma_bf16_16816(acc[2 * np], a, b[0], b[1]);
+      mma_bf16_16816(acc[2 * np + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+// Same with A held in registers (the forward's Q fragments, qf[ks] = k-step ks).
+template <int D, int NT>
+__device__ __forceinline__ void frags_times_rows_t(float (&acc)[NT][4], const uint32_t (&qf)[D / 16][4],
+                                                   const bf16* b_tile, int b_row0, int lane) {
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks) {
+#pragma unroll
+    for (int np = 0; np < NT / 2; ++np) {
+      uint32_t b[4];
+      ldmatrix_x4(b, tile_chunk<D>(b_tile, b_row0 + 16 * np + ldsm_b_row(lane), 2 * ks + ldsm_b_chunk(lane)));
+      mma_bf16_16816(acc[2 * np], qf[ks], b[0], b[1]);
+      mma_bf16_16816(acc[2 * np + 1], qf[ks], b[2], b[3]);
+    }
+  }
+}
+
+// acc[D/8][4] += W · B where W (16 × NT·8, fp32 C fragments, rounded to bf16 here) is the
+// left operand with its columns as the k dimension, and B = rows b_row0.. b_row0 + NT·8 of
+// `b_tile` ([k = row][n = dim], ldmatrix .trans, pattern_a): P·V, dS·K, Pᵀ·dO, dSᵀ·Q.
+template <int D, int NT>
+__device__ __forceinline__ void weights_times_rows(float (&acc)[D / 8][4], const float (&w)[NT][4],
+                                                   const bf16* b_tile, int b_row0, int lane) {
+#pragma unroll
+  for (int s = 0; s < NT / 2; ++s) {  // k-step s: columns 16s..16s+15 of W
+    uint32_t a[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float(&c)[4] = w[c_to_a_ntile(s, j)];
+      a[j] = c_to_a_pair(j) == 0 ? pack_bf16(c[0], c[1]) : pack_bf16(c[2], c[3]);
+    }
+#pragma unroll
+    for (int dp = 0; dp < D / 16; ++dp) {
+      uint32_t b[4];
+      ldmatrix_x4_trans(b, tile_chunk<D>(b_tile, b_row0 + 16 * s + ldsm_a_row(lane), 2 * dp + ldsm_a_chunk(lane)));
+      mma_bf16_16816(acc[2 * dp], a, b[0], b[1]);
+      mma_bf16_16816(acc[2 * dp + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// Writes a warp's 16 × D fp32 fragment rows (times `mul`) as bf16 to rows `row[x]` of a
+// [rows, stride] matrix starting at `base` (x = 0: this lane's first row, 1: row + 8), for rows
+// whose `ok[x]` holds.
+template <int D>
+__device__ __forceinline__ void store_rows(bf16* base, int64_t stride, const int64_t (&row)[2], const bool (&ok)[2],
+                                           const float (&acc)[D / 8][4], const float (&mul)[2], int lane) {
+#pragma unroll
+  for (int x = 0; x < 2; ++x) {
+    if (!ok[x]) continue;
+    bf16* dst = base + row[x] * stride + c_col(lane, 0);
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt) {
+      const __nv_bfloat162 val = __floats2bfloat162_rn(acc[nt][2 * x] * mul[x], acc[nt][2 * x + 1] * mul[x]);
+      *reinterpret_cast<__nv_bfloat162*>(dst + 8 * nt) = val;
+    }
+  }
+}
+
+// Shared memory of the kernels, in bf16 tiles of kBlock × D plus per-stage float/int rows.
+template <int D>
+constexpr size_t tile_bytes() {
+  return sizeof(bf16) * kBlock * D;
+}
+// forward / dq: [Q][dO (dq only)][K × 2][V × 2][logβ·log2e × 2][doc of keys × 2]
+template <int D>
+constexpr size_t query_side_smem(bool with_dout) {
+  return tile_bytes<D>() * (with_dout ? 6 : 5) + 2 * kBlock * (sizeof(float) + sizeof(int32_t));
+}
+// dk/dv: [K][V][Q × 2][dO × 2][lse·log2e × 2][D × 2][doc of queries × 2]
+template <int D>
+constexpr size_t key_side_smem() {
+  return tile_bytes<D>() * 6 + 2 * kBlock * (2 * sizeof(float) + sizeof(int32_t));
+}
+
+// ---- small kernels -----------------------------------------------------------------------
+
+__global__ void doc_ranges_kernel(const int32_t* doc, int64_t T, int64_t nb, DocRange* ranges) {
+  const int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (b < nb) ranges[b] = block_doc_range(doc, T, b);
+}
+
+// lbmax[b, kv] = block_max_log_beta (the optional weight skip), one thread per entry.
+__global__ void lbmax_kernel(const float* log_beta, const int32_t* doc, int64_t T, int64_t K, int64_t nb,
+                             float* lbmax) {
+  const int64_t x = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (x < nb * K) lbmax[x] = block_max_log_beta(log_beta, doc, T, K, x / K, x % K);
+}
+
+// D[row] = Σ_j dout[row, j]·out[row, j] over rows of length d (even), one warp per row.
+__global__ void delta_kernel(const bf16* out, const bf16* dout, float* delta, int64_t rows, int d) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= rows) return;  // whole warps leave together (row is warp-uniform)
+  float sum = 0.0f;
+  for (int j = 2 * lane; j < d; j += 64) {
+    const float2 o = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(out + row * d + j));
+    const float2 g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(dout + row * d + j));
+    sum += o.x * g.x + o.y * g.y;
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+  if (lane == 0) delta[row] = sum;
+}
+
+__global__ void first_not_nonpositive_kernel(const float* x, int64_t n, unsigned long long* first) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    if (!(x[i] <= 0.0f)) atomicMin(first, static_cast<unsigned long long>(i));
+}
+
+// ---- forward -----------------------------------------------------------------------------
+
+template <int D>
+__global__ void __launch_bounds__(kThreads) forward_kernel(const Params p) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  bf16* sQ = reinterpret_cast<bf16*>(smem);
+  bf16* sK = sQ + kBlock * D;      // stages 0, 1
+  bf16* sV = sK + 2 * kBlock * D;  // stages 0, 1
+  float* sLb = reinterpret_cast<float*>(sV + 2 * kBlock * D);  // [2][kBlock] logβ·log2e
+  int32_t* sDoc = reinterpret_cast<int32_t*>(sLb + 2 * kBlock);  // [2][kBlock]
+
+  const int64_t qb = p.nb - 1 - static_cast<int64_t>(blockIdx.x);  // the longest rows first
+  const int h = blockIdx.y, kv = h / p.group;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t q0 = block_begin(qb);
+  const int nq = static_cast<int>(block_size(p.T, qb));
+
+  // This lane's two query rows (fragment rows group and group + 8 of its warp's row-block).
+  int64_t t[2];
+  int32_t doc_t[2];
+  bool in_t[2];
+#pragma unroll
+  for (int x = 0; x < 2; ++x) {
+    const int r = warp * kRowsPerWarp + c_row(lane, 2 * x);
+    t[x] = q0 + r;
+    in_t[x] = r < nq;
+    doc_t[x] = in_t[x] ? p.doc[t[x]] : -1;
+  }
+
+  auto load_keys = [&](int64_t kb, int stage) {
+    const int64_t i0 = block_begin(kb);
+    const int nk = static_cast<int>(block_size(p.T, kb));
+    load_tile_async<D>(sK + stage * kBlock * D, p.k + kv * D, int64_t{p.K} * D, i0, nk);
+    load_tile_async<D>(sV + stage * kBlock * D, p.v + kv * D, int64_t{p.K} * D, i0, nk);
+    for (int c = threadIdx.x; c < kBlock; c += kThreads) {
+      const bool in = c < nk;
+      sLb[stage * kBlock + c] = in ? p.log_beta[(i0 + c) * p.K + kv] * kLog2e : 0.0f;
+      sDoc[stage * kBlock + c] = in ? p.doc[i0 + c] : -1;
+    }
+  };
+
+  const TileFilter tiles{p.ranges, p.lbmax ? p.lbmax + kv : nullptr, p.K, p.log_eps};
+  load_tile_async<D>(sQ, p.q + int64_t{h} * D, int64_t{p.H} * D, q0, nq);
+  int64_t kb = next_key_block(tiles, qb, 0);
+  if (kb <= qb) load_keys(kb, 0);
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncthreads();
+
+  uint32_t qf[D / 16][4];
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks)
+    ldmatrix_x4(qf[ks], tile_chunk<D>(sQ, warp * kRowsPerWarp + ldsm_a_row(lane), 2 * ks + ldsm_a_chunk(lane)));
+
+  float o_acc[D / 8][4] = {};
+  float m[2] = {kNegInf, kNegInf};  // running row max (base-2 units); -inf: nothing seen yet
+  float l[2] = {0.0f, 0.0f};        // running row sum of this lane's columns, relative to m
+  int stage = 0;
+  while (kb <= qb) {
+    const int64_t kb_next = next_key_block(tiles, qb, kb + 1);
+    if (kb_next <= qb) load_keys(kb_next, stage ^ 1);  // stage ^ 1 was released by the last barrier
+    cp_async_commit();
+    cp_async_wait<1>();  // everything but the group just committed: this stage has landed
+    __syncthreads();     // ... for every thread, and the plain stores of sLb/sDoc too
+
+    const bf16* k_s = sK + stage * kBlock * D;
+    const bf16* v_s = sV + stage * kBlock * D;
+    const float* lb_s = sLb + stage * kBlock;
+    const int32_t* doc_s = sDoc + stage * kBlock;
+    const int64_t i0 = block_begin(kb);
+    const bool all_allowed = tile_all_allowed(p.ranges, qb, kb);
+
+    float s[kBlock / 8][4] = {};
+    frags_times_rows_t<D, kBlock / 8>(s, qf, k_s, 0, lane);
+
+    query_row_logits(s, lane, t, doc_t, i0, lb_s, doc_s, all_allowed, p.scale2);
+    float mx[2], alpha[2];
+    lane_row_max(s, mx);
+#pragma unroll
+    for (int x = 0; x < 2; ++x) mx[x] = quad_max(mx[x]);
+    online_softmax_step(s, mx, m, l, alpha);
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o_acc[nt][e] *= alpha[e / 2];
+    weights_times_rows<D, kBlock / 8>(o_acc, s, v_s, 0, lane);
+
+    __syncthreads();  // every warp is done with this stage before the next iteration refills it
+    kb = kb_next;
+    stage ^= 1;
+  }
+
+  // Rows with no allowed key (padding, or past T) have l = 0: out 0, lse -inf.
+  float inv[2];
+  int64_t row[2];
+#pragma unroll
+  for (int x = 0; x < 2; ++x) {
+    float lse;
+    finish_row(quad_sum(l[x]), m[x], inv[x], lse);
+    row[x] = t[x] * p.H + h;
+    if (in_t[x] && lane % 4 == 0) p.lse[row[x]] = lse;
+  }
+  store_rows<D>(p.out, D, row, in_t, o_acc, inv, lane);
+}
+
+// ---- backward: dq ------------------------------------------------------------------------
+
+template <int D>
+__global__ void __launch_bounds__(kThreads) dq_kernel(const Params p) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  bf16* sQ = reinterpret_cast<bf16*>(smem);
+  bf16* sdO = sQ + kBlock * D;
+  bf16* sK = sdO + kBlock * D;     // stages 0, 1
+  bf16* sV = sK + 2 * kBlock * D;  // stages 0, 1
+  float* sLb = reinterpret_cast<float*>(sV + 2 * kBlock * D);
+  int32_t* sDoc = reinterpret_cast<int32_t*>(sLb + 2 * kBlock);
+
+  const int64_t qb = p.nb - 1 - static_cast<int64_t>(blockIdx.x);
+  const int h = blockIdx.y, kv = h / p.group;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t q0 = block_begin(qb);
+  const int nq = static_cast<int>(block_size(p.T, qb));
+
+  int64_t t[2];
+  int32_t doc_t[2];
+  bool in_t[2];
+  float lse2[2], delta[2];  // lse in base-2 units; D_t
+#pragma unroll
+  for (int x = 0; x < 2; ++x) {
+    const int r = warp * kRowsPerWarp + c_row(lane, 2 * x);
+    t[x] = q0 + r;
+    in_t[x] = r < nq;
+    doc_t[x] = in_t[x] ? p.doc[t[x]] : -1;
+    lse2[x] = lse_base2(in_t[x] ? p.lse[t[x] * p.H + h] : kNegInf);
+    delta[x] = in_t[x] ? p.delta[t[x] * p.H + h] : 0.0f;
+  }
+
+  auto load_keys = [&](int64_t kb, int stage) {
+    const int64_t i0 = block_begin(kb);
+    const int nk = static_cast<int>(block_size(p.T, kb));
+    load_tile_async<D>(sK + stage * kBlock * D, p.k + kv * D, int64_t{p.K} * D, i0, nk);
+    load_tile_async<D>(sV + stage * kBlock * D, p.v + kv * D, int64_t{p.K} * D, i0, nk);
+    for (int c = threadIdx.x; c < kBlock; c += kThreads) {
+      const bool in = c < nk;
+      sLb[stage * kBlock + c] = in ? p.log_beta[(i0 + c) * p.K + kv] * kLog2e : 0.0f;
+      sDoc[stage * kBlock + c] = in ? p.doc[i0 + c] : -1;
+    }
+  };
+
+  load_tile_async<D>(sQ, p.q + int64_t{h} * D, int64_t{p.H} * D, q0, nq);
+  load_tile_async<D>(sdO, p.dout + int64_t{h} * D, int64_t{p.H} * D, q0, nq);
+  const TileFilter tiles{p.ranges, p.lbmax ? p.lbmax + kv : nullptr, p.K, p.log_eps};
+  int64_t kb = next_key_block(tiles, qb, 0);
+  if (kb <= qb) load_keys(kb, 0);
+  cp_async_commit();
+
+  float dq_acc[D / 8][4] = {};
+  int stage = 0;
+  while (kb <= qb) {
+    const int64_t kb_next = next_key_block(tiles, qb, kb + 1);
+    if (kb_next <= qb) load_keys(kb_next, stage ^ 1);
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
+
+    const bf16* k_s = sK + stage * kBlock * D;
+    const bf16* v_s = sV + stage * kBlock * D;
+    const float* lb_s = sLb + stage * kBlock;
+    const int32_t* doc_s = sDoc + stage * kBlock;
+    const int64_t i0 = block_begin(kb);
+    const bool all_allowed = tile_all_allowed(p.ranges, qb, kb);
+
+    float s[kBlock / 8][4] = {};
+    float dp[kBlock / 8][4] = {};
+    rows_times_rows_t<D, kBlock / 8>(s, sQ, warp * kRowsPerWarp, k_s, 0, lane);    // Q·Kᵀ
+    rows_times_rows_t<D, kBlock / 8>(dp, sdO, warp * kRowsPerWarp, v_s, 0, lane);  // dO·Vᵀ
+    query_row_dscores(s, dp, lane, t, doc_t, i0, lb_s, doc_s, all_allowed, p.scale2, lse2, delta);  // s = dS
+    weights_times_rows<D, kBlock / 8>(dq_acc, s, k_s, 0, lane);  // dS·K
+
+    __syncthreads();
+    kb = kb_next;
+    stage ^= 1;
+  }
+
+  cp_async_wait<0>();  // no copy may be in flight when the CTA exits (none visited: Q, dO still are)
+  int64_t row[2];
+  const float mul[2] = {p.scale, p.scale};
+#pragma unroll
+  for (int x = 0; x < 2; ++x) row[x] = t[x] * p.H + h;
+  store_rows<D>(p.dq, D, row, in_t, dq_acc, mul, lane);
+}
+
+// ---- backward: dk, dv, dlogβ -------------------------------------------------------------
+
+template <int D>
+__global__ void __launch_bounds__(kThreads) dkdv_kernel(const Params p) {
+  // Queries are taken kSub at a time inside a tile, which keeps the transposed score and dP
+  // fragments at kSub/8 n-tiles beside the dk and dv accumulators (2·D/2 fp32 registers):
+  // with kSub = 32, d = 128 spills under ptxas' 255-register cap; 16 does not.
+  constexpr int kSub = D == 128 ? 16 : 32;
+  constexpr int kSubTiles = kSub / 8;
+  extern __shared__ __align__(128) unsigned char smem[];
+  bf16* sK = reinterpret_cast<bf16*>(smem);
+  bf16* sV = sK + kBlock * D;
+  bf16* sQ = sV + kBlock * D;       // stages 0, 1
+  bf16* sdO = sQ + 2 * kBlock * D;  // stages 0, 1
+  float* sLse2 = reinterpret_cast<float*>(sdO + 2 * kBlock * D);  // [2][kBlock]
+  float* sDelta = sLse2 + 2 * kBlock;                                // [2][kBlock]
+  int32_t* sDocQ = reinterpret_cast<int32_t*>(sDelta + 2 * kBlock);  // [2][kBlock]
+
+  const int64_t kb = blockIdx.x;  // early key blocks meet the most query blocks: first
+  const int kv = blockIdx.y;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t i0 = block_begin(kb);
+  const int nk = static_cast<int>(block_size(p.T, kb));
+
+  // This lane's two key rows.
+  int64_t i[2];
+  int32_t doc_i[2];
+  bool in_i[2];
+  float lb2[2];
+#pragma unroll
+  for (int x = 0; x < 2; ++x) {
+    const int r = warp * kRowsPerWarp + c_row(lane, 2 * x);
+    i[x] = i0 + r;
+    in_i[x] = r < nk;
+    doc_i[x] = in_i[x] ? p.doc[i[x]] : -1;
+    lb2[x] = in_i[x] ? p.log_beta[i[x] * p.K + kv] * kLog2e : 0.0f;
+  }
+
+  auto load_queries = [&](int h, int64_t qb, int stage) {
+    const int64_t q0 = block_begin(qb);
+    const int nq = static_cast<int>(block_size(p.T, qb));
+    load_tile_async<D>(sQ + stage * kBlock * D, p.q + int64_t{h} * D, int64_t{p.H} * D, q0, nq);
+    load_tile_async<D>(sdO + stage * kBlock * D, p.dout + int64_t{h} * D, int64_t{p.H} * D, q0, nq);
+    for (int c = threadIdx.x; c < kBlock; c += kThreads) {
+      const bool in = c < nq;
+      sLse2[stage * kBlock + c] = lse_base2(in ? p.lse[(q0 + c) * p.H + h] : kNegInf);
+      sDelta[stage * kBlock + c] = in ? p.delta[(q0 + c) * p.H + h] : 0.0f;
+      sDocQ[stage * kBlock + c] = in ? p.doc[q0 + c] : -1;
+    }
+  };
+
+  load_tile_async<D>(sK, p.k + int64_t{kv} * D, int64_t{p.K} * D, i0, nk);
+  load_tile_async<D>(sV, p.v + int64_t{kv} * D, int64_t{p.K} * D, i0, nk);
+  // The (query head, query block) pairs to visit: heads of the group in order, and for each
+  // the query blocks qb ≥ kb that share a document with kb (first .. nb).
+  const TileFilter tiles{p.ranges, p.lbmax ? p.lbmax + kv : nullptr, p.K, p.log_eps};
+  const int64_t first_qb = next_query_block(tiles, p.nb, kb, kb);
+  const int h_end = (kv + 1) * p.group;
+  int h = first_qb < p.nb ? kv * p.group : h_end;
+  int64_t qb = first_qb;
+  if (h < h_end) load_queries(h, qb, 0);
+  cp_async_commit();
+
+  float dk_acc[D / 8][4] = {};
+  float dv_acc[D / 8][4] = {};
+  float dlb[2] = {0.0f, 0.0f};
+  int stage = 0;
+  while (h < h_end) {
+    const HeadBlock next = next_head_block(tiles, p.nb, kb, first_qb, {h, qb});
+    const int h_next = next.h;
+    const int64_t qb_next = next.qb;
+    if (h_next < h_end) load_queries(h_next, qb_next, stage ^ 1);
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
+
+    const bf16* q_s = sQ + stage * kBlock * D;
+    const bf16* do_s = sdO + stage * kBlock * D;
+    const float* lse2_s = sLse2 + stage * kBlock;
+    const float* delta_s = sDelta + stage * kBlock;
+    const int32_t* doc_s = sDocQ + stage * kBlock;
+    const int64_t q0 = block_begin(qb);
+    const bool all_allowed = tile_all_allowed(p.ranges, qb, kb);
+
+#pragma unroll 1
+    for (int sub = 0; sub < kBlock / kSub; ++sub) {
+      const int c0 = sub * kSub;  // query columns c0 .. c0 + kSub of the tile
+      float s[kSubTiles][4] = {};
+      float dp[kSubTiles][4] = {};
+      rows_times_rows_t<D, kSubTiles>(s, sK, warp * kRowsPerWarp, q_s, c0, lane);    // K·Qᵀ
+      rows_times_rows_t<D, kSubTiles>(dp, sV, warp * kRowsPerWarp, do_s, c0, lane);  // V·dOᵀ
+      key_row_grads(s, dp, lane, i, doc_i, lb2, q0, c0, lse2_s, delta_s, doc_s, all_allowed, p.scale2, dlb);
+      weights_times_rows<D, kSubTiles>(dv_acc, s, do_s, c0, lane);  // Pᵀ·dO
+      weights_times_rows<D, kSubTiles>(dk_acc, dp, q_s, c0, lane);  // dSᵀ·Q
+    }
+
+    __syncthreads();
+    h = h_next;
+    qb = qb_next;
+    stage ^= 1;
+  }
+
+  cp_async_wait<0>();  // no copy may be in flight when the CTA exits (nothing visited: K, V still are)
+  int64_t row[2];
+  const float mul_k[2] = {p.scale, p.scale}, mul_v[2] = {1.0f, 1.0f};
+#pragma unroll
+  for (int x = 0; x < 2; ++x) {
+    row[x] = i[x] * p.K + kv;
+    dlb[x] = quad_sum(dlb[x]);
+    if (in_i[x] && lane % 4 == 0) p.dlog_beta[row[x]] = dlb[x];
+  }
+  store_rows<D>(p.dk, D, row, in_i, dk_acc, mul_k, lane);
+  store_rows<D>(p.dv, D, row, in_i, dv_acc, mul_v, lane);
+}
+
+// ---- host side ---------------------------------------------------------------------------
+
+// Scratch device memory from the stream-ordered pool (kept by the pool between calls, so
+// repeated calls do not pay cudaMalloc), freed in stream order after the kernels using it.
+class Scratch {
+ public:
+  explicit Scratch(size_t bytes) {
+    if (bytes == 0) return;
+    int device = 0;
+    CUDA_CHECK(cudaGetDevice(&device));
+    cudaMemPool_t pool;
+    CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device));
+    uint64_t keep = UINT64_MAX;
+    CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
+    CUDA_CHECK(cudaMallocAsync(&p_, bytes, 0));
+  }
+  ~Scratch() {
+    if (p_) cudaFreeAsync(p_, 0);  // an error here would already have surfaced from the kernels
+  }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  template <typename T>
+  T* as() const {
+    return static_cast<T*>(p_);
+  }
+
+ private:
+  void* p_ = nullptr;
+};
+
+const char* kForward = "gated_attention";
+const char* kBackward = "gated_attention_backward";
+
+void check_aligned(const char* op, const char* what, const Tensor& t) {
+  if (reinterpret_cast<uintptr_t>(t.raw()) % 16 != 0) fail("{}: {} is not 16-byte aligned on the device", op, what);
+}
+
+// The per-call tile tables on the device: each block's document range and, with the optional
+// weight skip (0 < ε < 1), each (block, KV head)'s largest logβ.
+class TileTables {
+ public:
+  TileTables(const char* op, const Tensor& log_beta, const Tensor& doc, float skip_weight_below)
+      : T_(doc.dim(0)),
+        K_(log_beta.dim(1)),
+        nb_(block_count(T_)),
+        skip_(skip_weight_below > 0.0f),
+        ranges_(sizeof(DocRange) * static_cast<size_t>(nb_)),
+        lbmax_(skip_ ? sizeof(float) * static_cast<size_t>(nb_ * K_) : 0) {
+    if (!(skip_weight_below >= 0.0f && skip_weight_below < 1.0f))
+      fail("{}: skip_weight_below = {} is not in [0, 1) (0 = exact)", op, skip_weight_below);
+    const int threads = 128;
+    doc_ranges_kernel<<<static_cast<unsigned>((nb_ + threads - 1) / threads), threads>>>(doc.data<int32_t>(), T_, nb_,
+                                                                                       ranges_.as<DocRange>());
+    CUDA_CHECK(cudaGetLastError());
+    if (skip_) {
+      log_eps_ = std::log(skip_weight_below);
+      lbmax_kernel<<<static_cast<unsigned>((nb_ * K_ + threads - 1) / threads), threads>>>(
+          log_beta.data<float>(), doc.data<int32_t>(), T_, K_, nb_, lbmax_.as<float>());
+      CUDA_CHECK(cudaGetLastError());
+    }
+  }
+  const DocRange* ranges() const { return ranges_.as<DocRange>(); }
+  void fill(Params& p) const {
+    p.lbmax = skip_ ? lbmax_.as<float>() : nullptr;
+    p.log_eps = log_eps_;
+  }
+
+ private:
+  int64_t T_, K_, nb_;
+  bool skip_;
+  float log_eps_ = 0.0f;
+  Scratch ranges_, lbmax_;
+};
+
+Params base_params(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& log_beta,
+                   const Tensor& doc, float scale, const TileTables& tables) {
+  for (auto [name, t] : {std::pair<const char*, const Tensor*>{"q", &q}, {"k", &k}, {"v", &v}})
+    check_aligned(op, name, *t);
+  Params p{};
+  p.q = static_cast<const bf16*>(q.raw());
+  p.k = static_cast<const bf16*>(k.raw());
+  p.v = static_cast<const bf16*>(v.raw());
+  p.log_beta = log_beta.data<float>();
+  p.doc = doc.data<int32_t>();
+  p.ranges = tables.ranges();
+  tables.fill(p);
+  p.T = q.dim(0);
+  p.H = static_cast<int>(q.dim(1));
+  p.K = static_cast<int>(k.dim(1));
+  p.group = p.H / p.K;
+  p.nb = static_cast<int>(block_count(p.T));
+  p.scale = scale;
+  p.scale2 = scale * kLog2e;
+  return p;
+}
+
+int head_dim(const char* op, const Tensor& q) {
+  const int64_t d = q.dim(2);
+  if (d != 64 && d != 128) fail("{}: head_dim {} has no CUDA kernel (64 and 128 have)", op, d);
+  if (q.dim(1) > 65535) fail("{}: {} query heads exceed the CUDA grid's 65535", op, q.dim(1));
+  return static_cast<int>(d);
+}
+
+template <typename Kernel>
+void launch(Kernel kernel, unsigned grid_x, unsigned grid_y, size_t smem, const Params& p) {
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  kernel<<<dim3(grid_x, grid_y), kThreads, smem>>>(p);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+template <int D>
+void forward(const Params& p) {
+  launch(forward_kernel<D>, static_cast<unsigned>(p.nb), static_cast<unsigned>(p.H), query_side_smem<D>(false), p);
+}
+
+template <int D>
+void backward(const Params& p) {
+  const int64_t rows = p.T * p.H;
+  const int warps_per_cta = 8;
+  delta_kernel<<<static_cast<unsigned>((rows + warps_per_cta - 1) / warps_per_cta), 32 * warps_per_cta>>>(
+      p.out, p.dout, const_cast<float*>(p.delta), rows, D);
+  CUDA_CHECK(cudaGetLastError());
+  launch(dq_kernel<D>, static_cast<unsigned>(p.nb), static_cast<unsigned>(p.H), query_side_smem<D>(true), p);
+  launch(dkdv_kernel<D>, static_cast<unsigned>(p.nb), static_cast<unsigned>(p.K), key_side_smem<D>(), p);
+}
+
+}  // namespace
+
+void gated_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& log_beta, const Tensor& doc,
+                     float scale, Tensor& out, Tensor& lse, float skip_weight_below) {
+  const int d = head_dim(kForward, q);
+  if (q.dim(0) == 0) return;
+  check_aligned(kForward, "out", out);
+  const TileTables tables(kForward, log_beta, doc, skip_weight_below);
+  Params p = base_params(kForward, q, k, v, log_beta, doc, scale, tables);
+  p.out = static_cast<bf16*>(out.raw());
+  p.lse = lse.data<float>();
+  if (d == 64)
+    forward<64>(p);
+  else
+    forward<128>(p);
+}
+
+void gated_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& log_beta,
+                              const Tensor& doc, float scale, const Tensor& out, const Tensor& lse,
+                              const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv, Tensor& dlog_beta,
+                              float skip_weight_below) {
+  const int d = head_dim(kBackward, q);
+  const int64_t T = q.dim(0);
+  if (T == 0) return;
+  for (auto [name, t] : {std::pair<const char*, const Tensor*>{"out", &out}, {"dout", &dout}, {"dq", &dq},
+                         {"dk", &dk}, {"dv", &dv}})
+    check_aligned(kBackward, name, *t);
+  const TileTables tables(kBackward, log_beta, doc, skip_weight_below);
+  Scratch delta(sizeof(float) * static_cast<size_t>(T * q.dim(1)));
+  Params p = base_params(kBackward, q, k, v, log_beta, doc, scale, tables);
+  p.out = const_cast<bf16*>(static_cast<const bf16*>(out.raw()));  // read only (delta_kernel)
+  p.lse = const_cast<float*>(lse.data<float>());                     // read only in backward
+  p.dout = static_cast<const bf16*>(dout.raw());
+  p.delta = delta.as<float>();
+  p.dq = static_cast<bf16*>(dq.raw());
+  p.dk = static_cast<bf16*>(dk.raw());
+  p.dv = static_cast<bf16*>(dv.raw());
+  p.dlog_beta = dlog_beta.data<float>();
+  if (d == 64)
+    backward<64>(p);
+  else
+    backward<128>(p);
+}
+
+int64_t first_not_nonpositive(const Tensor& x) {
+  const int64_t n = x.numel();
+  if (n == 0) return -1;
+  Scratch first(sizeof(unsigned long long));
+  CUDA_CHECK(cudaMemsetAsync(first.as<void>(), 0xff, sizeof(unsigned long long), 0));
+  const int threads = 256;
+  const int64_t blocks = std::min<int64_t>((n + threads - 1) / threads, 4096);
+  first_not_nonpositive_kernel<<<static_cast<unsigned>(blocks), threads>>>(x.data<float>(), n,
+                                                                            first.as<unsigned long long>());
+  CUDA_CHECK(cudaGetLastError());
+  unsigned long long result = 0;
+  CUDA_CHECK(cudaMemcpyAsync(&result, first.as<void>(), sizeof result, cudaMemcpyDeviceToHost, 0));
+  CUDA_CHECK(cudaStreamSynchronize(0));
+  return result == ULLONG_MAX ? -1 : static_cast<int64_t>(result);
+}
+
+}  // namespace retain::cuda

@@ -1,0 +1,55 @@
+// CUDA entry points of the retention ops (kernels/retention.h dispatches to them for CUDA
+// tensors after checking shapes, dtypes, devices and log_beta values). Compiled only in CUDA
+// builds: kernels/CMakeLists.txt defines RETAIN_CUDA_KERNELS on retain_kernels there, and
+// kernels/retention.cpp includes this header and calls into it only under that definition.
+#pragma once
+#include <cstdint>
+
+#include "kernels/retention.h"
+#include "kernels/tensor.h"
+
+namespace retain::cuda {
+
+// ---- retention-gated attention (kernels/cuda/gated_attention.cu) -------------------------
+// Same math and shapes as ops::gated_attention / ops::gated_attention_backward; every tensor
+// on the CUDA device, contiguous, 16-byte aligned. q, k, v, out, dout, dq, dk, dv BF16;
+// log_beta, lse, dlog_beta F32; doc I32. head_dim d ∈ {64, 128}. fp32 accumulation on
+// tensor cores (mma.sync m16n8k16 bf16). Runs on the current device's default stream and
+// returns without synchronizing (errors of the launch itself are raised).
+// skip_weight_below = ε ∈ (0, 1) turns on an approximation (off, exact, at the default 0):
+// key tiles whose every weight exp((t − i)·logβ_i) is below ε are skipped; pass the same ε to
+// the backward, which is then the exact gradient of the skipping forward. A row loses softmax
+// mass δ_t ≤ ε·Σ_{i skipped} exp(a_ti − a_tt) (a = q·k·scale) and ‖Δout_t‖ ≤ 2·δ_t·max‖v‖
+// (kernels/cuda/attention_tiles.h states the sharper a-posteriori form; both are tested there).
+void gated_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& log_beta,
+                     const Tensor& doc, float scale, Tensor& out, Tensor& lse,
+                     float skip_weight_below = 0.0f);
+void gated_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
+                              const Tensor& log_beta, const Tensor& doc, float scale,
+                              const Tensor& out, const Tensor& lse, const Tensor& dout,
+                              Tensor& dq, Tensor& dk, Tensor& dv, Tensor& dlog_beta,
+                              float skip_weight_below = 0.0f);
+
+// The flat index of the first element of an F32 CUDA tensor that is positive or NaN
+// (i.e. not ≤ 0), or -1 when every element is ≤ 0 (-inf allowed). Synchronizes.
+int64_t first_not_nonpositive(const Tensor& x);
+// ---- end of retention-gated attention ----------------------------------------------------
+
+// ---- capacity sums and hinge (kernels/cuda/capacity.cu) ----------------------------------
+// Same math and shapes as ops::capacity_sums / capacity_loss / capacity_loss_backward (the CPU
+// reference, kernels/cpu/capacity.cpp), every tensor on the CUDA device: log_beta F32
+// [L, T, K] (already checked ≤ 0), doc and positions I32 [T], S and dlog_beta F32 [L, T, K].
+// Float64 accumulation of float32 partials (≤ 64 terms each); results are deterministic
+// (fixed reduction orders, no atomics). Default stream; capacity_loss synchronizes to return
+// its two numbers, the others return after the launches (temporaries are freed with
+// cudaFree, which waits for the device).
+void capacity_sums(const Tensor& log_beta, const Tensor& doc, Tensor& S);
+ops::CapacityLoss capacity_loss(const Tensor& log_beta, const Tensor& doc, const Tensor& positions,
+                                double memory, ops::CapacityMode mode);
+void capacity_loss_backward(const Tensor& log_beta, const Tensor& doc, const Tensor& positions,
+                            double memory, ops::CapacityMode mode, double scale, Tensor& dlog_beta);
+// The flat index of the first negative element of an I32 CUDA tensor, or -1. Synchronizes.
+int64_t first_negative(const Tensor& x);
+// ---- end of capacity ---------------------------------------------------------------------
+
+}  // namespace retain::cuda

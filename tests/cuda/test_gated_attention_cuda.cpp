@@ -1,0 +1,350 @@
+// The CUDA retention-gated attention (kernels/cuda/gated_attention.cu) against the CPU
+// reference op on fresh random inputs per run (the seed is printed with every failure, and
+// RETAIN_TEST_SEED=n replays one): out, dq, dk, dv, dlogβ within ‖Δ‖/‖ref‖ ≤ 1e-2 (bf16
+// operands; the reference gets the same bf16-rounded inputs in F32), lse within 1e-3; every
+// output poisoned with NaN before each call (an unwritten element fails); T not a multiple of
+// the 64-token block (1, 63, 65, 200, 1000, 2048), documents with padding (contiguous and
+// interleaved), GQA groups 1/2/4/8, head_dim 64 and 128, logβ from −inf to 0; bitwise repeatable
+// results; bad inputs as one-line errors. Skips (visibly) without a CUDA build or device.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/cuda/memory.h"
+#ifdef RETAIN_CUDA_KERNELS
+#include "kernels/cuda/retention_cuda.h"
+#endif
+#include "kernels/retention.h"
+#include "kernels/tensor.h"
+
+using namespace retain;
+
+namespace {
+
+#define SKIP_WITHOUT_GPU()                                          \
+  do {                                                              \
+    if (!cuda_built()) GTEST_SKIP() << "built without CUDA";        \
+    if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device"; \
+  } while (0)
+
+uint32_t fresh_seed() {
+  if (const char* s = std::getenv("RETAIN_TEST_SEED")) return static_cast<uint32_t>(std::strtoul(s, nullptr, 10));
+  return std::random_device{}();
+}
+
+enum class Docs { one, contiguous, interleaved };
+
+std::vector<int32_t> make_docs(int64_t T, Docs kind, std::mt19937& rng) {
+  std::vector<int32_t> doc;
+  if (kind == Docs::one) return std::vector<int32_t>(static_cast<size_t>(T), 0);
+  if (kind == Docs::interleaved) {
+    std::uniform_int_distribution<int32_t> id(-1, 2);
+    for (int64_t t = 0; t < T; ++t) doc.push_back(id(rng));
+    return doc;
+  }
+  std::uniform_int_distribution<int64_t> len(1, std::max<int64_t>(1, T / 3));
+  std::bernoulli_distribution pad(0.2);
+  int32_t id = 0;
+  while (static_cast<int64_t>(doc.size()) < T) {
+    const int32_t value = pad(rng) ? -1 : id++;
+    for (int64_t n = len(rng); n > 0 && static_cast<int64_t>(doc.size()) < T; --n) doc.push_back(value);
+  }
+  return doc;
+}
+
+// logβ over its whole range: 5% −inf (β = 0), 10% −30 (a key seen only by its own query),
+// 35% in [−2, 0] (short range), 50% in [−1e-3, 0] (long range: many tiles per row), or ≡ 0.
+std::vector<float> make_log_beta(int64_t n, bool zero, std::mt19937& rng) {
+  std::vector<float> lb(static_cast<size_t>(n), 0.0f);
+  if (zero) return lb;
+  std::uniform_real_distribution<float> u(0.0f, 1.0f);
+  for (float& x : lb) {
+    const float r = u(rng);
+    x = r < 0.05f ? -INFINITY : r < 0.15f ? -30.0f : r < 0.5f ? -2.0f * u(rng) : -1e-3f * u(rng);
+  }
+  return lb;
+}
+
+std::vector<float> randn(int64_t n, float std, std::mt19937& rng) {
+  std::normal_distribution<float> d(0.0f, std);
+  std::vector<float> v(static_cast<size_t>(n));
+  for (float& x : v) x = d(rng);
+  return v;
+}
+
+// A BF16 copy on the device and the same (bf16-rounded) values as F32 on the host.
+struct Pair {
+  Tensor host;    // F32, CPU
+  Tensor device;  // BF16, CUDA
+};
+Pair bf16_pair(const std::vector<float>& v, const Shape& shape) {
+  const Tensor bf = Tensor::from_vector<float>(v, shape).to_dtype(DType::BF16);
+  return {bf.to_dtype(DType::F32), bf.to(Device::CUDA)};
+}
+
+// A device tensor filled with NaN (all-ones bytes are NaN in both F32 and BF16).
+Tensor poisoned(const Shape& shape, DType dtype) {
+  Tensor t = Tensor::empty(shape, dtype, Device::CUDA);
+  cuda::memset_device(t.raw(), 0xff, t.nbytes());
+  return t;
+}
+
+std::vector<double> host_values(const Tensor& t) {
+  const Tensor f = t.to(Device::CPU).to_dtype(DType::F32);
+  const float* p = f.data<float>();
+  return std::vector<double>(p, p + f.numel());
+}
+
+// ‖got − want‖ / ‖want‖ after checking that every value is finite (a NaN left by the poison
+// means an unwritten element).
+double rel_err(const std::vector<double>& got, const std::vector<double>& want, const char* what) {
+  EXPECT_EQ(got.size(), want.size()) << what;
+  double num = 0, den = 0;
+  for (size_t x = 0; x < want.size(); ++x) {
+    if (!std::isfinite(got[x])) {
+      ADD_FAILURE() << what << "[" << x << "] = " << got[x] << " (unwritten or overflowed)";
+      return INFINITY;
+    }
+    num += (got[x] - want[x]) * (got[x] - want[x]);
+    den += want[x] * want[x];
+  }
+  return den == 0 ? std::sqrt(num) : std::sqrt(num / den);
+}
+
+struct Case {
+  int64_t T, H, K, d;
+  Docs docs;
+  bool zero_decay = false;
+};
+
+struct Problem {
+  Case c;
+  float scale;
+  Pair q, k, v, dout;
+  Tensor lb_host, lb_dev, doc_host, doc_dev;
+};
+
+Problem make_problem(const Case& c, std::mt19937& rng) {
+  Problem p{c, 1.0f / std::sqrt(static_cast<float>(c.d)), {}, {}, {}, {}, {}, {}, {}, {}};
+  p.q = bf16_pair(randn(c.T * c.H * c.d, 1.5f, rng), {c.T, c.H, c.d});
+  p.k = bf16_pair(randn(c.T * c.K * c.d, 1.5f, rng), {c.T, c.K, c.d});
+  p.v = bf16_pair(randn(c.T * c.K * c.d, 1.0f, rng), {c.T, c.K, c.d});
+  p.dout = bf16_pair(randn(c.T * c.H * c.d, 1.0f, rng), {c.T, c.H, c.d});
+  p.lb_host = Tensor::from_vector<float>(make_log_beta(c.T * c.K, c.zero_decay, rng), {c.T, c.K});
+  p.lb_dev = p.lb_host.to(Device::CUDA);
+  p.doc_host = Tensor::from_vector<int32_t>(make_docs(c.T, c.docs, rng), {c.T});
+  p.doc_dev = p.doc_host.to(Device::CUDA);
+  return p;
+}
+
+struct Results {
+  std::vector<double> out, lse, dq, dk, dv, dlb;
+};
+
+Results run_cpu(const Problem& p) {
+  const Case& c = p.c;
+  Tensor out = Tensor::empty({c.T, c.H, c.d}, DType::F32), lse = Tensor::empty({c.T, c.H}, DType::F32);
+  ops::gated_attention(p.q.host, p.k.host, p.v.host, p.lb_host, p.doc_host, p.scale, out, lse);
+  Tensor dq = Tensor::empty({c.T, c.H, c.d}, DType::F32), dk = Tensor::empty({c.T, c.K, c.d}, DType::F32),
+         dv = Tensor::empty({c.T, c.K, c.d}, DType::F32), dlb = Tensor::empty({c.T, c.K}, DType::F32);
+  ops::gated_attention_backward(p.q.host, p.k.host, p.v.host, p.lb_host, p.doc_host, p.scale, out, lse, p.dout.host, dq,
+                                dk, dv, dlb);
+  return {host_values(out), host_values(lse), host_values(dq), host_values(dk), host_values(dv), host_values(dlb)};
+}
+
+// The GPU backward gets the GPU forward's own out and lse, as training does.
+Results run_gpu(const Problem& p) {
+  const Case& c = p.c;
+  Tensor out = poisoned({c.T, c.H, c.d}, DType::BF16), lse = poisoned({c.T, c.H}, DType::F32);
+  ops::gated_attention(p.q.device, p.k.device, p.v.device, p.lb_dev, p.doc_dev, p.scale, out, lse);
+  Tensor dq = poisoned({c.T, c.H, c.d}, DType::BF16), dk = poisoned({c.T, c.K, c.d}, DType::BF16),
+         dv = poisoned({c.T, c.K, c.d}, DType::BF16), dlb = poisoned({c.T, c.K}, DType::F32);
+  ops::gated_attention_backward(p.q.device, p.k.device, p.v.device, p.lb_dev, p.doc_dev, p.scale, out, lse,
+                                p.dout.device, dq, dk, dv, dlb);
+  return {host_values(out), host_values(lse), host_values(dq), host_values(dk), host_values(dv), host_values(dlb)};
+}
+
+void check_case(const Case& c, uint32_t seed) {
+  SCOPED_TRACE(::testing::Message() << "seed=" << seed << " (RETAIN_TEST_SEED replays it) T=" << c.T << " H=" << c.H
+                                    << " K=" << c.K << " d=" << c.d << " docs=" << static_cast<int>(c.docs)
+                                    << " zero_decay=" << c.zero_decay);
+  std::mt19937 rng(seed);
+  const Problem p = make_problem(c, rng);
+  const Results want = run_cpu(p);
+  const Results got = run_gpu(p);
+  const double tol = 1e-2;
+  EXPECT_LE(rel_err(got.out, want.out, "out"), tol);
+  EXPECT_LE(rel_err(got.dq, want.dq, "dq"), tol);
+  EXPECT_LE(rel_err(got.dk, want.dk, "dk"), tol);
+  EXPECT_LE(rel_err(got.dv, want.dv, "dv"), tol);
+  EXPECT_LE(rel_err(got.dlb, want.dlb, "dlog_beta"), tol);
+  // lse: -inf exactly on rows with nothing allowed (padding), else close (fp32 statistics).
+  for (size_t x = 0; x < want.lse.size(); ++x) {
+    if (std::isinf(want.lse[x])) {
+      EXPECT_EQ(got.lse[x], want.lse[x]) << "lse row " << x;
+    } else {
+      EXPECT_NEAR(got.lse[x], want.lse[x], 1e-3 * (1 + std::abs(want.lse[x]))) << "lse row " << x;
+    }
+  }
+  // Padding rows: out exactly 0; padding keys: dk, dv, dlogβ exactly 0.
+  const int32_t* doc = p.doc_host.data<int32_t>();
+  for (int64_t t = 0; t < c.T; ++t) {
+    if (doc[t] >= 0) continue;
+    for (int64_t x = 0; x < c.H * c.d; ++x)
+      ASSERT_EQ(got.out[static_cast<size_t>(t * c.H * c.d + x)], 0.0) << "t=" << t;
+    for (int64_t x = 0; x < c.K * c.d; ++x) ASSERT_EQ(got.dk[static_cast<size_t>(t * c.K * c.d + x)], 0.0) << "t=" << t;
+    for (int64_t x = 0; x < c.K; ++x) ASSERT_EQ(got.dlb[static_cast<size_t>(t * c.K + x)], 0.0) << "t=" << t;
+  }
+}
+
+// Small shapes (also what the compute-sanitizer runs take): every T edge, GQA 1/2/4/8, both d.
+const std::vector<Case> kSmall = {
+    {1, 2, 2, 64, Docs::one},           {1, 8, 1, 128, Docs::contiguous},   {63, 2, 2, 64, Docs::contiguous},
+    {63, 4, 1, 128, Docs::interleaved}, {64, 4, 2, 128, Docs::one},         {65, 4, 2, 64, Docs::contiguous},
+    {65, 8, 2, 128, Docs::contiguous},  {200, 8, 1, 64, Docs::interleaved}, {200, 4, 4, 128, Docs::contiguous},
+    {130, 2, 1, 128, Docs::one, true},
+};
+
+// The GPU with the skip at ε (both passes) against the exact CPU reference, returning
+// ‖Δ‖/‖ref‖ of out, dq, dk, dv, dlogβ.
+#ifdef RETAIN_CUDA_KERNELS
+std::vector<double> skip_errors(const Problem& p, float eps, const Results& want) {
+  const Case& c = p.c;
+  Tensor out = poisoned({c.T, c.H, c.d}, DType::BF16), lse = poisoned({c.T, c.H}, DType::F32);
+  cuda::gated_attention(p.q.device, p.k.device, p.v.device, p.lb_dev, p.doc_dev, p.scale, out, lse, eps);
+  Tensor dq = poisoned({c.T, c.H, c.d}, DType::BF16), dk = poisoned({c.T, c.K, c.d}, DType::BF16),
+         dv = poisoned({c.T, c.K, c.d}, DType::BF16), dlb = poisoned({c.T, c.K}, DType::F32);
+  cuda::gated_attention_backward(p.q.device, p.k.device, p.v.device, p.lb_dev, p.doc_dev, p.scale, out, lse,
+                                 p.dout.device, dq, dk, dv, dlb, eps);
+  return {rel_err(host_values(out), want.out, "out"), rel_err(host_values(dq), want.dq, "dq"),
+          rel_err(host_values(dk), want.dk, "dk"), rel_err(host_values(dv), want.dv, "dv"),
+          rel_err(host_values(dlb), want.dlb, "dlog_beta")};
+}
+#endif
+
+}  // namespace
+
+// The optional weight skip: with strong decays (logβ ∈ [−0.5, −0.1], so tiles four or more
+// blocks back have weights < e^-19 and are skipped) and ε = 1e-6 the GPU still matches the
+// exact reference at bf16 tolerance in every output, while ε = 0.5 with weak decays (skipping
+// tiles that matter) visibly does not; ε outside [0, 1) is an error. (The bound itself is
+// tested on the emulated kernels in test_attention_tiles.)
+TEST(GatedAttentionCuda, WeightSkipKeepsNegligibleErrors) {
+  SKIP_WITHOUT_GPU();
+#ifdef RETAIN_CUDA_KERNELS
+  const uint32_t seed = fresh_seed();
+  SCOPED_TRACE(::testing::Message() << "seed=" << seed);
+  std::mt19937 rng(seed);
+  Problem p = make_problem({1000, 4, 2, 128, Docs::contiguous}, rng);
+  auto set_log_beta = [&](float lo, float hi) {
+    std::uniform_real_distribution<float> u(lo, hi);
+    std::vector<float> lb(static_cast<size_t>(p.c.T * p.c.K));
+    for (float& x : lb) x = u(rng);
+    p.lb_host = Tensor::from_vector<float>(lb, {p.c.T, p.c.K});
+    p.lb_dev = p.lb_host.to(Device::CUDA);
+  };
+  set_log_beta(-0.5f, -0.1f);
+  for (double err : skip_errors(p, 1e-6f, run_cpu(p))) EXPECT_LE(err, 1e-2);
+  // Weak decays (logβ ∈ [−0.02, −0.01]) and ε = 0.5: tiles three blocks back (weights up to
+  // e^-1.3) are dropped, which must show.
+  set_log_beta(-0.02f, -0.01f);
+  EXPECT_GT(skip_errors(p, 0.5f, run_cpu(p))[0], 1e-2) << "ε = 0.5 should drop mass that matters";
+  Tensor out = Tensor::empty({p.c.T, p.c.H, p.c.d}, DType::BF16, Device::CUDA);
+  Tensor lse = Tensor::empty({p.c.T, p.c.H}, DType::F32, Device::CUDA);
+  try {
+    cuda::gated_attention(p.q.device, p.k.device, p.v.device, p.lb_dev, p.doc_dev, p.scale, out, lse, 1.0f);
+    ADD_FAILURE() << "ε = 1 accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("skip_weight_below"), std::string::npos) << e.what();
+  }
+#else
+  GTEST_SKIP() << "built without the CUDA kernels";
+#endif
+}
+
+// Run with --gtest_also_run_disabled_tests by tests/cuda/run_sanitizer.sh to ask "is there a
+// device?" (fails without one).
+TEST(GatedAttentionCuda, DISABLED_DevicePresent) { ASSERT_GT(cuda_device_count(), 0); }
+
+TEST(GatedAttentionCuda, SmallShapesMatchCpuReference) {
+  SKIP_WITHOUT_GPU();
+  const uint32_t seed = fresh_seed();
+  std::cout << "seed " << seed << "\n";
+  for (size_t x = 0; x < kSmall.size(); ++x) check_case(kSmall[x], seed + static_cast<uint32_t>(x));
+}
+
+// Many tiles per row: long documents (online softmax across tiles, the all-allowed fast path,
+// the 2-stage pipeline) and many short ones (the document-range skip).
+TEST(GatedAttentionCuda, LongerSequencesMatchCpuReference) {
+  SKIP_WITHOUT_GPU();
+  const uint32_t seed = fresh_seed();
+  std::cout << "seed " << seed << "\n";
+  const std::vector<Case> cases = {
+      {1000, 8, 1, 64, Docs::contiguous},
+      {1000, 4, 2, 128, Docs::one},
+      {2048, 4, 1, 128, Docs::contiguous},
+      {2048, 8, 8, 64, Docs::one, true},
+  };
+  for (size_t x = 0; x < cases.size(); ++x) check_case(cases[x], seed + static_cast<uint32_t>(x));
+}
+
+// No atomics and fixed loop orders: two runs are bitwise equal.
+TEST(GatedAttentionCuda, RepeatedRunsAreBitwiseEqual) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(fresh_seed());
+  const Problem p = make_problem({700, 8, 2, 128, Docs::contiguous}, rng);
+  const Results a = run_gpu(p), b = run_gpu(p);
+  EXPECT_EQ(a.out, b.out);
+  EXPECT_EQ(a.dq, b.dq);
+  EXPECT_EQ(a.dk, b.dk);
+  EXPECT_EQ(a.dv, b.dv);
+  EXPECT_EQ(a.dlb, b.dlb);
+}
+
+TEST(GatedAttentionCuda, BadInputsAreOneLineErrors) {
+  SKIP_WITHOUT_GPU();
+  const int64_t T = 70, H = 4, K = 2, d = 64;
+  auto expect_error = [](auto&& call, const std::string& needle) {
+    try {
+      call();
+      ADD_FAILURE() << "no error (expected one mentioning '" << needle << "')";
+    } catch (const Error& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find(needle), std::string::npos) << msg;
+      EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+    }
+  };
+  Tensor q = Tensor::zeros({T, H, d}, DType::BF16, Device::CUDA);
+  Tensor k = Tensor::zeros({T, K, d}, DType::BF16, Device::CUDA), v = k.clone();
+  Tensor lb = Tensor::zeros({T, K}, DType::F32, Device::CUDA);
+  Tensor doc = Tensor::zeros({T}, DType::I32, Device::CUDA);
+  Tensor out = Tensor::empty({T, H, d}, DType::BF16, Device::CUDA),
+         lse = Tensor::empty({T, H}, DType::F32, Device::CUDA);
+  const float scale = 0.125f;
+  // F32 activations on CUDA.
+  Tensor q32 = Tensor::zeros({T, H, d}, DType::F32, Device::CUDA);
+  expect_error([&] { ops::gated_attention(q32, k, v, lb, doc, scale, out, lse); }, "must be BF16");
+  // A host tensor among device ones.
+  Tensor lb_host = Tensor::zeros({T, K}, DType::F32);
+  expect_error([&] { ops::gated_attention(q, k, v, lb_host, doc, scale, out, lse); }, "one device");
+  // A head_dim without a kernel.
+  Tensor q32d = Tensor::zeros({T, H, 32}, DType::BF16, Device::CUDA);
+  Tensor k32d = Tensor::zeros({T, K, 32}, DType::BF16, Device::CUDA), out32d = q32d.clone();
+  expect_error([&] { ops::gated_attention(q32d, k32d, k32d, lb, doc, scale, out32d, lse); }, "head_dim 32");
+  // A positive logβ, named by its index (found on the device).
+  std::vector<float> bad(static_cast<size_t>(T * K), -0.5f);
+  bad[2 * K + 1] = 0.25f;
+  Tensor lb_bad = Tensor::from_vector<float>(bad, {T, K}).to(Device::CUDA);
+  expect_error([&] { ops::gated_attention(q, k, v, lb_bad, doc, scale, out, lse); }, "log_beta[2, 1] = 0.25");
+  bad[2 * K + 1] = NAN;
+  Tensor lb_nan = Tensor::from_vector<float>(bad, {T, K}).to(Device::CUDA);
+  Tensor dq = q.clone(), dk = k.clone(), dv = k.clone(), dlb = lb.clone();
+  expect_error([&] { ops::gated_attention_backward(q, k, v, lb_nan, doc, scale, out, lse, q, dq, dk, dv, dlb); },
+               "log_beta[2, 1] = nan");
+}
