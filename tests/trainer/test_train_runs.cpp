@@ -182,12 +182,12 @@ std::vector<pid_t> children(pid_t parent) {
 
 TEST_F(TrainRuns, SigtermOnOneRankStopsEveryRankAndResumes) {
   const std::string full = dir_ / "full", term = dir_ / "term";
-  Result r = train(train_args(data_, full, "trimkv", 40) + " --save-every 10");
+  Result r = train(train_args(data_, full, "trimkv", 24) + " --save-every 6");
   ASSERT_EQ(r.code, 0) << r.err;
   // As a scheduler's preemption signal reaching only one rank: the ranks agree on the step to
   // stop at, every rank saves its shard, every rank exits 0.
-  const pid_t pid = spawn(mpirun(2) + bin("retain-train") + train_args(data_, term, "trimkv", 40) + " --save-every 10");
-  ASSERT_TRUE(wait_for_checkpoint(term, 10, pid)) << "no checkpoint appeared";
+  const pid_t pid = spawn(mpirun(2) + bin("retain-train") + train_args(data_, term, "trimkv", 24) + " --save-every 6");
+  ASSERT_TRUE(wait_for_checkpoint(term, 6, pid)) << "no checkpoint appeared";
   const std::vector<pid_t> ranks = children(pid);
   ASSERT_EQ(ranks.size(), 2u);
   kill(ranks.back(), SIGTERM);
@@ -196,10 +196,10 @@ TEST_F(TrainRuns, SigtermOnOneRankStopsEveryRankAndResumes) {
   ASSERT_TRUE(WIFEXITED(status)) << "killed by signal " << (WIFSIGNALED(status) ? WTERMSIG(status) : 0);
   EXPECT_EQ(WEXITSTATUS(status), 0);
   const int stopped = latest_step(term);
-  ASSERT_GE(stopped, 10);
-  if (stopped < 40) {
+  ASSERT_GE(stopped, 6);
+  if (stopped < 24) {
     EXPECT_FALSE(fs::exists(term + "/gates.safetensors"));
-    r = train(train_args(data_, term, "trimkv", 40) + " --save-every 10 --resume", 2);
+    r = train(train_args(data_, term, "trimkv", 24) + " --save-every 6 --resume", 2);
     ASSERT_EQ(r.code, 0) << r.err;
   }
   expect_same_gates(full, term, 1e-5);
