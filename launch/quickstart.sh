@@ -28,10 +28,9 @@ DOCS="0 0 0 0 0 0 0 0 0 0 0 0 0 0 1 1 1 1 1 1 1 1 1 1"
   --gates "$WORK/tiny-qwen3/gates.safetensors" --gate-kind trimkv --out "$WORK/student.safetensors"
 echo "== 4. train trimkv gates with 2 ranks: memory budget M = 24 tokens, 300 steps (rank 0 prints every 25)"
 rm -rf "$WORK/run"
-# mpirun as root in containers needs both variables; shared memory only on one host.
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl=self,vader OMPI_MCA_pml=ob1 \
-  OMPI_MCA_btl_vader_single_copy_mechanism=none OMPI_MCA_hwloc_base_binding_policy=none
-mpirun -np 2 --oversubscribe "$BIN/retain-train" --model "$WORK/tiny-qwen3" --data "$WORK/docs.h5" \
+# launch/mpirun.sh prints the mpirun command it runs (one OpenMP thread per core and rank,
+# shared memory, --allow-run-as-root when root).
+./launch/mpirun.sh -np 2 -- "$BIN/retain-train" --model "$WORK/tiny-qwen3" --data "$WORK/docs.h5" \
   --out "$WORK/run" --gate trimkv --gate-hidden 16 --bias-init 4 --memory 24 --lr 0.01 --warmup 20 --min-lr 0.001 \
   --steps 300 --global-batch 2 --save-every 100 --log-every 25 --seed 1
 echo "quickstart: done; dataset $WORK/docs.h5, logits $WORK/teacher.safetensors and $WORK/student.safetensors,"

@@ -116,25 +116,7 @@ void rmsnorm_backward(const Tensor& x, const Tensor& w, float eps, const Tensor&
 }
 
 void rope_backward(Tensor& dx, const Tensor& positions, const Tensor& inv_freq, float attention_factor) {
-  const int64_t T = dx.dim(0), heads = dx.dim(1), d = dx.dim(2), half = d / 2;
-  const int32_t* pos = positions.data<int32_t>();
-  const float* f = inv_freq.data<float>();
-  float* gs = dx.data<float>();
-#pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < T; ++t) {
-    for (int64_t j = 0; j < half; ++j) {
-      // The forward's c and s, bit for bit (kernels/cpu/rope.cpp).
-      const float angle = static_cast<float>(pos[t]) * f[j];
-      const float c = std::cos(angle) * attention_factor;
-      const float s = std::sin(angle) * attention_factor;
-      for (int64_t h = 0; h < heads; ++h) {
-        float* row = gs + (t * heads + h) * d;
-        const float a = row[j], b = row[j + half];
-        row[j] = a * c + b * s;
-        row[j + half] = b * c - a * s;
-      }
-    }
-  }
+  rope_rotate(dx, positions, inv_freq, attention_factor, /*transpose=*/true);  // the forward's c and s, bit for bit
 }
 
 void swiglu_backward(const Tensor& gate, const Tensor& up, const Tensor& dout, Tensor& dgate, Tensor& dup) {

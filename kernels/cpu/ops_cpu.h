@@ -8,6 +8,8 @@ void embedding(const Tensor& table, const Tensor& ids, Tensor& out);
 void linear(const Tensor& x, const Tensor& w, Tensor& y);
 void rmsnorm(const Tensor& x, const Tensor& w, float eps, Tensor& out);
 void rope(Tensor& x, const Tensor& positions, const Tensor& inv_freq, float attention_factor);
+// The rotation of rope(), or its transpose (the backward): one loop for both.
+void rope_rotate(Tensor& x, const Tensor& positions, const Tensor& inv_freq, float attention_factor, bool transpose);
 void swiglu(const Tensor& gate, const Tensor& up, Tensor& out);
 void add_inplace(Tensor& x, const Tensor& y);
 void attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& doc, float scale,

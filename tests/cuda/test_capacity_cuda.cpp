@@ -17,6 +17,7 @@
 #include "kernels/ops.h"
 #include "kernels/retention.h"
 #include "kernels/tensor.h"
+#include "tests/retention/random_inputs.h"
 #include "tests/retention/reference.h"
 
 using namespace retain;
@@ -31,38 +32,6 @@ using Mode = ops::CapacityMode;
     if (!cuda_built()) GTEST_SKIP() << "built without CUDA";                             \
     if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";                      \
   } while (0)
-
-std::vector<int32_t> packed_docs(int64_t T, std::mt19937& rng, int64_t max_len) {
-  std::vector<int32_t> doc;
-  int32_t id = 0;
-  std::uniform_int_distribution<int64_t> len(1, max_len);
-  std::bernoulli_distribution pad(0.2);
-  while (static_cast<int64_t>(doc.size()) < T) {
-    const int32_t value = pad(rng) ? -1 : id++;
-    for (int64_t n = len(rng); n > 0 && static_cast<int64_t>(doc.size()) < T; --n) doc.push_back(value);
-  }
-  return doc;
-}
-
-// Per (layer, head) a regime: barely decaying, moderate, steep (far tiles skipped), or mixed
-// with −30 and −inf keys.
-std::vector<float> random_log_betas(int64_t L, int64_t T, int64_t K, std::mt19937& rng) {
-  std::uniform_real_distribution<float> u(0.0f, 1.0f);
-  std::vector<float> lb(static_cast<size_t>(L * T * K));
-  for (int64_t l = 0; l < L; ++l)
-    for (int64_t k = 0; k < K; ++k) {
-      const int regime = static_cast<int>((l * K + k + 2) % 4);  // head (0, 0) is steep; all four once L·K ≥ 4
-      for (int64_t t = 0; t < T; ++t) {
-        float& x = lb[(l * T + t) * K + k];
-        const float r = u(rng);
-        if (regime == 0) x = -1e-6f * r;
-        else if (regime == 1) x = -0.05f * r;
-        else if (regime == 2) x = -0.3f - 2.7f * r;
-        else x = r < 0.4f ? -1e-5f * u(rng) : r < 0.8f ? -0.5f * u(rng) : r < 0.95f ? -30.0f : -INFINITY;
-      }
-    }
-  return lb;
-}
 
 Tensor poisoned_cuda(const Shape& shape) {
   Tensor t = Tensor::empty(shape, DType::F32);

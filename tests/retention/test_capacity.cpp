@@ -13,6 +13,7 @@
 
 #include "kernels/ops.h"
 #include "kernels/retention.h"
+#include "tests/retention/random_inputs.h"
 #include "tests/retention/reference.h"
 
 using namespace retain;
@@ -21,19 +22,6 @@ using namespace retain::test;
 namespace {
 
 using Mode = ops::CapacityMode;
-
-// Contiguous documents of random lengths with padding runs between some of them.
-std::vector<int32_t> packed_docs(int64_t T, std::mt19937& rng, int64_t max_len) {
-  std::vector<int32_t> doc;
-  int32_t id = 0;
-  std::uniform_int_distribution<int64_t> len(1, max_len);
-  std::bernoulli_distribution pad(0.2);
-  while (static_cast<int64_t>(doc.size()) < T) {
-    const int32_t value = pad(rng) ? -1 : id++;
-    for (int64_t n = len(rng); n > 0 && static_cast<int64_t>(doc.size()) < T; --n) doc.push_back(value);
-  }
-  return doc;
-}
 
 // logβ ≤ 0 in float32: a mix of barely decaying, moderate, very negative (−30) and −inf keys.
 std::vector<double> mixed_log_betas(int64_t n, std::mt19937& rng, bool with_inf = true) {

@@ -55,11 +55,12 @@ inline std::string slurp(const std::string& path) {
   return std::string(std::istreambuf_iterator<char>(in), {});
 }
 
-// mpirun -np N as tests/mpi runs it (shared memory only, root allowed, no binding, yielding).
+// mpirun -np N as tests/mpi runs it (shared memory only, root allowed, no binding, yielding),
+// one OpenMP thread per rank (more threads than cores make OpenMP's spinning barriers crawl).
 inline std::string mpirun(int np) {
   return "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl=self,vader OMPI_MCA_pml=ob1 "
          "OMPI_MCA_btl_vader_single_copy_mechanism=none OMPI_MCA_mpi_yield_when_idle=1 "
-         "OMPI_MCA_hwloc_base_binding_policy=none " +
+         "OMPI_MCA_hwloc_base_binding_policy=none OMP_NUM_THREADS=1 " +
          std::string(RETAIN_MPIEXEC) + " -np " + std::to_string(np) + " --oversubscribe ";
 }
 
