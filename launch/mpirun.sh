@@ -25,6 +25,7 @@
 #   oversubscribe  RETAIN_MPI_OVERSUBSCRIBE=1: more ranks than cores/slots (tests on small
 #               machines); ranks waiting in a collective then yield their core.
 #   extra       RETAIN_MPI_EXTRA="...": more mpirun arguments, word-split, added last.
+#   wait policy OMP_WAIT_POLICY (default PASSIVE here): idle OpenMP threads sleep.
 # Running as root (containers) adds --allow-run-as-root. OMP_NUM_THREADS, PATH,
 # LD_LIBRARY_PATH and every RETAIN_*, NCCL_* and CUDA_* variable set here are exported to
 # every rank (-x), so that remote nodes see the same settings.
@@ -134,6 +135,11 @@ else
     exports+=("OMP_NUM_THREADS=$OMP_NUM_THREADS")
   fi
 fi
+
+# Idle OpenMP threads sleep instead of spinning: the CPU ops alternate OpenMP loops with
+# OpenBLAS's own threads, and spinning OpenMP workers steal their cores (measured: a 1-rank,
+# 2-thread retain-train step 14.1 s spinning vs 9.6 s passive; docs/benchmarks.md).
+exports+=("OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}")
 
 if [ "${RETAIN_MPI_OVERSUBSCRIBE:-0}" = 1 ]; then
   args+=(--oversubscribe --mca mpi_yield_when_idle 1)

@@ -26,12 +26,13 @@ DOCS="0 0 0 0 0 0 0 0 0 0 0 0 0 0 1 1 1 1 1 1 1 1 1 1"
 "$BIN/retain-forward" --model "$WORK/tiny-qwen3" --ids "$IDS" --doc-ids "$DOCS" --out "$WORK/teacher.safetensors"
 "$BIN/retain-forward" --model "$WORK/tiny-qwen3" --ids "$IDS" --doc-ids "$DOCS" \
   --gates "$WORK/tiny-qwen3/gates.safetensors" --gate-kind trimkv --out "$WORK/student.safetensors"
-echo "== 4. train trimkv gates with 2 ranks: memory budget M = 24 tokens, 300 steps (rank 0 prints every 25)"
+echo "== 4. train trimkv gates with 2 ranks: distill the teacher (KL) under a memory budget of M = 24 tokens"
+echo "      per layer and KV head (capacity loss), 400 steps of 8 sequences; rank 0 prints every 25 steps"
 rm -rf "$WORK/run"
 # launch/mpirun.sh prints the mpirun command it runs (one OpenMP thread per core and rank,
 # shared memory, --allow-run-as-root when root).
 ./launch/mpirun.sh -np 2 -- "$BIN/retain-train" --model "$WORK/tiny-qwen3" --data "$WORK/docs.h5" \
-  --out "$WORK/run" --gate trimkv --gate-hidden 16 --bias-init 4 --memory 24 --lr 0.01 --warmup 20 --min-lr 0.001 \
-  --steps 300 --global-batch 2 --save-every 100 --log-every 25 --seed 1
+  --out "$WORK/run" --gate trimkv --gate-hidden 16 --bias-init 4 --memory 24 --kl-weight 1 --ntp-weight 0 \
+  --lr 0.003 --warmup 20 --min-lr 0.0003 --steps 400 --global-batch 8 --save-every 100 --log-every 25 --seed 1
 echo "quickstart: done; dataset $WORK/docs.h5, logits $WORK/teacher.safetensors and $WORK/student.safetensors,"
 echo "            trained gates $WORK/run/gates.safetensors, checkpoints in $WORK/run/checkpoints, metrics $WORK/run/metrics.jsonl"
