@@ -45,7 +45,11 @@ void qwen3_decoder_layer(const Qwen3Config& c, const LayerWeights& w, const Rope
     // logβ [T, K] from the q/k/v input.
     const Tensor log_beta = gates->forward(layer, h, saved ? &saved->gate : nullptr);
     Tensor lse = Tensor::empty({T, H}, DType::F32);
-    ops::gated_attention(q3, k3, v3, log_beta, doc, scale, attn, lse);
+    try {
+      ops::gated_attention(q3, k3, v3, log_beta, doc, scale, attn, lse);
+    } catch (const Error& e) {  // a NaN logβ: say which layer's gate produced it
+      fail("layer {}: {}", layer, e.what());
+    }
     if (log_beta_out) {
       RETAIN_CHECK(log_beta_out->dtype() == DType::F32 && log_beta_out->shape() == log_beta.shape(),
                    "decoder layer: log_beta_out {} for logβ {}", shape_str(log_beta_out->shape()),

@@ -247,7 +247,10 @@ int run_training(const TrainConfig& cfg, dist::Comm& comm) {
     req.optimizer.v = adam.v();
     req.keep_last = cfg.keep_last;
     const std::string dir = ckpt::save_checkpoint(comm, cfg.run_dir, req);
-    if (main_rank) spdlog::info("saved {}", dir);
+    if (main_rank) {
+      progress->finish();  // on a terminal, end the bar's line first (the bar resumes below)
+      spdlog::info("saved {}", dir);
+    }
     return dir;
   };
 
@@ -263,8 +266,16 @@ int run_training(const TrainConfig& cfg, dist::Comm& comm) {
     gates.zero_grad();
     const bool log_step = (step + 1) % std::max<int64_t>(cfg.log_every, 1) == 0 || step + 1 == cfg.steps;
     RetentionStats stats;
-    const StepLosses losses = compute_gradients(*in.weights, gates, make_micro_batches(batch, cfg.micro_batch),
-                                                in.loss, comm, log_step ? &stats : nullptr);
+    StepLosses losses;
+    try {
+      losses = compute_gradients(*in.weights, gates, make_micro_batches(batch, cfg.micro_batch), in.loss, comm,
+                                 log_step ? &stats : nullptr);
+    } catch (const CollectiveError&) {
+      throw;
+    } catch (const Error& e) {  // e.g. "layer 3: gated_attention: log_beta[17, 0] = nan ..."
+      fail("step {}: {} (the last good checkpoint is {})", step + 1, e.what(),
+           last_saved.empty() ? (resume_dir ? *resume_dir : std::string("none")) : last_saved);
+    }
 
     // Gradient: this rank's part → reduce-scatter → the global gradient of this rank's shard.
     flatten_grads(gates, grads.data());

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <regex>
 #include <sstream>
 #include <thread>
 
@@ -22,10 +23,11 @@ namespace {
 using namespace std::chrono_literals;
 
 // A run of the fixture model with gates that visibly decay, a learning rate that moves them.
-std::string train_args(const std::string& data, const std::string& out, const std::string& kind, int steps) {
+std::string train_args(const std::string& data, const std::string& out, const std::string& kind, int steps,
+                       const std::string& lr = "0.01") {
   return " --model " + kModel + " --data " + data + " --out " + out + " --gate " + kind + " --init-gates " +
-         kFixtures + "/gates-" + kind + ".safetensors --memory 4 --global-batch 4 --seed 3 --lr 0.01 --warmup 2 " +
-         "--loss-chunk 16 --steps " + std::to_string(steps);
+         kFixtures + "/gates-" + kind + ".safetensors --memory 4 --global-batch 4 --seed 3 --warmup 2 " +
+         "--loss-chunk 16 --lr " + lr + " --steps " + std::to_string(steps);
 }
 
 std::vector<nlohmann::json> metrics(const std::string& run_dir) {
@@ -205,6 +207,24 @@ TEST_F(TrainRuns, SigtermOnOneRankStopsEveryRankAndResumes) {
   expect_same_gates(full, term, 1e-5);
 }
 
+TEST_F(TrainRuns, NonFiniteValuesStopWithStepAndLayer) {
+  // A learning rate of 1e30 turns the gates into overflowing numbers after one step: the next
+  // forward's logβ is NaN. The run stops with the step, the layer and the last good checkpoint.
+  const std::string out = dir_ / "nan";
+  const Result r = train(train_args(data_, out, "trimkv", 5, "1e30") + " --save-every 1");
+  EXPECT_EQ(r.code, 1);
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(r.err, m, std::regex("step ([0-9]+): layer 0: gated_attention: log_beta\\[.*nan")))
+      << r.err;
+  const int bad = std::stoi(m[1]);
+  EXPECT_GE(bad, 2);
+  EXPECT_NE(r.err.find("last good checkpoint is " + out + "/checkpoints/step-0000000" + std::to_string(bad - 1)),
+            std::string::npos)
+      << r.err;
+  EXPECT_EQ(latest_step(out), bad - 1);
+  EXPECT_FALSE(fs::exists(out + "/gates.safetensors"));
+}
+
 // One line on stderr naming the problem, a non-zero exit, no run directory left behind.
 void expect_clean_error(const Result& r, const std::string& needle) {
   EXPECT_NE(r.code, 0);
@@ -245,7 +265,8 @@ TEST_F(TrainRuns, BadInputsAreClearErrors) {
   // A finished run: no restart over it without --resume; a resume must keep the trajectory.
   ASSERT_EQ(train(train_args(data_, out, "trimkv", 2)).code, 0);
   expect_clean_error(train(train_args(data_, out, "trimkv", 2)), "--resume");
-  expect_clean_error(train(train_args(data_, out, "trimkv", 4) + " --resume --lr 0.5"), "lr");
+  expect_clean_error(train(train_args(data_, out, "trimkv", 4, "0.5") + " --resume"),
+                     "cannot resume with a different configuration: lr: 0.01 in the checkpoint, 0.5 now");
   // Two ranks: one error line, from one rank (mpirun adds its own summary of the exit codes).
   const Result two = train(train_args(dir_ / "missing.h5", dir_ / "run2", "trimkv", 1), 2);
   EXPECT_NE(two.code, 0);
