@@ -254,7 +254,12 @@ void finalize(const fs::path& root, const fs::path& tmp, const fs::path& final_d
   fsync_dir(root);
   write_file_atomic((root / kLatest).string(), final_dir.filename().string() + "\n");
   fsync_dir(root);
-  prune(root, req.step, req.keep_last);
+  // The checkpoint is complete and `latest` names it: pruning old ones can only warn.
+  try {
+    prune(root, req.step, req.keep_last);
+  } catch (const std::exception& e) {
+    spdlog::warn("{}: cannot prune old checkpoints: {}", root.string(), e.what());
+  }
 }
 
 int64_t meta_int(const SafetensorsFile& f, const char* key) {

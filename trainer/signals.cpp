@@ -13,9 +13,9 @@ static_assert(std::atomic<int>::is_always_lock_free, "the handler may only touch
 extern "C" void on_stop_signal(int sig) {
   int expected = 0;
   if (!g_signal.compare_exchange_strong(expected, sig)) {
-    // Second signal: give the default action back, so the next one terminates.
-    std::signal(SIGINT, SIG_DFL);
-    std::signal(SIGTERM, SIG_DFL);
+    // Second signal: the default action, now (both calls are async-signal-safe).
+    std::signal(sig, SIG_DFL);
+    std::raise(sig);
   }
 }
 

@@ -1,7 +1,7 @@
 // SIGTERM/SIGINT handling for the training loop. The handler only sets a flag; the loop polls
 // it at step boundaries, agrees with every rank (a signal may reach only some of them), saves
-// a checkpoint and exits cleanly. A second signal while the first is being handled restores
-// the default action, so an impatient Ctrl-C twice still kills the process.
+// a checkpoint and exits cleanly. A second signal takes the default action at once (the
+// process dies), so an impatient Ctrl-C twice still kills it.
 #pragma once
 
 namespace retain::trainer {

@@ -115,6 +115,15 @@ std::string nonfinite_gradient(const gates::RetentionGates& gates, dist::Comm& c
   return "the gradient norm is not finite";
 }
 
+// Rank 0's string on every rank.
+std::string broadcast_string(dist::Comm& comm, const std::string& s) {
+  uint64_t n = s.size();
+  comm.broadcast(&n, sizeof n, 0);
+  std::string out = comm.is_main_rank() ? s : std::string(n, '\0');
+  if (n > 0) comm.broadcast(out.data(), n, 0);
+  return out;
+}
+
 // Runs f() on every rank and agrees on the outcome: when any rank fails, every rank throws a
 // CollectiveError, and only the lowest failing rank's message is printed (setup errors such as
 // a missing file are usually the same on every rank).
@@ -157,15 +166,21 @@ int run_training(const TrainConfig& cfg, dist::Comm& comm) {
       ckpt::remove_stale_temporaries(cfg.run_dir);
     }
   });
+  // Rank 0 alone reads `latest` and tells the others: on a shared file system with stale
+  // caches, ranks reading it themselves could load different checkpoints.
   std::optional<std::string> resume_dir;
+  std::string latest_name;
   collectively(comm, [&] {
+    if (!main_rank) return;
     const std::optional<std::string> latest = ckpt::latest_checkpoint(cfg.run_dir);
     if (latest && !cfg.resume)
       fail("{}: the run directory already has checkpoints (latest: {}); pass --resume to continue it, or choose "
            "another --out",
            cfg.run_dir, fs::path(*latest).filename().string());
-    if (cfg.resume) resume_dir = latest;
+    if (latest) latest_name = *latest;
   });
+  latest_name = broadcast_string(comm, latest_name);
+  if (cfg.resume && !latest_name.empty()) resume_dir = latest_name;
 
   // Gates, optimizer shard, data cursor: from the latest checkpoint or fresh.
   gates::RetentionGates gates;
@@ -190,6 +205,18 @@ int run_training(const TrainConfig& cfg, dist::Comm& comm) {
                                      *resume_dir + "/state.json");
     step = loaded.step;
   });
+  if (resume_dir) {
+    // Every rank must continue from the same state (its own shard of it).
+    double mine[2] = {static_cast<double>(step), static_cast<double>(adam.t())}, most[2] = {mine[0], mine[1]},
+           least[2] = {-mine[0], -mine[1]};
+    comm.all_reduce_max(most, 2);
+    comm.all_reduce_max(least, 2);
+    if (most[0] != -least[0] || most[1] != -least[1])
+      throw CollectiveError(fmt::format("{}: the ranks loaded different states (steps {}..{}, optimizer steps {}..{}); "
+                                        "is the run directory on a file system every rank sees alike?",
+                                        *resume_dir, -least[0], most[0], -least[1], most[1]),
+                            main_rank);
+  }
   if (main_rank) {
     if (resume_dir)
       spdlog::info("resuming {} at step {}", *resume_dir, step);
@@ -259,6 +286,7 @@ int run_training(const TrainConfig& cfg, dist::Comm& comm) {
   const int64_t first_step = step;
   std::string last_saved;
   bool stopped = false;
+  std::string stop_reason;
   std::optional<StepMetrics> first_metrics, last_metrics;  // of this invocation, for the summary
   while (step < cfg.steps) {
     const auto t0 = Clock::now();
@@ -327,8 +355,11 @@ int run_training(const TrainConfig& cfg, dist::Comm& comm) {
     // Stop signals: any rank's signal stops every rank at the same step; --stop-after likewise.
     double signal = stop_signal() != 0 ? 1.0 : 0.0;
     comm.all_reduce(&signal, 1);
-    const bool stop_here = cfg.stop_after > 0 && step - first_step == cfg.stop_after && step < cfg.steps;
-    if (stop_here) signal = 1;
+    if (signal > 0) stop_reason = stop_signal() ? fmt::format("signal {}", stop_signal()) : "a signal on another rank";
+    if (signal == 0 && cfg.stop_after > 0 && step - first_step == cfg.stop_after && step < cfg.steps) {
+      signal = 1;
+      stop_reason = "--stop-after";
+    }
     const bool save_now = step % std::max<int64_t>(cfg.save_every, 1) == 0 || step == cfg.steps || signal > 0;
     if (save_now) last_saved = save(step);
     if (signal > 0) {
@@ -344,8 +375,7 @@ int run_training(const TrainConfig& cfg, dist::Comm& comm) {
                    first_metrics->cap, last_metrics->cap, first_metrics->kl, last_metrics->kl, first_metrics->ntp,
                    last_metrics->ntp);
     if (stopped)
-      spdlog::info("stopped after step {} ({}); continue with --resume", step,
-                   stop_signal() ? fmt::format("signal {}", stop_signal()) : std::string("--stop-after"));
+      spdlog::info("stopped after step {} ({}); continue with --resume", step, stop_reason);
     if (step >= cfg.steps) {
       gates.save(cfg.run_dir + "/gates.safetensors",
                  {{"memory", fmt::format("{}", cfg.memory)}, {"base_model", cfg.model_dir}, {"step", std::to_string(step)}});

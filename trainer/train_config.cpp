@@ -51,6 +51,13 @@ std::string trajectory_difference(const nlohmann::json& saved, const nlohmann::j
     }
     if (saved[f] != now[f]) return fmt::format("{}: {} in the checkpoint, {} now", f, saved[f].dump(), now[f].dump());
   }
+  // The cosine runs to `steps`: changing it moves every later learning rate, unless the
+  // schedule is flat (lr == min_lr).
+  if (saved.contains("steps") && now.contains("steps") && saved["steps"] != now["steps"] && saved.contains("lr") &&
+      saved.contains("min_lr") && saved["lr"] != saved["min_lr"])
+    return fmt::format("steps: {} in the checkpoint, {} now (the learning-rate schedule runs to --steps; keep it, "
+                       "or use --lr equal to --min-lr)",
+                       saved["steps"].dump(), now["steps"].dump());
   return {};
 }
 

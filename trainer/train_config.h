@@ -49,8 +49,9 @@ struct TrainConfig {
 nlohmann::json to_json(const TrainConfig& c);
 
 // The fields that define the trajectory of a run (model, data, gates, loss, optimizer, batch,
-// seed). A resume must agree on all of them, or it would not continue the same run; it may
-// change steps, save/log cadence and keep_last. Returns "" or a one-line description of the
+// seed; steps too, unless the schedule is flat, since the cosine runs to it). A resume must
+// agree on all of them, or it would not continue the same run; it may change save/log
+// cadence, keep_last and stop_after. Returns "" or a one-line description of the
 // first difference ("lr: 0.0002 in the checkpoint, 0.001 now").
 std::string trajectory_difference(const nlohmann::json& saved, const nlohmann::json& now);
 

@@ -94,7 +94,8 @@ class TrainRuns : public ::testing::Test {
  protected:
   void SetUp() override { data_ = pack_fixture_corpus(dir_); }
   Result train(const std::string& extra, int ranks = 1) {
-    const std::string cmd = (ranks > 1 ? mpirun(ranks) : std::string()) + bin("retain-train") + extra;
+    // A hang (ranks waiting for each other) fails the test instead of blocking it.
+    const std::string cmd = "timeout 120 " + (ranks > 1 ? mpirun(ranks) : std::string()) + bin("retain-train") + extra;
     return run(cmd, dir_);
   }
   TempDir dir_;
@@ -267,6 +268,18 @@ TEST_F(TrainRuns, BadInputsAreClearErrors) {
   expect_clean_error(train(train_args(data_, out, "trimkv", 2)), "--resume");
   expect_clean_error(train(train_args(data_, out, "trimkv", 4, "0.5") + " --resume"),
                      "cannot resume with a different configuration: lr: 0.01 in the checkpoint, 0.5 now");
+  expect_clean_error(train(train_args(data_, out, "trimkv", 4) + " --resume"), "steps: 2 in the checkpoint, 4 now");
+  // Two ranks parse alike: --help and usage errors end every rank (no rank waits in a
+  // collective for one that left), and print once.
+  Result help = train(" --help", 2);
+  EXPECT_EQ(help.code, 0) << help.err;
+  EXPECT_EQ(std::count(help.out.begin(), help.out.end(), '\n') > 10, true) << help.out;
+  EXPECT_EQ(help.out.find("Usage:"), help.out.rfind("Usage:")) << "printed twice: " << help.out;
+  for (const char* bad : {" --bogus 1", " stray"}) {
+    const Result u = train(train_args(data_, dir_ / "run3", "trimkv", 1) + bad, 2);
+    EXPECT_EQ(u.code, 2) << bad << ": " << u.err;
+    EXPECT_EQ(u.err.find("retain-train: error:"), u.err.rfind("retain-train: error:")) << u.err;
+  }
   // Two ranks: one error line, from one rank (mpirun adds its own summary of the exit codes).
   const Result two = train(train_args(dir_ / "missing.h5", dir_ / "run2", "trimkv", 1), 2);
   EXPECT_NE(two.code, 0);

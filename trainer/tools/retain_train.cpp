@@ -1,6 +1,9 @@
 // retain-train: trains retention gates on a frozen Qwen3 (DESIGN §7). One process is a
 // one-rank world; under mpirun every rank runs this same main (rank 0 alone prints).
+#include <cmath>
 #include <iostream>
+#include <string>
+#include <vector>
 
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
@@ -65,15 +68,24 @@ int run(int argc, char** argv, dist::Comm& comm) {
        "save a checkpoint and exit after N steps of this invocation (0: run to --steps)")
       ("resume", cli::po::bool_switch(&c.resume), "continue the run in --out from its latest checkpoint")
       ("dump-grads", cli::po::value(&c.dump_grads), "write one step's gradients to FILE.safetensors and exit");
+  // Every rank parses the same argv the same way, so every rank reaches the same verdict (a
+  // usage error, --help, or a run) and they all leave together; rank 0 alone prints.
+  std::vector<std::string> stray;
+  opts.add_options()("help,h", "print this help and exit");
+  cli::po::options_description hidden;
+  hidden.add_options()("stray", cli::po::value(&stray));
+  cli::po::options_description all;
+  all.add(opts).add(hidden);
+  cli::po::positional_options_description positional;
+  positional.add("stray", -1);
   cli::po::variables_map vm;
-  // --help goes to rank 0's stdout only.
-  if (comm.is_main_rank()) {
-    if (!cli::parse(argc, argv, kUsage, opts, vm)) return 0;
-  } else {
-    cli::po::store(cli::po::command_line_parser(argc, argv).options(opts).allow_unregistered().run(), vm);
-    if (vm.count("help")) return 0;
-    cli::po::notify(vm);
+  cli::po::store(cli::po::command_line_parser(argc, argv).options(all).positional(positional).run(), vm);
+  if (vm.count("help")) {
+    if (comm.is_main_rank()) std::cout << kUsage << "\n\n" << opts << "\n";
+    return 0;
   }
+  cli::po::notify(vm);
+  if (!stray.empty()) throw cli::UsageError(fmt::format("unexpected argument '{}'", stray.front()));
   c.gate = gates::parse_gate_kind(gate, "--gate");
   if (c.dump_grads.empty() && c.run_dir.empty()) throw cli::UsageError("--out is required (unless --dump-grads)");
   if (c.steps < 0) throw cli::UsageError(fmt::format("--steps must be ≥ 0, got {}", c.steps));
