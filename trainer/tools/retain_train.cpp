@@ -86,7 +86,11 @@ int run(int argc, char** argv, dist::Comm& comm) {
   }
   cli::po::notify(vm);
   if (!stray.empty()) throw cli::UsageError(fmt::format("unexpected argument '{}'", stray.front()));
-  c.gate = gates::parse_gate_kind(gate, "--gate");
+  try {
+    c.gate = gates::parse_gate_kind(gate, "--gate");
+  } catch (const Error& e) {
+    throw cli::UsageError(e.what());  // a command-line mistake: exit 2
+  }
   if (c.dump_grads.empty() && c.run_dir.empty()) throw cli::UsageError("--out is required (unless --dump-grads)");
   if (c.steps < 0) throw cli::UsageError(fmt::format("--steps must be ≥ 0, got {}", c.steps));
   if (c.loss_chunk <= 0) throw cli::UsageError(fmt::format("--loss-chunk must be positive, got {}", c.loss_chunk));
