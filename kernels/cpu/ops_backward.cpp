@@ -1,81 +1,13 @@
-// Backward ops of the Qwen3 forward (kernels/ops.h): activation gradients only, since the
-// model is frozen and only the retention gates train. The first half checks shapes and
-// dispatches like kernels/ops.cpp; the second half is the CPU reference: plain loops,
-// OpenMP across rows, OpenBLAS for the matrix product, float64 row sums.
+// CPU reference of the backward ops of the Qwen3 forward (kernels/ops.h; checks and dispatch
+// in kernels/ops.cpp): activation gradients only, since the model is frozen and only the
+// retention gates train. Plain loops, OpenMP across rows, OpenBLAS for the matrix product,
+// float64 row sums.
 #include <cblas.h>
 
 #include <cmath>
 #include <cstring>
-#include <initializer_list>
 
 #include "kernels/cpu/ops_cpu.h"
-#include "kernels/ops.h"
-
-namespace retain::ops {
-
-namespace {
-
-void expect(const Tensor& t, DType dtype, int64_t ndim, const char* op, const char* what) {
-  RETAIN_CHECK(t.dtype() == dtype && t.ndim() == ndim, "{}: {} must be {}-d {}, got {} {}", op, what, ndim,
-               dtype_name(dtype), dtype_name(t.dtype()), shape_str(t.shape()));
-}
-
-// Until a CUDA kernel exists for an op, a CUDA tensor is a clear error, not a silent host copy.
-void require_cpu(const char* op, std::initializer_list<const Tensor*> ts) {
-  for (const Tensor* t : ts)
-    if (t->device() != Device::CPU) fail("{}: no CUDA implementation of this op yet", op);
-}
-
-}  // namespace
-
-void linear_backward_input(const Tensor& dy, const Tensor& w, Tensor& dx, bool accumulate) {
-  expect(dy, DType::F32, 2, "linear_backward_input", "dy");
-  expect(w, DType::F32, 2, "linear_backward_input", "w");
-  expect(dx, DType::F32, 2, "linear_backward_input", "dx");
-  RETAIN_CHECK(dy.dim(1) == w.dim(0) && dx.dim(0) == dy.dim(0) && dx.dim(1) == w.dim(1),
-               "linear_backward_input: dy {} w {} dx {}", shape_str(dy.shape()), shape_str(w.shape()),
-               shape_str(dx.shape()));
-  RETAIN_CHECK(dx.numel() == 0 || (dx.raw() != dy.raw() && dx.raw() != w.raw()),
-               "linear_backward_input: dx must not alias dy or w");
-  require_cpu("linear_backward_input", {&dy, &w, &dx});
-  cpu::linear_backward_input(dy, w, dx, accumulate);
-}
-
-void rmsnorm_backward(const Tensor& x, const Tensor& w, float eps, const Tensor& dy, Tensor& dx) {
-  expect(w, DType::F32, 1, "rmsnorm_backward", "w");
-  RETAIN_CHECK(x.dtype() == DType::F32 && x.ndim() >= 1 && x.dim(-1) == w.dim(0) && dy.dtype() == DType::F32 &&
-                   dy.shape() == x.shape() && dx.dtype() == DType::F32 && dx.shape() == x.shape(),
-               "rmsnorm_backward: x {} w {} dy {} dx {}", shape_str(x.shape()), shape_str(w.shape()),
-               shape_str(dy.shape()), shape_str(dx.shape()));
-  RETAIN_CHECK(x.numel() == 0 || dx.raw() != x.raw(), "rmsnorm_backward: dx must not alias x");
-  require_cpu("rmsnorm_backward", {&x, &w, &dy, &dx});
-  cpu::rmsnorm_backward(x, w, eps, dy, dx);
-}
-
-void rope_backward(Tensor& dx, const Tensor& positions, const Tensor& inv_freq, float attention_factor) {
-  expect(dx, DType::F32, 3, "rope_backward", "dx");
-  expect(positions, DType::I32, 1, "rope_backward", "positions");
-  expect(inv_freq, DType::F32, 1, "rope_backward", "inv_freq");
-  RETAIN_CHECK(dx.dim(0) == positions.dim(0) && dx.dim(2) % 2 == 0 && inv_freq.dim(0) * 2 == dx.dim(2),
-               "rope_backward: dx {} positions {} inv_freq {}", shape_str(dx.shape()), shape_str(positions.shape()),
-               shape_str(inv_freq.shape()));
-  require_cpu("rope_backward", {&dx, &positions, &inv_freq});
-  cpu::rope_backward(dx, positions, inv_freq, attention_factor);
-}
-
-void swiglu_backward(const Tensor& gate, const Tensor& up, const Tensor& dout, Tensor& dgate, Tensor& dup) {
-  const Shape& s = gate.shape();
-  RETAIN_CHECK(gate.dtype() == DType::F32 && up.dtype() == DType::F32 && dout.dtype() == DType::F32 &&
-                   dgate.dtype() == DType::F32 && dup.dtype() == DType::F32 && up.shape() == s && dout.shape() == s &&
-                   dgate.shape() == s && dup.shape() == s,
-               "swiglu_backward: gate {} up {} dout {} dgate {} dup {}", shape_str(s), shape_str(up.shape()),
-               shape_str(dout.shape()), shape_str(dgate.shape()), shape_str(dup.shape()));
-  RETAIN_CHECK(gate.numel() == 0 || dgate.raw() != dup.raw(), "swiglu_backward: dgate and dup must not alias");
-  require_cpu("swiglu_backward", {&gate, &up, &dout, &dgate, &dup});
-  cpu::swiglu_backward(gate, up, dout, dgate, dup);
-}
-
-}  // namespace retain::ops
 
 namespace retain::cpu {
 
