@@ -22,6 +22,17 @@ void flatten(const gates::RetentionGates& gates, float* out) {
   }
 }
 
+// The inverse: in, one parameter after another, into each value (or gradient).
+template <bool kGrad>
+void unflatten(gates::RetentionGates& gates, const float* in) {
+  for (gates::GateParameter& p : gates.parameters()) {
+    Tensor& t = kGrad ? p.grad : p.value;
+    check_f32(t, p);
+    std::memcpy(t.data<float>(), in, t.nbytes());
+    in += t.numel();
+  }
+}
+
 }  // namespace
 
 int64_t flat_size(const gates::RetentionGates& gates) {
@@ -33,12 +44,7 @@ int64_t flat_size(const gates::RetentionGates& gates) {
 void flatten_values(const gates::RetentionGates& gates, float* out) { flatten<false>(gates, out); }
 void flatten_grads(const gates::RetentionGates& gates, float* out) { flatten<true>(gates, out); }
 
-void unflatten_values(gates::RetentionGates& gates, const float* in) {
-  for (gates::GateParameter& p : gates.parameters()) {
-    check_f32(p.value, p);
-    std::memcpy(p.value.data<float>(), in, p.value.nbytes());
-    in += p.value.numel();
-  }
-}
+void unflatten_values(gates::RetentionGates& gates, const float* in) { unflatten<false>(gates, in); }
+void unflatten_grads(gates::RetentionGates& gates, const float* in) { unflatten<true>(gates, in); }
 
 }  // namespace retain::trainer

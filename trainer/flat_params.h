@@ -14,7 +14,8 @@ int64_t flat_size(const gates::RetentionGates& gates);
 // out[flat_size(gates)] = the parameter values / their gradients, concatenated.
 void flatten_values(const gates::RetentionGates& gates, float* out);
 void flatten_grads(const gates::RetentionGates& gates, float* out);
-// The inverse of flatten_values: in[flat_size(gates)] into the parameter values.
+// The inverses: in[flat_size(gates)] into the parameter values / their gradients.
 void unflatten_values(gates::RetentionGates& gates, const float* in);
+void unflatten_grads(gates::RetentionGates& gates, const float* in);
 
 }  // namespace retain::trainer

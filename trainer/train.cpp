@@ -4,7 +4,6 @@
 
 #include <chrono>
 #include <cmath>
-#include <cstring>
 #include <filesystem>
 #include <memory>
 #include <optional>
@@ -73,6 +72,16 @@ Inputs open_inputs(const TrainConfig& cfg, const dist::Comm& comm) {
   in.loss.cap_weight = cfg.cap_weight;
   in.loss.loss_chunk = cfg.loss_chunk;
   return in;
+}
+
+// This rank's share of every global batch, in the seeded order of cfg.seed.
+data::LoaderOptions loader_options(const TrainConfig& cfg, const Inputs& in, const dist::Comm& comm) {
+  data::LoaderOptions o;
+  o.global_batch = in.global_batch;
+  o.rank = comm.rank();
+  o.world_size = comm.size();
+  o.seed = cfg.seed;
+  return o;
 }
 
 // One rank reads the mapped checkpoint layer by layer; several shard it (FSDP, collective).
@@ -228,12 +237,7 @@ int run_training(const TrainConfig& cfg, dist::Comm& comm) {
   });
   make_weight_provider(in, comm);
 
-  data::LoaderOptions lopt;
-  lopt.global_batch = in.global_batch;
-  lopt.rank = comm.rank();
-  lopt.world_size = comm.size();
-  lopt.seed = cfg.seed;
-  data::Loader loader(ds, lopt, cursor);
+  data::Loader loader(ds, loader_options(cfg, in, comm), cursor);
 
   Schedule schedule;
   schedule.lr = cfg.lr;
@@ -252,8 +256,10 @@ int run_training(const TrainConfig& cfg, dist::Comm& comm) {
   }
 
   // Flat views: values and gradients (padded to a multiple of the world size).
+  // The fp32 master values live here; the gates hold a copy (unflattened after every update).
   std::vector<float> values(static_cast<size_t>(range.padded), 0.0f), grads(values.size(), 0.0f),
       grad_shard(static_cast<size_t>(shard), 0.0f);
+  flatten_values(gates, values.data());
   std::optional<MetricsLog> metrics_log;
   std::optional<ProgressDisplay> progress;
   if (main_rank) {
@@ -322,7 +328,6 @@ int run_training(const TrainConfig& cfg, dist::Comm& comm) {
     if (factor != 1.0)
       for (float& g : grad_shard) g = static_cast<float>(g * factor);
     const double lr = schedule.at(step);
-    flatten_values(gates, values.data());
     adam.step(values.data() + range.begin, grad_shard.data(), lr);
     comm.all_gather(values.data() + range.begin, values.data(), static_cast<size_t>(shard));
     unflatten_values(gates, values.data());
@@ -396,12 +401,7 @@ void dump_gradients(const TrainConfig& cfg, dist::Comm& comm) {
   });
   make_weight_provider(in, comm);
   const data::PackedDataset& ds = *in.data;
-  data::LoaderOptions lopt;
-  lopt.global_batch = in.global_batch;
-  lopt.rank = comm.rank();
-  lopt.world_size = comm.size();
-  lopt.seed = cfg.seed;
-  data::Loader loader(ds, lopt);
+  data::Loader loader(ds, loader_options(cfg, in, comm));
   const data::PackedBatch batch = loader.next();
   gates.zero_grad();
   const StepLosses losses = compute_gradients(*in.weights, gates, make_micro_batches(batch, cfg.micro_batch), in.loss, comm);
@@ -419,17 +419,13 @@ void dump_gradients(const TrainConfig& cfg, dist::Comm& comm) {
   comm.all_gather_bytes(batch.target_mask.data<uint8_t>(), mask.data<uint8_t>(), static_cast<size_t>(local * S));
   if (!comm.is_main_rank()) return;
 
+  unflatten_grads(gates, grads.data());  // the global gradient
   std::vector<std::pair<std::string, Tensor>> out;
-  int64_t offset = 0;
-  for (const gates::GateParameter& p : gates.parameters()) {
-    Tensor g = Tensor::empty(p.value.shape(), DType::F32);
-    std::memcpy(g.data<float>(), grads.data() + offset, g.nbytes());
-    offset += p.value.numel();
+  for (const gates::GateParameter& p : gates.parameters())
     for (const std::string& name : p.file_names) {
       out.emplace_back(name, p.value);
-      out.emplace_back("grad/" + name, g);
+      out.emplace_back("grad/" + name, p.grad);
     }
-  }
   auto scalar = [](double x) { return Tensor::from_vector<double>({x}, {}); };
   out.emplace_back("loss/total", scalar(losses.total(in.loss)));
   out.emplace_back("loss/kl", scalar(losses.kl()));

@@ -1,6 +1,6 @@
 // The flat view of the gate parameters (trainer/flat_params.h): its size against the closed
 // form of DESIGN §4's shapes (dbtrimkv's shared tensors counted once), its order, and the
-// flatten/unflatten round trip for both gate kinds.
+// flatten/unflatten round trips (values and gradients) for both gate kinds.
 #include <gtest/gtest.h>
 
 #include <vector>
@@ -62,6 +62,15 @@ void round_trip(GateKind kind) {
     for (int64_t i = 0; i < p.grad.numel(); ++i) p.grad.data<float>()[i] = static_cast<float>(j++) * 0.5f;
   flatten_grads(g, back.data());
   for (int64_t i = 0; i < n; ++i) ASSERT_EQ(back[static_cast<size_t>(i)], static_cast<float>(i) * 0.5f);
+  // unflatten_grads is its inverse, and leaves the values alone.
+  std::vector<float> values(static_cast<size_t>(n)), grads(static_cast<size_t>(n)), after(static_cast<size_t>(n));
+  flatten_values(g, values.data());
+  for (int64_t i = 0; i < n; ++i) grads[static_cast<size_t>(i)] = static_cast<float>(i) - 7.25f;
+  unflatten_grads(g, grads.data());
+  flatten_grads(g, back.data());
+  EXPECT_EQ(back, grads);
+  flatten_values(g, after.data());
+  EXPECT_EQ(after, values);
 }
 
 }  // namespace
