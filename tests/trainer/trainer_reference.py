@@ -71,16 +71,18 @@ def capacity_terms(log_betas, memory, mode):
 def loss_and_grads(student, kind, P, ids, docs, mask, memory, w_kl, w_ntp, lam):
     """ids/docs/mask: [B, S] int tensors (the global batch). P: name → float64 tensor (gate
     values). Returns (dict of losses, dict name → gradient), float64."""
-    ref = student.ref
     names = sorted(P)
-    leaves = {}
     shared = ("linear3.weight", "bias") if kind == "dbtrimkv" else ()
-    for name_ in names:
-        suffix = name_.split("retention_gate.")[1]
-        key = suffix if suffix in shared else name_
-        if key not in leaves:
-            leaves[key] = P[name_].clone().requires_grad_(True)
-    params = {n: leaves[n.split("retention_gate.")[1] if n.split("retention_gate.")[1] in shared else n] for n in names}
+
+    def leaf_key(name):  # a shared tensor is one leaf under all its layer names
+        suffix = name.split("retention_gate.")[1]
+        return suffix if suffix in shared else name
+
+    leaves = {}
+    for n in names:
+        if leaf_key(n) not in leaves:
+            leaves[leaf_key(n)] = P[n].clone().requires_grad_(True)
+    params = {n: leaves[leaf_key(n)] for n in names}
 
     kl_sum = torch.zeros((), dtype=torch.float64)
     ntp_sum = torch.zeros((), dtype=torch.float64)
@@ -128,7 +130,6 @@ class Reference:
     def __init__(self, model_dir):
         self.ref = load_gate_reference()
         self.student = self.ref.Student(model_dir)
-        self.student.ref = self.ref
 
     def run(self, kind, P, ids, docs, mask, memory, w_kl, w_ntp, lam):
         return loss_and_grads(self.student, kind, P, ids, docs, mask, memory, w_kl, w_ntp, lam)
