@@ -2,6 +2,7 @@
 #include "kernels/ops.h"
 
 #include "kernels/cpu/ops_cpu.h"
+#include "kernels/require_cpu.h"
 
 namespace retain::ops {
 
@@ -10,13 +11,6 @@ namespace {
 void expect(const Tensor& t, DType dtype, int64_t ndim, const char* op, const char* what) {
   RETAIN_CHECK(t.dtype() == dtype && t.ndim() == ndim, "{}: {} must be {}-d {}, got {} {}", op, what,
                ndim, dtype_name(dtype), dtype_name(t.dtype()), shape_str(t.shape()));
-}
-
-// Every op has a CPU reference; CUDA kernels arrive op by op. Until an op has one,
-// asking for it on a CUDA tensor is a clear error rather than a silent host copy.
-void require_cpu(const char* op, std::initializer_list<const Tensor*> ts) {
-  for (const Tensor* t : ts)
-    if (t->device() != Device::CPU) fail("{}: no CUDA implementation of this op yet", op);
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "kernels/cpu/retention_cpu.h"
+#include "kernels/require_cpu.h"
 #include "kernels/cuda/memory.h"
 #ifdef RETAIN_CUDA_KERNELS
 #include "kernels/cuda/retention_cuda.h"
@@ -27,13 +28,6 @@ void expect_ndim(const char* op, const char* what, const Tensor& t, DType dtype,
   if (t.dtype() != dtype || t.ndim() != ndim)
     fail("{}: {} must be a {}-d {} tensor {}, got {} {}", op, what, ndim, dtype_name(dtype), spec,
          dtype_name(t.dtype()), shape_str(t.shape()));
-}
-
-// Each op has a CPU reference; CUDA kernels arrive op by op. Until an op has one, asking for
-// it on a CUDA tensor is a clear error rather than a silent host copy.
-void require_cpu(const char* op, std::initializer_list<const Tensor*> ts) {
-  for (const Tensor* t : ts)
-    if (t->device() != Device::CPU) fail("{}: no CUDA implementation of this op yet", op);
 }
 
 // Positions t − i enter the scores as float32 and must be exact there.
