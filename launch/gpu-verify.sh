@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# The whole GPU verification in one call: the CUDA kernel tests (small shapes, long packed
+# sequences vs float64), compute-sanitizer memcheck/racecheck/synccheck/initcheck on small
+# shapes, the attention benchmark against FlexAttention and SDPA (Qwen3-4B shapes, 1 and 16
+# documents), and Nsight Compute metrics of the attention kernels. Logs and JSON under --out,
+# a summary table printed last (and in OUT/summary.txt).
+#
+# usage: launch/gpu-verify.sh [--bundle DIR] [--out DIR] [--only PHASES] [--seq LIST] [--iters N]
+#   --bundle DIR  run the programs of a launch/gpu-bundle.sh folder (a GPU machine without
+#                 retain's build dependencies); default: build with launch/build.sh, use build/bin
+#   --out DIR     where logs go (default $OUT if set, else build/gpu-verify)
+#   --only LIST   comma-separated phases: tests,sanitizers,bench,ncu (default all)
+#   --seq LIST    benchmark sequence lengths (default 8192,32768,131072)
+#   --iters N     timed benchmark iterations (default 5)
+# Exit status: 0 when every phase that ran passed, 1 otherwise.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+bundle="" out="${OUT:-build/gpu-verify}" only="tests,sanitizers,bench,ncu" seq="8192,32768,131072" iters=5
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --bundle) bundle=$2; shift 2 ;;
+    --out) out=$2; shift 2 ;;
+    --only) only=$2; shift 2 ;;
+    --seq) seq=$2; shift 2 ;;
+    --iters) iters=$2; shift 2 ;;
+    -h|--help) sed -n 2,16p "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "gpu-verify: unknown argument '$1' (see --help)" >&2; exit 2 ;;
+  esac
+done
+mkdir -p "$out"
+if [ -n "$bundle" ]; then
+  bin=$bundle/bin
+  export LD_LIBRARY_PATH="$(cd "$bundle/lib" && pwd)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+else
+  ./launch/build.sh || { echo "gpu-verify: build failed" >&2; exit 1; }
+  bin=build/bin
+fi
+export PATH="$PATH:/usr/local/cuda/bin"
+sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+summary=$out/summary.txt
+: >"$summary"
+status=0
+phase() { [[ ",$only," == *",$1,"* ]]; }
+# step NAME LOG TIMEOUT CMD...: runs CMD with a time limit, appends its output to LOG, records
+# PASS/FAIL/TIMEOUT with the wall time in the summary.
+step() {
+  local name=$1 log=$2 limit=$3; shift 3
+  local t0=$SECONDS rc
+  echo "=== $name: $*" >>"$log"
+  timeout --kill-after=10 "$limit" "$@" >>"$log" 2>&1; rc=$?
+  local verdict=PASS
+  if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then verdict="TIMEOUT(${limit}s)"; status=1
+  elif [ $rc -ne 0 ]; then verdict="FAIL(rc=$rc)"; status=1; fi
+  printf '%-58s %-14s %5ds\n' "$name" "$verdict" $((SECONDS - t0)) | tee -a "$summary"
+  echo "=== $name: $verdict after $((SECONDS - t0)) s" >>"$log"
+}
+
+{
+  echo "gpu-verify $(date -u +%Y-%m-%dT%H:%M:%SZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader 2>&1
+  nvcc --version 2>/dev/null | tail -1
+} | tee -a "$summary"
+
+if phase tests; then
+  log=$out/tests.log
+  step "test_gated_attention_cuda" "$log" 600 "$bin/test_gated_attention_cuda" --gtest_color=no
+  step "test_capacity_cuda" "$log" 600 "$bin/test_capacity_cuda" --gtest_color=no
+  step "test_gated_attention_long (32K, 128K vs float64)" "$log" 600 "$bin/test_gated_attention_long" --gtest_color=no
+  grep -q "SKIPPED" "$log" && { echo "gpu-verify: some GPU tests skipped (see tests.log)" | tee -a "$summary"; status=1; }
+fi
+
+if phase sanitizers; then
+  log=$out/sanitizers.log
+  for tool in memcheck racecheck synccheck initcheck; do
+    step "compute-sanitizer $tool gated_attention (small)" "$log" "${SANITIZER_TIMEOUT:-600}" "$sanitizer" --tool "$tool" --error-exitcode 1 \
+      "$bin/test_gated_attention_cuda" --gtest_filter='GatedAttentionCuda.SmallShapes*:GatedAttentionCuda.BadInputs*'
+    step "compute-sanitizer $tool capacity (small)" "$log" "${SANITIZER_TIMEOUT:-600}" "$sanitizer" --tool "$tool" --error-exitcode 1 \
+      "$bin/test_capacity_cuda" --gtest_filter='Shapes/CapacityCuda.*:CapacityCuda.BadInputs*'
+  done
+fi
+
+if phase bench; then
+  log=$out/bench.log
+  for docs in 1 16; do
+    step "bench: retain vs flex vs sdpa, docs $docs" "$log" 900 env PYTHONUNBUFFERED=1 python3 kernels/bench/bench_attention.py \
+      --device cuda --seq "$seq" --heads 32 --kv-heads 8 --head-dim 128 --docs "$docs" --iters "$iters" --warmup 1 \
+      --check --retain-bench "$bin/retain-bench" --json "$out/bench-docs$docs.json"
+  done
+  step "bench: capacity, 36 layers at 128K" "$log" 300 "$bin/retain-bench" attention --device cuda --seq 131072 \
+    --layers 36 --iters 3 --warmup 1
+fi
+
+if phase ncu; then
+  log=$out/ncu.log
+  ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  step "ncu: attention and capacity kernels at 32K" "$log" 600 "$ncu" --target-processes all \
+    --kernel-name regex:'forward_kernel|dq_kernel|dkdv_kernel|delta_kernel|sums_kernel|grads_kernel' --launch-skip 0 --launch-count 12 \
+    --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
+    --metrics sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum \
+    "$bin/retain-bench" attention --device cuda --seq 32768 --iters 1 --warmup 0
+fi
+
+echo "--- gpu-verify summary (logs in $out)"
+cat "$summary"
+exit $status
