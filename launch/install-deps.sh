@@ -15,6 +15,7 @@ PACKAGES=(
   libutf8proc-dev                     # tokenizer NFC normalization
   zlib1g-dev                          # gzip-compressed corpora
   libssl-dev                          # SHA-256 of tokenizer.json (libcrypto)
+  libzip-dev                          # torch.save archives (trimkv_weights.pth)
   libspdlog-dev libfmt-dev            # logging, formatting
 )
 

@@ -10,6 +10,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include "checkpoints/export/gate_formats.h"
 #include "checkpoints/checkpoint.h"
 #include "data/loader.h"
 #include "data/packed_dataset.h"
@@ -93,7 +94,7 @@ void make_weight_provider(Inputs& in, dist::Comm& comm) {
 }
 
 gates::RetentionGates initial_gates(const TrainConfig& cfg, const Qwen3Config& mc) {
-  if (!cfg.init_gates.empty()) return gates::RetentionGates::load(cfg.init_gates, mc, cfg.gate);
+  if (!cfg.init_gates.empty()) return gate_export::load_gates(cfg.init_gates, mc, cfg.gate).gates;  // any container
   const gates::GateDims dims{cfg.gate, mc.num_hidden_layers, mc.hidden_size, cfg.gate_hidden, mc.num_key_value_heads};
   return gates::RetentionGates::init(dims, cfg.bias_init, cfg.seed);
 }

@@ -28,15 +28,13 @@ std::optional<std::pair<int64_t, std::string>> split_gate_name(const std::string
   return std::make_pair(l, name.substr(dot + kGate.size()));
 }
 
-Tensor as_f32(const SafetensorsFile& f, const std::string& name) {
-  const SafetensorsEntry& e = f.entry(name);
-  if (e.dtype != DType::F32 && e.dtype != DType::BF16 && e.dtype != DType::F16)
-    fail("{}: tensor '{}' has dtype {}; gate tensors must be F32, BF16 or F16", f.path(), name, dtype_name(e.dtype));
-  Tensor t = f.tensor(name);
+Tensor as_f32(const std::string& source, const std::string& name, const Tensor& t) {
+  if (t.dtype() != DType::F32 && t.dtype() != DType::BF16 && t.dtype() != DType::F16 && t.dtype() != DType::F64)
+    fail("{}: tensor '{}' has dtype {}; gate tensors must be F32, BF16, F16 or F64", source, name, dtype_name(t.dtype()));
   Tensor out = t.dtype() == DType::F32 ? t.clone() : t.to_dtype(DType::F32);
   const float* v = out.data<float>();
   for (int64_t i = 0; i < out.numel(); ++i)
-    if (!std::isfinite(v[i])) fail("{}: tensor '{}' has a non-finite value ({}) at index {}", f.path(), name, v[i], i);
+    if (!std::isfinite(v[i])) fail("{}: tensor '{}' has a non-finite value ({}) at index {}", source, name, v[i], i);
   return out;
 }
 
@@ -44,7 +42,16 @@ Tensor as_f32(const SafetensorsFile& f, const std::string& name) {
 
 RetentionGates RetentionGates::load(const std::string& path, const Qwen3Config& config, std::optional<GateKind> expect) {
   const SafetensorsFile f = SafetensorsFile::open(path);
-  const std::vector<std::string> names = f.names();
+  std::map<std::string, Tensor> tensors;
+  for (const std::string& n : f.names()) tensors.emplace(n, f.tensor(n));
+  return from_tensors(path, tensors, f.metadata(), config, expect);
+}
+
+RetentionGates RetentionGates::from_tensors(const std::string& path, const std::map<std::string, Tensor>& tensors,
+                                            const std::map<std::string, std::string>& meta, const Qwen3Config& config,
+                                            std::optional<GateKind> expect) {
+  std::vector<std::string> names;
+  for (const auto& kv : tensors) names.push_back(kv.first);
 
   // Kind: linear3 exists only in dbtrimkv gates.
   bool has_linear3 = false;
@@ -57,7 +64,6 @@ RetentionGates RetentionGates::load(const std::string& path, const Qwen3Config& 
   }
   if (names.empty()) fail("{}: holds no tensors (not a retention gate file)", path);
   const GateKind kind = has_linear3 ? GateKind::dbtrimkv : GateKind::trimkv;
-  const auto& meta = f.metadata();
   if (auto it = meta.find("gate_kind"); it != meta.end()) {
     const GateKind declared = parse_gate_kind(it->second, path + ": __metadata__ gate_kind");
     if (declared != kind)
@@ -75,8 +81,8 @@ RetentionGates RetentionGates::load(const std::string& path, const Qwen3Config& 
     fail("{}: has gates for {} layers (layer indices {}..{}), the model has {} (num_hidden_layers)", path, present,
          *layers.begin(), *layers.rbegin(), L);
   const std::string w1_name = gate_tensor_name(0, "linear1.weight");
-  if (!f.contains(w1_name)) fail("{}: missing tensor '{}'", path, w1_name);
-  const Shape& w1_shape = f.entry(w1_name).shape;
+  if (!tensors.count(w1_name)) fail("{}: missing tensor '{}'", path, w1_name);
+  const Shape& w1_shape = tensors.at(w1_name).shape();
   if (w1_shape.size() != 2 || w1_shape[0] <= 0 || w1_shape[1] != config.hidden_size)
     fail("{}: tensor '{}' has shape {}, expected [G, {}] (G the gate width, {} the model's hidden_size)", path, w1_name,
          shape_str(w1_shape), config.hidden_size, config.hidden_size);
@@ -88,13 +94,13 @@ RetentionGates RetentionGates::load(const std::string& path, const Qwen3Config& 
     for (size_t c = 0; c < p.file_names.size(); ++c) {
       const std::string& n = p.file_names[c];
       expected.insert(n);
-      if (!f.contains(n)) fail("{}: missing tensor '{}'", path, n);
-      const Shape& shape = f.entry(n).shape;
+      if (!tensors.count(n)) fail("{}: missing tensor '{}'", path, n);
+      const Shape& shape = tensors.at(n).shape();
       if (shape != p.value.shape())
         fail("{}: tensor '{}' has shape {}, expected {} (G {}, hidden_size {}, num_key_value_heads {})", path, n,
              shape_str(shape), shape_str(p.value.shape()), g.dims_.gate_hidden, config.hidden_size,
              config.num_key_value_heads);
-      const Tensor v = as_f32(f, n);
+      const Tensor v = as_f32(path, n, tensors.at(n));
       if (c == 0) {
         p.value = v;
       } else if (std::memcmp(v.raw(), p.value.raw(), v.nbytes()) != 0) {
@@ -115,7 +121,7 @@ RetentionGates RetentionGates::load(const std::string& path, const Qwen3Config& 
   return g;
 }
 
-void RetentionGates::save(const std::string& path, const std::map<std::string, std::string>& extra) const {
+std::vector<std::pair<std::string, Tensor>> RetentionGates::named_tensors() const {
   // File order: layer by layer, each layer's tensors in DESIGN order (a shared tensor repeated
   // under every layer's name, after that layer's own tensors).
   struct Item {
@@ -142,7 +148,10 @@ void RetentionGates::save(const std::string& path, const std::map<std::string, s
                    [](const Item& a, const Item& b) { return std::tie(a.layer, a.order) < std::tie(b.layer, b.order); });
   std::vector<std::pair<std::string, Tensor>> tensors;
   for (Item& it : items) tensors.emplace_back(std::move(it.name), std::move(it.value));
+  return tensors;
+}
 
+void RetentionGates::save(const std::string& path, const std::map<std::string, std::string>& extra) const {
   std::map<std::string, std::string> meta = {
       {"format", "pt"},
       {"gate_kind", std::string(gate_kind_name(dims_.kind))},
@@ -153,7 +162,7 @@ void RetentionGates::save(const std::string& path, const std::map<std::string, s
   };
   if (bias_init_) meta["bias_init"] = fmt::format("{}", *bias_init_);
   for (const auto& [k, v] : extra) meta[k] = v;
-  write_safetensors(path, tensors, meta);
+  write_safetensors(path, named_tensors(), meta);
 }
 
 }  // namespace retain::gates

@@ -66,10 +66,21 @@ class RetentionGates {
   // "<path>: <problem>".
   static RetentionGates load(const std::string& path, const Qwen3Config& config,
                              std::optional<GateKind> expect = std::nullopt);
+  // The same checks and conversion for tensors read from any container (a torch.save
+  // archive, GGUF: checkpoints/export/gate_formats.h), named as in a gate file, with
+  // metadata as a gate file's __metadata__ would hold it (gate_kind, bias_init). `source`
+  // names the container in errors.
+  static RetentionGates from_tensors(const std::string& source, const std::map<std::string, Tensor>& tensors,
+                                     const std::map<std::string, std::string>& metadata, const Qwen3Config& config,
+                                     std::optional<GateKind> expect = std::nullopt);
   // Writes F32 tensors under the DESIGN names (a shared tensor under every layer's name),
   // atomically, with __metadata__: format, gate_kind, gate_hidden, num_hidden_layers,
   // num_key_value_heads, hidden_size, bias_init (when known), then `extra` (which wins).
   void save(const std::string& path, const std::map<std::string, std::string>& extra = {}) const;
+
+  // Every tensor under its file name(s), in file order (a shared tensor under every layer's
+  // name, sharing one value): what save() writes and what the exporters write.
+  std::vector<std::pair<std::string, Tensor>> named_tensors() const;
 
   const GateDims& dims() const { return dims_; }
   GateKind kind() const { return dims_.kind; }

@@ -8,6 +8,7 @@
 
 #include <fmt/format.h>
 
+#include "checkpoints/export/gate_formats.h"
 #include "kernels/base/cli.h"
 #include "model/gates/gates.h"
 #include "model/qwen3.h"
@@ -21,15 +22,17 @@ namespace {
 
 constexpr const char* kUsage =
     "Usage: retain-forward --model DIR --ids \"5 10 7 ...\" --out FILE.safetensors\n"
-    "                      [--gates GATES.safetensors [--gate-kind trimkv|dbtrimkv]]\n"
+    "                      [--gates GATES [--gate-kind trimkv|dbtrimkv]]\n"
     "                      [--doc-ids \"0 0 1 ...\"] [--device cpu|cuda]\n\n"
     "Runs the Qwen3 checkpoint in DIR (Hugging Face layout) on the token ids and writes\n"
     "tensor `logits` (F32, [T, V]) to FILE. With --doc-ids, attention stays inside each\n"
     "document and RoPE positions restart per document (documents are contiguous runs of\n"
     "equal ids; a negative id marks padding, whose attention output is zero).\n"
     "With --gates, runs the student: every layer's attention is retention-gated by the\n"
-    "TRIM-KV / DBTrimKV gates in GATES (the kind is read from the file's tensor names;\n"
-    "--gate-kind, if given, must agree).";
+    "TRIM-KV / DBTrimKV gates in GATES: a retain gate file (.safetensors), a GGUF adapter,\n"
+    "a torch.save state dict (.pth, e.g. the TRIM-KV authors' trimkv_weights.pth) or a\n"
+    "TRIM-KV directory (config.json + trimkv_weights.pth). The kind is read from the tensor\n"
+    "names; --gate-kind, if given, must agree.";
 
 int run(int argc, char** argv) {
   cli::po::options_description opts("Options");
@@ -39,7 +42,7 @@ int run(int argc, char** argv) {
       ("ids", cli::po::value(&ids_text)->required(), "token ids, separated by spaces or commas")
       ("out", cli::po::value(&out)->required(), "output .safetensors file (written atomically)")
       ("doc-ids", cli::po::value(&doc_text), "document id per token (default: one document)")
-      ("gates", cli::po::value(&gates_path), "retention gates (.safetensors): run the gated student model")
+      ("gates", cli::po::value(&gates_path), "retention gates (.safetensors, .gguf, .pth or a TRIM-KV directory): run the gated student")
       ("gate-kind", cli::po::value(&gate_kind_text), "trimkv or dbtrimkv (checked against --gates)")
       ("device", cli::po::value(&device)->default_value("cpu"), "cpu or cuda");
   cli::po::variables_map vm;
@@ -79,7 +82,7 @@ int run(int argc, char** argv) {
       fail("--ids: token id {} at position {} is outside the vocabulary [0, {}) of {}", ids[t], t, V, model);
 
   std::optional<gates::RetentionGates> gates;
-  if (vm.count("gates")) gates = gates::RetentionGates::load(gates_path, ckpt->config(), gate_kind);
+  if (vm.count("gates")) gates = gate_export::load_gates(gates_path, ckpt->config(), gate_kind).gates;
 
   Tensor ids_t = Tensor::empty({static_cast<int64_t>(ids.size())}, DType::I32);
   Tensor doc_t = Tensor::empty({static_cast<int64_t>(ids.size())}, DType::I32);

@@ -179,7 +179,7 @@ TEST_P(GateFile, BadFilesGiveOneClearLine) {
   EXPECT_TRUE(contains(e, "has shape [5, 9], expected [G, 8]")) << e;
 
   e = error_of(replaced(gate_tensor_name(1, "linear1.bias"), Tensor::zeros({5}, DType::I32)));
-  EXPECT_TRUE(contains(e, "has dtype I32; gate tensors must be F32, BF16 or F16")) << e;
+  EXPECT_TRUE(contains(e, "has dtype I32; gate tensors must be F32, BF16, F16 or F64")) << e;
 
   Tensor nan = Tensor::zeros({5}, DType::F32);
   nan.data<float>()[3] = std::nanf("");

@@ -47,7 +47,7 @@ int run(int argc, char** argv, dist::Comm& comm) {
       ("ntp-weight", cli::po::value(&c.ntp_weight)->default_value(0.5), "weight of the next-token loss")
       ("bias-init", cli::po::value(&c.bias_init)->default_value(18.0), "initial gate bias b (18: β≈1, plain attention)")
       ("gate-hidden", cli::po::value(&c.gate_hidden)->default_value(512), "gate hidden size G for new gates")
-      ("init-gates", cli::po::value(&c.init_gates), "start from this gate file instead of fresh gates")
+      ("init-gates", cli::po::value(&c.init_gates), "start from these gates instead of fresh ones (.safetensors, .gguf, .pth or a TRIM-KV directory)")
       ("lr", cli::po::value(&c.lr)->default_value(2e-4), "peak learning rate (AdamW)")
       ("min-lr", cli::po::value(&c.min_lr)->default_value(0.0), "learning rate at the end of the cosine")
       ("warmup", cli::po::value(&c.warmup)->default_value(0), "linear warmup steps")
