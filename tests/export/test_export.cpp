@@ -265,6 +265,40 @@ TEST(GateImport, DamagedFilesAreOneLineErrors) {
   }
 }
 
+// A TRIM-KV directory whose config.json is damaged or names another gate type.
+TEST(GateImport, DamagedTrimkvDirectoryIsOneLineError) {
+  TempDir dir;
+  const std::string d = dir / "tk";
+  fs::create_directory(d);
+  fs::copy_file(kExport + "/golden/trimkv_tied_gqa2/trimkv_weights.pth", d + "/trimkv_weights.pth");
+  const std::string cfg = read_file(kExport + "/golden/trimkv_tied_gqa2/config.json");
+  auto error_of = [&](const std::string& config_text) {
+    write_file_atomic(d + "/config.json", config_text);
+    try {
+      gate_export::load_gates(d, model_config("tied_gqa2_bf16"));
+    } catch (const Error& e) {
+      EXPECT_EQ(std::string(e.what()).find('\n'), std::string::npos) << e.what();
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_EQ(error_of(cfg), "no error");
+  EXPECT_NE(error_of(cfg.substr(0, cfg.size() / 2)).find("config.json: not valid JSON"), std::string::npos);
+  std::string rg7 = cfg;
+  rg7.replace(rg7.find("\"rg\""), 4, "\"rg7\"");
+  EXPECT_NE(error_of(rg7).find("retention_gate \"rg7\""), std::string::npos);
+  std::string rg10 = cfg;
+  rg10.replace(rg10.find("\"rg\""), 4, "\"rg10\"");
+  EXPECT_NE(error_of(rg10).find("gate_kind dbtrimkv but the tensors are trimkv gates"), std::string::npos);
+  fs::remove(d + "/config.json");
+  try {
+    gate_export::load_gates(d, model_config("tied_gqa2_bf16"));
+    ADD_FAILURE() << "a TRIM-KV directory without config.json was read";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("config.json: cannot read"), std::string::npos) << e.what();
+  }
+}
+
 // ---- retain-export -----------------------------------------------------------------------------
 
 struct Golden {
