@@ -1,5 +1,8 @@
 #include "model/tiny.h"
 
+#include <unistd.h>
+
+
 #include <filesystem>
 #include <random>
 
@@ -148,9 +151,33 @@ void make_tiny_model(const std::string& dir, const TinyModelOptions& opt) {
     gates = gates::RetentionGates::init(
         {*opt.gate_kind, c.num_hidden_layers, c.hidden_size, opt.gate_hidden, c.num_key_value_heads},
         opt.gate_bias_init, opt.seed ^ 0x9e3779b97f4a7c15ULL);
+  // A size guard: this tool makes test models; a typo (--hidden 65536) must not fill the disk.
+  int64_t params = 0;
+  for (const auto& [name, shape] : expected_tensors(c)) params += shape_numel(shape);
+  constexpr int64_t kMaxBytes = int64_t{1} << 30;
+  if (params * 2 > kMaxBytes)
+    fail("{}: the model would hold {} parameters ({:.1f} GiB of BF16); retain-make-tiny makes test models of at "
+         "most 1 GiB",
+         dir, params, static_cast<double>(params) * 2 / static_cast<double>(kMaxBytes));
+  // The output folder's parent must exist (as for every tool). A new folder is built beside it
+  // and renamed into place, so an interrupted run leaves no half-made model under DIR; into an
+  // existing folder each file is written atomically.
   std::error_code ec;
-  fs::create_directories(dir, ec);
-  if (ec) fail("{}: cannot create directory: {}", dir, ec.message());
+  const fs::path target = fs::absolute(dir).lexically_normal();
+  if (!fs::is_directory(target.parent_path(), ec))
+    fail("--out {}: the folder {} does not exist", dir, target.parent_path().string());
+  if (fs::exists(target, ec) && !fs::is_directory(target, ec)) fail("--out {}: is not a directory", dir);
+  const bool fresh = !fs::exists(target, ec);
+  const fs::path build = fresh ? fs::path(target.string() + ".tmp." + std::to_string(::getpid())) : target;
+  struct Cleanup {
+    fs::path p;
+    bool armed;
+    ~Cleanup() {
+      std::error_code e;
+      if (armed) fs::remove_all(p, e);
+    }
+  } cleanup{build, fresh};
+  if (fresh && !fs::create_directory(build, ec)) fail("{}: cannot create directory: {}", build.string(), ec.message());
 
   // Scale each matrix by 1/sqrt(fan_in) so activations and logits stay O(1) and the
   // model's outputs depend visibly on every weight (a stronger test than HF's 0.02 init).
@@ -161,11 +188,15 @@ void make_tiny_model(const std::string& dir, const TinyModelOptions& opt) {
     const double std = is_norm ? 0.1 : 1.0 / std::sqrt(static_cast<double>(shape.back()));
     tensors.emplace_back(name, random_bf16(shape, is_norm ? 1.0 : 0.0, std, rng));
   }
-  write_file_atomic((fs::path(dir) / "config.json").string(), c.to_json().dump(2) + "\n");
-  write_file_atomic((fs::path(dir) / "tokenizer.json").string(), tiny_tokenizer_json().dump(2) + "\n");
-  write_safetensors((fs::path(dir) / "model.safetensors").string(), tensors,
-                    {{"format", "pt"}, {"producer", "retain-make-tiny"}});
-  if (gates) gates->save((fs::path(dir) / "gates.safetensors").string(), {{"producer", "retain-make-tiny"}});
+  write_file_atomic((build / "config.json").string(), c.to_json().dump(2) + "\n");
+  write_file_atomic((build / "tokenizer.json").string(), tiny_tokenizer_json().dump(2) + "\n");
+  write_safetensors((build / "model.safetensors").string(), tensors, {{"format", "pt"}, {"producer", "retain-make-tiny"}});
+  if (gates) gates->save((build / "gates.safetensors").string(), {{"producer", "retain-make-tiny"}});
+  if (fresh) {
+    fs::rename(build, target, ec);
+    if (ec) fail("{}: cannot create: {}", dir, ec.message());
+    cleanup.armed = false;
+  }
 }
 
 }  // namespace retain

@@ -14,6 +14,7 @@
 #include "checkpoints/checkpoint.h"
 #include "data/loader.h"
 #include "data/packed_dataset.h"
+#include "data/tokenizer/sha256.h"
 #include "kernels/base/atomic_file.h"
 #include "kernels/base/error.h"
 #include "model/safetensors.h"
@@ -169,12 +170,15 @@ int run_training(const TrainConfig& cfg, dist::Comm& comm) {
   const data::PackedDataset& ds = *in.data;
   const nlohmann::json config_json = to_json(cfg);
 
-  // The run directory: a fresh run refuses one that already has checkpoints.
+  // The run directory: a fresh run refuses one that already has checkpoints. Nothing is created
+  // before the first step has run (a bad --init-gates, bad token ids, a NaN in step 1 leave no
+  // half-made run behind); its parent folder must exist, as for every tool's output.
   collectively(comm, [&] {
-    if (main_rank) {
-      fs::create_directories(cfg.run_dir);
-      ckpt::remove_stale_temporaries(cfg.run_dir);
-    }
+    if (!main_rank) return;
+    const fs::path parent = fs::absolute(cfg.run_dir).lexically_normal().parent_path();
+    if (!fs::is_directory(parent)) fail("--out {}: the folder {} does not exist", cfg.run_dir, parent.string());
+    if (fs::exists(cfg.run_dir) && !fs::is_directory(cfg.run_dir)) fail("--out {}: is not a directory", cfg.run_dir);
+    if (fs::is_directory(cfg.run_dir)) ckpt::remove_stale_temporaries(cfg.run_dir);
   });
   // Rank 0 alone reads `latest` and tells the others: on a shared file system with stale
   // caches, ranks reading it themselves could load different checkpoints.
@@ -233,9 +237,20 @@ int run_training(const TrainConfig& cfg, dist::Comm& comm) {
     else if (cfg.resume)
       spdlog::info("--resume: {} has no checkpoint yet; starting a new run", cfg.run_dir);
   }
-  collectively(comm, [&] {
-    if (main_rank) write_file_atomic(cfg.run_dir + "/config.json", config_json.dump(2) + "\n");
-  });
+  // Creates the run directory, config.json and metrics.jsonl: after the first step of a fresh run.
+  std::optional<MetricsLog> metrics_log;
+  const int64_t start_step = step;  // metrics.jsonl keeps the lines up to here (a resume drops later ones)
+  bool materialized = false;
+  auto materialize = [&] {
+    if (materialized) return;
+    collectively(comm, [&] {
+      if (!main_rank) return;
+      fs::create_directory(cfg.run_dir);  // the parent exists (checked above)
+      write_file_atomic(cfg.run_dir + "/config.json", config_json.dump(2) + "\n");
+      metrics_log.emplace(cfg.run_dir + "/metrics.jsonl", start_step);
+    });
+    materialized = true;
+  };
   make_weight_provider(in, comm);
 
   data::Loader loader(ds, loader_options(cfg, in, comm), cursor);
@@ -250,10 +265,12 @@ int run_training(const TrainConfig& cfg, dist::Comm& comm) {
     spdlog::info("model {}: {} layers, hidden {}, {} heads / {} KV heads; {} gates, {} parameters", cfg.model_dir,
                  mc.num_hidden_layers, mc.hidden_size, mc.num_attention_heads, mc.num_key_value_heads,
                  gates::gate_kind_name(cfg.gate), gates.num_parameters());
-    spdlog::info("data {}: {} sequences of {} tokens; global batch {} ({} ranks × {} micro-batches of {}), {} "
-                 "steps per epoch",
-                 cfg.data_path, ds.num_sequences(), ds.seq_len(), in.global_batch, comm.size(),
-                 in.global_batch / (comm.size() * cfg.micro_batch), cfg.micro_batch, loader.steps_per_epoch());
+    const int64_t accumulated = in.global_batch / (comm.size() * cfg.micro_batch);
+    auto plural = [](int64_t n, const char* one, const char* many) { return fmt::format("{} {}", n, n == 1 ? one : many); };
+    spdlog::info("data {}: {} of {} tokens; global batch {} ({} × {} of {}), {} per epoch", cfg.data_path,
+                 plural(ds.num_sequences(), "sequence", "sequences"), ds.seq_len(), in.global_batch,
+                 plural(comm.size(), "rank", "ranks"), plural(accumulated, "micro-batch", "micro-batches"),
+                 cfg.micro_batch, plural(loader.steps_per_epoch(), "step", "steps"));
   }
 
   // Flat views: values and gradients (padded to a multiple of the world size).
@@ -261,12 +278,8 @@ int run_training(const TrainConfig& cfg, dist::Comm& comm) {
   std::vector<float> values(static_cast<size_t>(range.padded), 0.0f), grads(values.size(), 0.0f),
       grad_shard(static_cast<size_t>(shard), 0.0f);
   flatten_values(gates, values.data());
-  std::optional<MetricsLog> metrics_log;
   std::optional<ProgressDisplay> progress;
-  if (main_rank) {
-    metrics_log.emplace(cfg.run_dir + "/metrics.jsonl", step);
-    progress.emplace(cfg.steps, stderr_is_tty(), std::max<int64_t>(cfg.log_every, 1));
-  }
+  if (main_rank) progress.emplace(cfg.steps, stderr_is_tty(), std::max<int64_t>(cfg.log_every, 1));
 
   auto save = [&](int64_t done) {
     ckpt::SaveRequest req;
@@ -333,6 +346,7 @@ int run_training(const TrainConfig& cfg, dist::Comm& comm) {
     comm.all_gather(values.data() + range.begin, values.data(), static_cast<size_t>(shard));
     unflatten_values(gates, values.data());
     ++step;
+    materialize();
 
     const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
     if (main_rank) {
@@ -383,8 +397,12 @@ int run_training(const TrainConfig& cfg, dist::Comm& comm) {
     if (stopped)
       spdlog::info("stopped after step {} ({}); continue with --resume", step, stop_reason);
     if (step >= cfg.steps) {
+      // The base model by identity (an absolute directory) and content (its config's hash).
       gates.save(cfg.run_dir + "/gates.safetensors",
-                 {{"memory", fmt::format("{}", cfg.memory)}, {"base_model", cfg.model_dir}, {"step", std::to_string(step)}});
+                 {{"memory", fmt::format("{}", cfg.memory)},
+                  {"base_model", fs::absolute(cfg.model_dir).lexically_normal().string()},
+                  {"base_config_sha256", data::sha256_file(fs::path(cfg.model_dir) / "config.json")},
+                  {"step", std::to_string(step)}});
       spdlog::info("done: {} steps; gates {}/gates.safetensors, checkpoint {}", step, cfg.run_dir,
                    last_saved.empty() ? std::string("(none new)") : last_saved);
     }

@@ -285,6 +285,8 @@ Tokenizer Tokenizer::load(const std::filesystem::path& path) {
     if (!j.is_object()) r.bad("top level", "expected a JSON object");
     if (j.contains("truncation") && !j.at("truncation").is_null())
       r.bad("truncation", "is not supported (set it to null; retain never truncates)");
+    if (!j.contains("model") && (j.contains("model_type") || j.contains("architectures") || j.contains("vocab_size")))
+      fail("{}: is a model config.json, not a tokenizer.json (give tokenizer.json or the directory holding it)", r.file);
     if (!j.contains("model")) r.bad("model", "missing");
     impl->load_normalizer(r, j.value("normalizer", json()));
     impl->load_pre_tokenizer(r, j.value("pre_tokenizer", json()));

@@ -143,11 +143,11 @@ int run(int argc, char** argv) {
   if (tty && !quiet) std::cerr << "\n";
   const int64_t slots = s.sequences * seq_len;
   std::cout << fmt::format(
-      "retain-pack: wrote {}: {} sequences x {} tokens ({} packing)\n"
+      "retain-pack: wrote {}: {} {} x {} tokens ({} packing)\n"
       "  documents {}  tokens {}  padding {} ({:.2f}%)  split documents {}\n"
       "  skipped: blank lines {}  empty documents {}  bad records {}  invalid UTF-8 {}\n"
       "  {:.1f} s ({:.0f} tokens/s tokenizing, {} threads)\n",
-      out, s.sequences, seq_len, packing, s.documents, s.tokens, s.padding_tokens,
+      out, s.sequences, s.sequences == 1 ? "sequence" : "sequences", seq_len, packing, s.documents, s.tokens, s.padding_tokens,
       slots ? 100.0 * static_cast<double>(s.padding_tokens) / static_cast<double>(slots) : 0.0, s.split_documents,
       s.blank_lines, s.empty_documents, s.bad_records, s.invalid_utf8, s.total_seconds,
       s.tokenize_seconds > 0 ? static_cast<double>(s.tokens) / s.tokenize_seconds : 0.0, threads);

@@ -1,6 +1,12 @@
 #include "kernels/base/cli.h"
 
+#include <unistd.h>
+
+#include <cstdlib>
 #include <iostream>
+
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/spdlog.h>
 
 #include "kernels/base/error.h"
 
@@ -22,6 +28,14 @@ int run_tool(const char* tool, const std::function<int()>& body) {
     std::cerr << tool << ": error: " << e.what() << "\n";
     return 1;
   }
+}
+
+void setup_logging() {
+  const bool under_mpi = std::getenv("OMPI_COMM_WORLD_SIZE") || std::getenv("PMIX_RANK") || std::getenv("PMI_RANK");
+  const auto mode = under_mpi || !isatty(STDOUT_FILENO) ? spdlog::color_mode::never : spdlog::color_mode::automatic;
+  auto logger = std::make_shared<spdlog::logger>("retain", std::make_shared<spdlog::sinks::stdout_color_sink_mt>(mode));
+  logger->set_pattern("[%Y-%m-%d %H:%M:%S] %^[%l]%$ %v");
+  spdlog::set_default_logger(logger);
 }
 
 bool parse(int argc, char** argv, const std::string& usage, po::options_description& opts,

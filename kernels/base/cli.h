@@ -19,6 +19,11 @@ int run_tool(const char* tool, const std::function<int()>& body);
 bool parse(int argc, char** argv, const std::string& usage, po::options_description& opts,
            po::variables_map& vm);
 
+// spdlog's default logger for a tool: "[YYYY-MM-DD HH:MM:SS] [level] message" on stdout, the
+// level coloured only on a terminal of the user's own — never under mpirun, whose ranks write
+// to pseudo-terminals that usually end in a log file.
+void setup_logging();
+
 // Thrown for command-line misuse; run_tool maps it to exit code 2.
 struct UsageError : std::runtime_error {
   using std::runtime_error::runtime_error;

@@ -2,12 +2,15 @@
 //   retain-bench attention: retention-gated attention forward, backward, forward+backward and
 //   the capacity loss forward+backward, through the public ops (kernels/retention.h), with the
 //   dtypes the trainer uses: on CUDA bf16 q/k/v/o (fp32 logβ, lse), on CPU float32.
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <ctime>
+#include <filesystem>
 #include <functional>
 #include <iostream>
 #include <string>
@@ -184,20 +187,34 @@ int attention(int argc, char** argv) {
   int64_t heads = 0, kv_heads = 0, head_dim = 0, docs = 0, layers = 0;
   int iters = 0, warmup = 0;
   opts.add_options()
-      ("device", cli::po::value(&device_name_arg)->default_value("cuda"), "cuda or cpu")
-      ("seq", cli::po::value(&seq_text)->default_value("8192,32768,131072"), "sequence lengths T, comma-separated")
+      ("device", cli::po::value(&device_name_arg), "cuda or cpu (default: cuda when a GPU is visible, else cpu)")
+      ("seq", cli::po::value(&seq_text), "sequence lengths T, comma-separated (default: 8192,32768,131072 on cuda, 1024 on cpu)")
       ("heads", cli::po::value(&heads)->default_value(32), "query heads H")
       ("kv-heads", cli::po::value(&kv_heads)->default_value(8), "KV heads K (H % K == 0)")
       ("head-dim", cli::po::value(&head_dim)->default_value(128), "head_dim d")
       ("docs", cli::po::value(&docs)->default_value(1), "equal-length documents per sequence")
       ("layers", cli::po::value(&layers)->default_value(1), "layers L of the capacity run")
-      ("iters", cli::po::value(&iters)->default_value(10), "timed runs per row (median reported)")
-      ("warmup", cli::po::value(&warmup)->default_value(2), "untimed runs before them")
+      ("iters", cli::po::value(&iters), "timed runs per row, median reported (default: 10 on cuda, 3 on cpu)")
+      ("warmup", cli::po::value(&warmup), "untimed runs before them (default: 2 on cuda, 1 on cpu)")
       ("json", cli::po::value(&json_path), "also write the results as JSON to FILE (atomically)");
   cli::po::variables_map vm;
   if (!cli::parse(argc, argv, kUsage, opts, vm)) return 0;
 
+  // Defaults that fit the device: the Qwen3-4B lengths on a GPU, a length the CPU reference
+  // times in seconds on the CPU.
+  if (device_name_arg.empty()) device_name_arg = cuda_built() && cuda_device_count() > 0 ? "cuda" : "cpu";
+  const bool on_gpu = device_name_arg == "cuda";
+  if (seq_text.empty()) seq_text = on_gpu ? "8192,32768,131072" : "1024";
+  if (!vm.count("iters")) iters = on_gpu ? 10 : 3;
+  if (!vm.count("warmup")) warmup = on_gpu ? 2 : 1;
   const std::vector<int64_t> lengths = parse_lengths(seq_text);
+  // The output is checked before minutes of timing, not after.
+  if (!json_path.empty()) {
+    const std::filesystem::path parent = std::filesystem::absolute(json_path).parent_path();
+    if (!std::filesystem::is_directory(parent))
+      throw cli::UsageError(fmt::format("--json {}: the folder {} does not exist", json_path, parent.string()));
+    if (::access(parent.c_str(), W_OK) != 0) fail("--json {}: the folder {} is not writable", json_path, parent.string());
+  }
   if (heads <= 0 || kv_heads <= 0 || heads % kv_heads != 0)
     throw cli::UsageError(fmt::format("--heads {} must be a positive multiple of --kv-heads {}", heads, kv_heads));
   if (head_dim <= 0) throw cli::UsageError("--head-dim must be positive");
@@ -256,14 +273,20 @@ int attention(int argc, char** argv) {
 
     const double pairs = static_cast<double>(T) * static_cast<double>(T) / (2.0 * static_cast<double>(docs));
     const double fwd_flops = 4.0 * pairs * static_cast<double>(H * d);
+    // Progress on stderr (the table is stdout): one line before each measurement.
+    auto timed = [&](const char* what, const std::function<void()>& fn) {
+      std::cerr << fmt::format("retain-bench: T={} {}: {} warm-up + {} timed runs\n", T, what, warmup, iters)
+                << std::flush;
+      return median_ms(timer, warmup, iters, fn);
+    };
     fwd();  // out and lse for the backward
-    const double f_ms = median_ms(timer, warmup, iters, fwd);
-    const double b_ms = median_ms(timer, warmup, iters, bwd);
-    const double fb_ms = median_ms(timer, warmup, iters, [&] {
+    const double f_ms = timed("gated fwd", fwd);
+    const double b_ms = timed("gated bwd", bwd);
+    const double fb_ms = timed("gated fwd+bwd", [&] {
       fwd();
       bwd();
     });
-    const double c_ms = median_ms(timer, warmup, iters, capacity);
+    const double c_ms = timed("capacity fwd+bwd", capacity);
     const double per_layer = c_ms / static_cast<double>(layers);
     auto tf = [](double flops, double ms) { return flops / (ms * 1e-3) / 1e12; };
     rows.push_back({T, "gated fwd", f_ms, tf(fwd_flops, f_ms), -1});

@@ -25,7 +25,7 @@ int run(int argc, char** argv) {
   std::string out, gate_kind;
   cli::po::options_description opts("Options");
   opts.add_options()
-      ("out", cli::po::value(&out)->required(), "output directory (created if missing)")
+      ("out", cli::po::value(&out)->required(), "output directory (its parent must exist; created if missing)")
       ("layers", cli::po::value(&o.layers)->default_value(o.layers), "decoder layers")
       ("hidden", cli::po::value(&o.hidden)->default_value(o.hidden), "hidden size")
       ("heads", cli::po::value(&o.heads)->default_value(o.heads), "query heads")
@@ -42,6 +42,9 @@ int run(int argc, char** argv) {
       ("bias-init", cli::po::value(&o.gate_bias_init)->default_value(o.gate_bias_init), "gate logit bias b");
   cli::po::variables_map vm;
   if (!cli::parse(argc, argv, kUsage, opts, vm)) return 0;
+  if (!vm["yarn-factor"].defaulted() && !(o.yarn_factor > 1))
+    throw cli::UsageError(fmt::format("--yarn-factor must be > 1 (it stretches the context by that factor), got {}",
+                                      o.yarn_factor));
   if (vm.count("tie") && vm.count("no-tie")) throw cli::UsageError("--tie and --no-tie are exclusive");
   o.tie = !vm.count("no-tie");
   if (vm.count("gates")) {

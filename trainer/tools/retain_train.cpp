@@ -48,10 +48,10 @@ int run(int argc, char** argv, dist::Comm& comm) {
       ("bias-init", cli::po::value(&c.bias_init)->default_value(18.0), "initial gate bias b (18: β≈1, plain attention)")
       ("gate-hidden", cli::po::value(&c.gate_hidden)->default_value(512), "gate hidden size G for new gates")
       ("init-gates", cli::po::value(&c.init_gates), "start from these gates instead of fresh ones (.safetensors, .gguf, .pth or a TRIM-KV directory)")
-      ("lr", cli::po::value(&c.lr)->default_value(2e-4), "peak learning rate (AdamW)")
+      ("lr", cli::po::value(&c.lr)->default_value(2e-4, "2e-4"), "peak learning rate (AdamW)")
       ("min-lr", cli::po::value(&c.min_lr)->default_value(0.0), "learning rate at the end of the cosine")
       ("warmup", cli::po::value(&c.warmup)->default_value(0), "linear warmup steps")
-      ("weight-decay", cli::po::value(&c.weight_decay)->default_value(1e-6), "AdamW decoupled weight decay")
+      ("weight-decay", cli::po::value(&c.weight_decay)->default_value(1e-6, "1e-6"), "AdamW decoupled weight decay")
       ("clip", cli::po::value(&c.clip)->default_value(1.0), "global gradient-norm clip (0: off)")
       ("steps", cli::po::value(&c.steps)->default_value(100), "optimizer steps")
       ("global-batch", cli::po::value(&c.global_batch)->default_value(0),
@@ -92,7 +92,7 @@ int run(int argc, char** argv, dist::Comm& comm) {
     throw cli::UsageError(e.what());  // a command-line mistake: exit 2
   }
   if (c.dump_grads.empty() && c.run_dir.empty()) throw cli::UsageError("--out is required (unless --dump-grads)");
-  if (c.steps < 0) throw cli::UsageError(fmt::format("--steps must be ≥ 0, got {}", c.steps));
+  if (c.steps < 1) throw cli::UsageError(fmt::format("--steps must be ≥ 1, got {}", c.steps));
   if (c.loss_chunk <= 0) throw cli::UsageError(fmt::format("--loss-chunk must be positive, got {}", c.loss_chunk));
   if (c.micro_batch <= 0) throw cli::UsageError(fmt::format("--micro-batch must be positive, got {}", c.micro_batch));
   if (c.global_batch < 0) throw cli::UsageError(fmt::format("--global-batch must be ≥ 0, got {}", c.global_batch));
@@ -100,6 +100,18 @@ int run(int argc, char** argv, dist::Comm& comm) {
   if (!(c.memory >= 0) || !std::isfinite(c.memory))
     throw cli::UsageError(fmt::format("--memory must be a finite number ≥ 0, got {}", c.memory));
   if (!(c.lr >= 0) || !(c.min_lr >= 0)) throw cli::UsageError("--lr and --min-lr must be ≥ 0");
+  if (c.min_lr > c.lr)
+    throw cli::UsageError(fmt::format("--min-lr {} exceeds --lr {} (the cosine decays from --lr to --min-lr)", c.min_lr, c.lr));
+  for (const auto& [name, w] : {std::pair{"--kl-weight", c.kl_weight}, std::pair{"--ntp-weight", c.ntp_weight},
+                                std::pair{"--cap-weight", c.cap_weight}})
+    if (!(w >= 0) || !std::isfinite(w)) throw cli::UsageError(fmt::format("{} must be a finite number ≥ 0, got {}", name, w));
+  if (c.kl_weight == 0 && c.ntp_weight == 0 && c.cap_weight == 0)
+    throw cli::UsageError("--kl-weight, --ntp-weight and --cap-weight are all 0: the loss would be 0, nothing to train");
+  if (c.warmup < 0) throw cli::UsageError(fmt::format("--warmup must be ≥ 0, got {}", c.warmup));
+  if (!(c.weight_decay >= 0) || !(c.clip >= 0))
+    throw cli::UsageError("--weight-decay and --clip must be ≥ 0");
+  if (c.save_every <= 0 || c.log_every <= 0 || c.keep_last < 0 || c.stop_after < 0 || c.seq_len < 0)
+    throw cli::UsageError("--save-every and --log-every must be ≥ 1; --keep-last, --stop-after and --seq-len ≥ 0");
   if (!c.dump_grads.empty()) {
     trainer::dump_gradients(c, comm);
     return 0;
@@ -110,6 +122,7 @@ int run(int argc, char** argv, dist::Comm& comm) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  cli::setup_logging();
   std::unique_ptr<dist::Comm> comm;
   try {
     comm = dist::make_comm();

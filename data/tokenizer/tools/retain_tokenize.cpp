@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "data/tokenizer/tokenizer.h"
+#include "data/tokenizer/utf8.h"
 #include "kernels/base/cli.h"
 #include "kernels/base/error.h"
 #include "model/tools/token_list.h"
@@ -66,6 +67,7 @@ int run(int argc, char** argv) {
       ("text", cli::po::value(&text), "text to encode (default: standard input)")
       ("decode", cli::po::value(&decode), "token ids to decode, separated by spaces or commas")
       ("jsonl", "read {\"text_b64\": ...} lines from stdin, print one id line each")
+      ("lossy", "read invalid UTF-8 in --text or stdin as U+FFFD (default: an error)")
       ("stats", "print encode time and tokens/s on stderr");
   cli::po::variables_map vm;
   if (!cli::parse(argc, argv, kUsage, opts, vm)) return 0;
@@ -82,7 +84,7 @@ int run(int argc, char** argv) {
       if (v < 0 || v > INT32_MAX) fail("--decode: {} is not a token id", v);
       ids.push_back(static_cast<int32_t>(v));
     }
-    std::cout << tok.decode(ids);
+    std::cout << tok.decode(ids) << "\n";  // a line, like every other output of the tool
     return 0;
   }
 
@@ -105,6 +107,18 @@ int run(int argc, char** argv) {
     }
   } else {
     inputs.emplace_back(std::istreambuf_iterator<char>(std::cin), std::istreambuf_iterator<char>());
+  }
+  // Text given directly must be UTF-8 (the jsonl mode carries raw bytes on purpose: there each
+  // maximal invalid subsequence becomes one U+FFFD, as in Hugging Face's tokenizers).
+  if (!vm.count("jsonl") && !vm.count("lossy")) {
+    const std::string& in = inputs.front();
+    for (size_t i = 0; i < in.size();) {
+      const size_t n = data::utf8::valid_sequence_length(in, i);
+      if (n == 0)
+        fail("{}: invalid UTF-8 at byte {} (0x{:02x}); pass --lossy to read each invalid sequence as U+FFFD",
+             vm.count("text") ? "--text" : "stdin", i, static_cast<unsigned char>(in[i]));
+      i += n;
+    }
   }
 
   std::vector<std::vector<int32_t>> outputs(inputs.size());

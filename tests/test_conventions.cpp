@@ -1,0 +1,152 @@
+// The conventions every tool follows (README, "Conventions"), as a new user meets them: usage
+// errors exit 2 and everything else that fails exits 1, each with one line; outputs need an
+// existing parent folder and are never left half-made; --help shows defaults as typed;
+// nonsense options are refused; and the README's claims hold for this build.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <regex>
+#include <set>
+
+#include "kernels/base/atomic_file.h"
+#include "tests/trainer/train_helpers.h"
+
+namespace retain {
+namespace {
+
+namespace fs = std::filesystem;
+using trainer::test::bin;
+using trainer::test::Result;
+using trainer::test::run;
+using trainer::test::TempDir;
+
+const std::string kRepo = fs::path(RETAIN_FIXTURES_DIR).parent_path().parent_path().string();
+
+int lines(const std::string& s) { return static_cast<int>(std::count(s.begin(), s.end(), '\n')); }
+
+void expect_error(const Result& r, int code, const std::string& needle, const std::string& what) {
+  EXPECT_EQ(r.code, code) << what << "\n" << r.err;
+  EXPECT_NE(r.err.find(needle), std::string::npos) << what << "\n" << r.err;
+  EXPECT_EQ(lines(r.err), 1) << what << "\n" << r.err;
+}
+
+// Nothing but the names in `keep` under `dir` (no half-made outputs, no temporaries).
+void expect_only(const TempDir& dir, const std::set<std::string>& keep) {
+  for (const auto& e : fs::directory_iterator(dir.path())) {
+    const std::string n = e.path().filename().string();
+    if (n.rfind(".out", 0) == 0 || n.rfind(".err", 0) == 0) continue;  // run()'s captures
+    EXPECT_TRUE(keep.count(n)) << "left behind: " << e.path();
+  }
+}
+
+TEST(Conventions, TrainRefusesNonsenseAsUsageErrors) {
+  TempDir dir;
+  const std::string base = bin("retain-train") + " --model " + trainer::test::kModel + " --data x.h5 --out " +
+                           (dir / "run") + " ";
+  expect_error(run(base + "--steps 0", dir), 2, "--steps must be ≥ 1", "--steps 0");
+  expect_error(run(base + "--lr 1e-4 --min-lr 1e-3", dir), 2, "--min-lr 0.001 exceeds --lr 0.0001", "--min-lr > --lr");
+  expect_error(run(base + "--kl-weight 0 --ntp-weight 0 --cap-weight 0", dir), 2, "nothing to train", "all weights 0");
+  expect_error(run(base + "--kl-weight -1", dir), 2, "--kl-weight must be a finite number ≥ 0", "negative weight");
+  expect_error(run(base + "--save-every 0", dir), 2, "--save-every and --log-every must be ≥ 1", "--save-every 0");
+  expect_only(dir, {});
+}
+
+TEST(Conventions, HelpShowsDefaultsAsTyped) {
+  TempDir dir;
+  const Result r = run(bin("retain-train") + " --help", dir);
+  ASSERT_EQ(r.code, 0);
+  EXPECT_NE(r.out.find("--lr arg (=2e-4)"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("--weight-decay arg (=1e-6)"), std::string::npos) << r.out;
+  for (const char* tool : {"retain-train", "retain-forward", "retain-make-tiny", "retain-pack", "retain-tokenize",
+                           "retain-export", "retain-bench attention"}) {
+    const Result h = run(bin(tool) + " --help", dir);
+    EXPECT_EQ(h.code, 0) << tool;
+    EXPECT_EQ(h.out.find("0000000"), std::string::npos) << tool << " prints a float default in full:\n" << h.out;
+  }
+}
+
+// A bad --init-gates, or a run directory whose parent is missing: one line, exit 1, and no run
+// folder (no config.json, no empty metrics.jsonl) left behind.
+TEST(Conventions, TrainLeavesNothingWhenItCannotStart) {
+  TempDir dir;
+  const std::string data = trainer::test::pack_fixture_corpus(dir);
+  const std::string base = bin("retain-train") + " --model " + trainer::test::kModel + " --data " + data +
+                           " --steps 2 --global-batch 2 ";
+  expect_error(run(base + "--out " + (dir / "run") + " --gate dbtrimkv --init-gates " + kRepo +
+                       "/tests/fixtures/gates/dbtrimkv_mha_f16/gates.safetensors",
+                   dir),
+               1, "has shape", "gates of another model");
+  expect_error(run(base + "--out " + (dir / "missing/run"), dir), 1, "does not exist", "missing parent");
+  expect_only(dir, {"data.h5"});
+  // A good run then makes the folder with its files.
+  const Result ok = run(base + "--out " + (dir / "run"), dir);
+  ASSERT_EQ(ok.code, 0) << ok.err;
+  for (const char* f : {"config.json", "metrics.jsonl", "gates.safetensors"}) EXPECT_TRUE(fs::exists(dir / ("run/" + std::string(f)))) << f;
+  // The gates name their base model by identity: an absolute directory, and its config's hash.
+  const std::string gates = read_file(dir / "run/gates.safetensors");
+  EXPECT_NE(gates.find("\"base_model\":\"" + fs::absolute(trainer::test::kModel).lexically_normal().string() + "\""),
+            std::string::npos);
+  EXPECT_NE(gates.find("\"base_config_sha256\":\""), std::string::npos);
+  // Log lines read the same in a file as on a terminal: no colour codes.
+  EXPECT_EQ(ok.out.find('\x1b'), std::string::npos) << ok.out;
+  EXPECT_NE(ok.out.find("1 rank × 2 micro-batches of 1"), std::string::npos) << ok.out;
+}
+
+TEST(Conventions, MakeTinyRefusesNonsenseAndLeavesNothing) {
+  TempDir dir;
+  expect_error(run(bin("retain-make-tiny") + " --out " + (dir / "m") + " --yarn-factor 0.5", dir), 2,
+               "--yarn-factor must be > 1", "--yarn-factor 0.5");
+  expect_error(run(bin("retain-make-tiny") + " --out " + (dir / "m") + " --hidden 65536 --intermediate 65536 --layers 8", dir),
+               1, "retain-make-tiny makes test models of at most 1 GiB", "size guard");
+  expect_error(run(bin("retain-make-tiny") + " --out " + (dir / "no/m"), dir), 1, "does not exist", "missing parent");
+  expect_only(dir, {});
+  ASSERT_EQ(run(bin("retain-make-tiny") + " --out " + (dir / "m"), dir).code, 0);
+  expect_only(dir, {"m"});
+}
+
+TEST(Conventions, TokenizeIsStrictAboutItsInput) {
+  TempDir dir;
+  ASSERT_EQ(run(bin("retain-make-tiny") + " --out " + (dir / "m"), dir).code, 0);
+  write_file_atomic(dir / "bad.txt", std::string("ok \xff\xfe"));
+  const std::string tok = bin("retain-tokenize") + " --tokenizer " + (dir / "m");
+  expect_error(run(tok + " < " + (dir / "bad.txt"), dir), 1, "stdin: invalid UTF-8 at byte 3 (0xff)", "bad stdin");
+  EXPECT_EQ(run(tok + " --lossy < " + (dir / "bad.txt"), dir).code, 0);
+  const Result ids = run(tok + " --text Hi", dir);
+  ASSERT_EQ(ids.code, 0) << ids.err;
+  const Result d = run(tok + " --decode \"" + ids.out.substr(0, ids.out.size() - 1) + "\"", dir);
+  EXPECT_EQ(d.out, "Hi\n");  // a line, like every other output
+  expect_error(run(bin("retain-tokenize") + " --tokenizer " + (dir / "m/config.json") + " --text hi", dir), 1,
+               "is a model config.json, not a tokenizer.json", "config.json as tokenizer");
+}
+
+TEST(Conventions, BenchChecksItsOutputBeforeTiming) {
+  TempDir dir;
+  expect_error(run(bin("retain-bench") + " attention --device cpu --json " + (dir / "no/x.json"), dir), 2,
+               "does not exist", "--json into a missing folder");
+}
+
+// The README's tool table names exactly the tools this build makes, none "planned" that exists,
+// and the quickstart comment states the step count launch/quickstart.sh runs.
+TEST(Conventions, ReadmeMatchesTheBuild) {
+  const std::string readme = read_file(kRepo + "/README.md");
+  std::set<std::string> listed, built;
+  const std::regex row(R"(\n\| `(retain-[a-z-]+)` \| ([^|]*) \|)");
+  for (auto it = std::sregex_iterator(readme.begin(), readme.end(), row); it != std::sregex_iterator(); ++it) {
+    listed.insert((*it)[1]);
+    EXPECT_EQ((*it)[2].str().find("planned"), std::string::npos) << (*it)[1] << " is built but the README says planned";
+  }
+  for (const auto& e : fs::directory_iterator(RETAIN_BIN_DIR)) {
+    const std::string n = e.path().filename().string();
+    if (n.rfind("retain-", 0) == 0) built.insert(n);
+  }
+  EXPECT_EQ(listed, built) << "README tool table vs " << RETAIN_BIN_DIR;
+  const std::string quickstart = read_file(kRepo + "/launch/quickstart.sh");
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(quickstart, m, std::regex(R"(--steps ([0-9]+))")));
+  EXPECT_NE(readme.find("for " + m[1].str() + " steps"), std::string::npos)
+      << "the README's quickstart line should say " << m[1] << " steps";
+}
+
+}  // namespace
+}  // namespace retain
