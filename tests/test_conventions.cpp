@@ -52,6 +52,30 @@ TEST(Conventions, TrainRefusesNonsenseAsUsageErrors) {
   expect_only(dir, {});
 }
 
+// The same kind of mistake gets the same exit status in every tool.
+TEST(Conventions, MalformedValuesExit2InEveryTool) {
+  TempDir dir;
+  ASSERT_EQ(run(bin("retain-make-tiny") + " --out " + (dir / "m"), dir).code, 0);
+  const std::string m = dir / "m";
+  const std::pair<std::string, std::string> cases[] = {
+      {"retain-make-tiny --out " + (dir / "x") + " --gates foo", "unknown gate kind 'foo'"},
+      {"retain-make-tiny --out " + (dir / "x") + " --layers 0", "--layers must be positive"},
+      {"retain-make-tiny --out " + (dir / "x") + " --heads 4 --kv-heads 3", "--heads 4 must be a multiple of --kv-heads 3"},
+      {"retain-forward --model " + m + " --ids '1 x' --out " + (dir / "o"), "--ids: 'x' is not an integer"},
+      {"retain-forward --model " + m + " --ids '' --out " + (dir / "o"), "--ids: no token ids given"},
+      {"retain-forward --model " + m + " --ids '1 2' --doc-ids '0' --out " + (dir / "o"), "--doc-ids: 1 ids given"},
+      {"retain-forward --model " + m + " --ids '1' --gates " + m + "/x --gate-kind foo --out " + (dir / "o"),
+       "unknown gate kind 'foo'"},
+      {"retain-tokenize --tokenizer " + m + " --decode 'x'", "--decode: 'x' is not an integer"},
+      {"retain-pack --tokenizer " + m + " --seq-len 0 --out " + (dir / "p.h5") + " x.jsonl", "--seq-len"},
+      {"retain-bench attention --device cpu --seq 0", "--seq: '0'"},
+      {"retain-export --from x --format onnx --out " + (dir / "e"), "--format must be"},
+      {"retain-train --model " + m + " --data x.h5 --out " + (dir / "r") + " --gate foo", "--gate"},
+  };
+  for (const auto& [cmd, needle] : cases) expect_error(run(bin(cmd), dir), 2, needle, cmd);
+  expect_only(dir, {"m"});
+}
+
 TEST(Conventions, HelpShowsDefaultsAsTyped) {
   TempDir dir;
   const Result r = run(bin("retain-train") + " --help", dir);

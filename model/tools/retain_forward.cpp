@@ -53,16 +53,20 @@ int run(int argc, char** argv) {
   std::optional<gates::GateKind> gate_kind;
   if (vm.count("gate-kind")) {
     if (!vm.count("gates")) throw cli::UsageError("--gate-kind needs --gates");
-    gate_kind = gates::parse_gate_kind(gate_kind_text, "--gate-kind");
+    try {
+      gate_kind = gates::parse_gate_kind(gate_kind_text, "--gate-kind");
+    } catch (const Error& e) {
+      throw cli::UsageError(e.what());
+    }
   }
 
   const std::vector<int64_t> ids = cli::parse_int_list(ids_text, "--ids");
-  if (ids.empty()) fail("--ids: no token ids given");
+  if (ids.empty()) throw cli::UsageError("--ids: no token ids given");
   std::vector<int64_t> docs(ids.size(), 0);
   if (vm.count("doc-ids")) {
     docs = cli::parse_int_list(doc_text, "--doc-ids");
     if (docs.size() != ids.size())
-      fail("--doc-ids: {} ids given for {} tokens", docs.size(), ids.size());
+      throw cli::UsageError(fmt::format("--doc-ids: {} ids given for {} tokens", docs.size(), ids.size()));
     std::map<int64_t, size_t> run_end;  // doc id -> index after its run
     for (size_t t = 0; t < docs.size(); ++t) {
       if (docs[t] < 0) continue;

@@ -1,4 +1,5 @@
 // retain-make-tiny: a random tiny Qwen3 in the Hugging Face layout (tests, quickstart).
+#include <cmath>
 #include <iostream>
 
 #include <fmt/format.h>
@@ -48,12 +49,27 @@ int run(int argc, char** argv) {
   if (vm.count("tie") && vm.count("no-tie")) throw cli::UsageError("--tie and --no-tie are exclusive");
   o.tie = !vm.count("no-tie");
   if (vm.count("gates")) {
-    o.gate_kind = gates::parse_gate_kind(gate_kind, "--gates");
+    try {
+      o.gate_kind = gates::parse_gate_kind(gate_kind, "--gates");
+    } catch (const Error& e) {
+      throw cli::UsageError(e.what());
+    }
     if (o.gate_hidden <= 0) throw cli::UsageError(fmt::format("--gate-hidden must be positive, got {}", o.gate_hidden));
   } else if (!vm["gate-hidden"].defaulted() || !vm["bias-init"].defaulted()) {
     throw cli::UsageError("--gate-hidden and --bias-init need --gates");
   }
 
+  for (const auto& [name, v] : {std::pair{"--layers", o.layers}, std::pair{"--hidden", o.hidden},
+                                std::pair{"--heads", o.heads}, std::pair{"--kv-heads", o.kv_heads},
+                                std::pair{"--head-dim", o.head_dim}, std::pair{"--intermediate", o.intermediate}})
+    if (v <= 0) throw cli::UsageError(fmt::format("{} must be positive, got {}", name, v));
+  if (o.heads % o.kv_heads != 0)
+    throw cli::UsageError(fmt::format("--heads {} must be a multiple of --kv-heads {}", o.heads, o.kv_heads));
+  if (o.vocab < kTinyTokenizerSize)
+    throw cli::UsageError(fmt::format("--vocab {} is too small: the tiny tokenizer has {} tokens", o.vocab, kTinyTokenizerSize));
+  if (o.gate_kind && !std::isfinite(o.gate_bias_init))
+    throw cli::UsageError(fmt::format("--bias-init: retention gates: bias init {} is not finite", o.gate_bias_init));
+  if (o.head_dim % 2 != 0) throw cli::UsageError(fmt::format("--head-dim must be even (RoPE), got {}", o.head_dim));
   make_tiny_model(out, o);
   std::cout << fmt::format(
       "retain-make-tiny: wrote {} (layers {}, hidden {}, heads {}/{} kv, head_dim {}, intermediate {}, vocab {}, "

@@ -1,11 +1,14 @@
-// Parsing of the integer lists tools take on the command line ("5 10 7" or "5,10,7").
+// Parsing of the integer lists tools take on the command line ("5 10 7" or "5,10,7"); a
+// malformed list is a usage error (exit 2).
 #pragma once
 #include <charconv>
 #include <cstdint>
 #include <string>
 #include <vector>
 
-#include "kernels/base/error.h"
+#include <fmt/format.h>
+
+#include "kernels/base/cli.h"
 
 namespace retain::cli {
 
@@ -22,7 +25,7 @@ inline std::vector<int64_t> parse_int_list(const std::string& text, const char* 
     int64_t v = 0;
     auto [end, ec] = std::from_chars(text.data() + i, text.data() + j, v);
     if (ec != std::errc() || end != text.data() + j)
-      fail("{}: '{}' is not an integer", option, text.substr(i, j - i));
+      throw UsageError(fmt::format("{}: '{}' is not an integer", option, text.substr(i, j - i)));
     out.push_back(v);
     i = j;
   }

@@ -81,7 +81,7 @@ int run(int argc, char** argv) {
   if (vm.count("decode")) {
     std::vector<int32_t> ids;
     for (const int64_t v : cli::parse_int_list(decode, "--decode")) {
-      if (v < 0 || v > INT32_MAX) fail("--decode: {} is not a token id", v);
+      if (v < 0 || v > INT32_MAX) throw cli::UsageError(fmt::format("--decode: {} is not a token id", v));
       ids.push_back(static_cast<int32_t>(v));
     }
     std::cout << tok.decode(ids) << "\n";  // a line, like every other output of the tool
