@@ -16,6 +16,7 @@ PACKAGES=(
   zlib1g-dev                          # gzip-compressed corpora
   libssl-dev                          # SHA-256 of tokenizer.json (libcrypto)
   libzip-dev                          # torch.save archives (trimkv_weights.pth)
+  libtomlplusplus-dev                 # retain-train --config run.toml
   libspdlog-dev libfmt-dev            # logging, formatting
 )
 

@@ -117,6 +117,39 @@ TEST(Conventions, TrainLeavesNothingWhenItCannotStart) {
   EXPECT_NE(ok.out.find("1 rank × 2 micro-batches of 1"), std::string::npos) << ok.out;
 }
 
+// A run's options as a TOML file: every run writes RUN/config.toml; --config reads it back (the
+// command line wins), and the same options give the same gates.
+TEST(Conventions, TrainConfigFileRepeatsARun) {
+  TempDir dir;
+  const std::string data = trainer::test::pack_fixture_corpus(dir);
+  const Result a = run(bin("retain-train") + " --model " + trainer::test::kModel + " --data " + data + " --out " +
+                           (dir / "a") + " --steps 2 --global-batch 2 --lr 3e-3 --gate dbtrimkv --gate-hidden 8",
+                       dir);
+  ASSERT_EQ(a.code, 0) << a.err;
+  const std::string toml = read_file(dir / "a/config.toml");
+  EXPECT_NE(toml.find("\nlr = 0.003\n"), std::string::npos) << toml;
+  EXPECT_NE(toml.find("\ngate = \"dbtrimkv\"\n"), std::string::npos) << toml;
+  const Result b = run(bin("retain-train") + " --config " + (dir / "a/config.toml") + " --out " + (dir / "b"), dir);
+  ASSERT_EQ(b.code, 0) << b.err;
+  EXPECT_TRUE(read_file(dir / "a/gates.safetensors") == read_file(dir / "b/gates.safetensors"));
+  // The command line wins over the file.
+  const Result c = run(bin("retain-train") + " --config " + (dir / "a/config.toml") + " --out " + (dir / "c") +
+                           " --lr 1e-3",
+                       dir);
+  ASSERT_EQ(c.code, 0) << c.err;
+  EXPECT_NE(read_file(dir / "c/config.json").find("\"lr\": 0.001"), std::string::npos);
+  // Mistakes in the file name the file, the line and the key.
+  write_file_atomic(dir / "bad.toml", "lr = 0.01\n[optimizer]\nmomentum = 0.9\n");
+  expect_error(run(bin("retain-train") + " --config " + (dir / "bad.toml") + " --model m --data d --out " + (dir / "x"), dir),
+               1, "bad.toml:3: 'momentum' is not a retain-train option", "unknown key");
+  write_file_atomic(dir / "bad2.toml", "steps = \n");
+  expect_error(run(bin("retain-train") + " --config " + (dir / "bad2.toml") + " --model m --data d --out " + (dir / "x"), dir),
+               1, "bad2.toml:1:", "syntax error");
+  write_file_atomic(dir / "bad3.toml", "resume = 1\n");
+  expect_error(run(bin("retain-train") + " --config " + (dir / "bad3.toml") + " --model m --data d --out " + (dir / "x"), dir),
+               1, "'resume' takes true or false", "switch");
+}
+
 TEST(Conventions, MakeTinyRefusesNonsenseAndLeavesNothing) {
   TempDir dir;
   expect_error(run(bin("retain-make-tiny") + " --out " + (dir / "m") + " --yarn-factor 0.5", dir), 2,

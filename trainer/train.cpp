@@ -19,6 +19,7 @@
 #include "kernels/base/error.h"
 #include "model/safetensors.h"
 #include "model/weights.h"
+#include "trainer/config_file.h"
 #include "trainer/dist/fsdp.h"
 #include "trainer/flat_params.h"
 #include "trainer/metrics.h"
@@ -247,6 +248,7 @@ int run_training(const TrainConfig& cfg, dist::Comm& comm) {
       if (!main_rank) return;
       fs::create_directory(cfg.run_dir);  // the parent exists (checked above)
       write_file_atomic(cfg.run_dir + "/config.json", config_json.dump(2) + "\n");
+      write_file_atomic(cfg.run_dir + "/config.toml", config_toml(config_json));  // --config reads it back
       metrics_log.emplace(cfg.run_dir + "/metrics.jsonl", start_step);
     });
     materialized = true;

@@ -9,6 +9,7 @@
 #include <spdlog/spdlog.h>
 
 #include "kernels/base/cli.h"
+#include "trainer/config_file.h"
 #include "trainer/dist/comm.h"
 #include "trainer/train.h"
 #include "trainer/train_config.h"
@@ -21,7 +22,8 @@ constexpr const char* kUsage =
     "Usage: retain-train --model DIR --data FILE.h5 --out RUN_DIR [--gate trimkv|dbtrimkv]\n"
     "                    [--memory M] [--cap-weight λ] [--kl-weight W] [--ntp-weight W]\n"
     "                    [--bias-init B] [--gate-hidden G] [--lr LR] [--steps N] [--seed S]\n"
-    "                    [--resume] [--dump-grads FILE.safetensors] [more options below]\n"
+    "                    [--resume] [--dump-grads FILE.safetensors] [--config run.toml]\n"
+    "                    [more options below]\n"
     "       mpirun -np N retain-train ...   (data parallel; frozen weights sharded FSDP-style)\n\n"
     "Trains TRIM-KV (trimkv) or DBTrimKV (dbtrimkv) retention gates on the frozen Qwen3 in DIR\n"
     "with the packed dataset FILE.h5 (retain-pack): loss = kl-weight·KL(teacher‖student) +\n"
@@ -30,7 +32,9 @@ constexpr const char* kUsage =
     "kept, `checkpoints/latest` naming the newest) and, at the end, gates.safetensors.\n"
     "SIGTERM/SIGINT save a checkpoint and exit; --resume continues the run exactly.\n"
     "--dump-grads runs one optimizer-free step on the first batch and writes every gate\n"
-    "parameter, its gradient (grad/NAME), the losses (loss/*) and the batch (batch/*).";
+    "parameter, its gradient (grad/NAME), the losses (loss/*) and the batch (batch/*).\n"
+    "--config FILE reads options from TOML (`lr = 3e-3`, `global_batch = 8`); the command line\n"
+    "wins. Every run writes RUN_DIR/config.toml: `--config RUN_DIR/config.toml --out NEW` repeats it.";
 
 int run(int argc, char** argv, dist::Comm& comm) {
   trainer::TrainConfig c;
@@ -67,7 +71,8 @@ int run(int argc, char** argv, dist::Comm& comm) {
       ("stop-after", cli::po::value(&c.stop_after)->default_value(0),
        "save a checkpoint and exit after N steps of this invocation (0: run to --steps)")
       ("resume", cli::po::bool_switch(&c.resume), "continue the run in --out from its latest checkpoint")
-      ("dump-grads", cli::po::value(&c.dump_grads), "write one step's gradients to FILE.safetensors and exit");
+      ("dump-grads", cli::po::value(&c.dump_grads), "write one step's gradients to FILE.safetensors and exit")
+      ("config", cli::po::value<std::string>(), "read options from a TOML file (keys = option names; the command line wins)");
   // Every rank parses the same argv the same way, so every rank reaches the same verdict (a
   // usage error, --help, or a run) and they all leave together; rank 0 alone prints.
   std::vector<std::string> stray;
@@ -80,6 +85,11 @@ int run(int argc, char** argv, dist::Comm& comm) {
   positional.add("stray", -1);
   cli::po::variables_map vm;
   cli::po::store(cli::po::command_line_parser(argc, argv).options(all).positional(positional).run(), vm);
+  if (vm.count("config") && !vm.count("help")) {
+    // Stored after the command line: program_options keeps the first value, so the command line wins.
+    const std::vector<std::string> file_args = trainer::config_file_arguments(vm["config"].as<std::string>(), opts);
+    cli::po::store(cli::po::command_line_parser(file_args).options(opts).run(), vm);
+  }
   if (vm.count("help")) {
     if (comm.is_main_rank()) std::cout << kUsage << "\n\n" << opts << "\n";
     return 0;
