@@ -176,7 +176,9 @@ void write_file(const std::string& path, const Metadata& metadata,
   Metadata kv = metadata;
   bool has_alignment = false;
   for (const auto& [k, v] : kv) has_alignment = has_alignment || k == "general.alignment";
-  if (!has_alignment) kv.insert(kv.begin(), {"general.alignment", Value::u32(alignment)});
+  // 32 is GGUF's default: only another alignment must be stated (a file read and written again
+  // keeps its metadata as it was).
+  if (!has_alignment && alignment != 32) kv.insert(kv.begin(), {"general.alignment", Value::u32(alignment)});
 
   Out o;
   o.put<uint32_t>(kMagic);

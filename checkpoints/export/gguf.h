@@ -50,8 +50,8 @@ struct File {
 };
 
 // Writes tensors (CPU, F32/F16/BF16) in the given order; a tensor of torch shape [a, b] is
-// stored with ne = [b, a] (ne[0] innermost). general.alignment is written first when the
-// metadata does not hold it. Atomic.
+// stored with ne = [b, a] (ne[0] innermost). An alignment other than GGUF's default 32 must
+// be stated: general.alignment is then written first unless the metadata holds it. Atomic.
 void write_file(const std::string& path, const Metadata& metadata,
                 const std::vector<std::pair<std::string, Tensor>>& tensors, uint32_t alignment = 32);
 
