@@ -1,0 +1,189 @@
+#include "model/infer/policy.h"
+
+#include <algorithm>
+#include <numeric>
+
+#include "kernels/base/error.h"
+
+namespace retain::infer {
+
+PolicyKind parse_policy(std::string_view s, std::string_view what) {
+  static constexpr std::pair<std::string_view, PolicyKind> kNames[] = {
+      {"full", PolicyKind::full},     {"window", PolicyKind::window},     {"h2o", PolicyKind::h2o},
+      {"trimkv", PolicyKind::trimkv}, {"dbtrimkv", PolicyKind::dbtrimkv}, {"kvpop", PolicyKind::kvpop}};
+  for (const auto& [name, kind] : kNames)
+    if (s == name) return kind;
+  fail("{}: unknown policy '{}' (full, window, h2o, trimkv, dbtrimkv, kvpop)", what, s);
+}
+
+std::string_view policy_name(PolicyKind kind) {
+  switch (kind) {
+    case PolicyKind::full: return "full";
+    case PolicyKind::window: return "window";
+    case PolicyKind::h2o: return "h2o";
+    case PolicyKind::trimkv: return "trimkv";
+    case PolicyKind::dbtrimkv: return "dbtrimkv";
+    case PolicyKind::kvpop: return "kvpop";
+  }
+  return "?";
+}
+
+bool policy_needs_gates(PolicyKind kind) { return kind == PolicyKind::trimkv || kind == PolicyKind::dbtrimkv; }
+
+int64_t min_budget(const PolicyOptions& opt) {
+  switch (opt.kind) {
+    case PolicyKind::full: return 0;
+    case PolicyKind::window: return opt.sinks + 1;
+    case PolicyKind::h2o: return 2;
+    default: return 1;
+  }
+}
+
+std::vector<int32_t> select_top(std::span<const float> score, std::span<const int32_t> pos, int64_t k) {
+  const int64_t n = static_cast<int64_t>(score.size());
+  std::vector<int32_t> idx(static_cast<size_t>(n));
+  std::iota(idx.begin(), idx.end(), 0);
+  if (n <= k) return idx;
+  auto better = [&](int32_t a, int32_t b) { return score[a] > score[b] || (score[a] == score[b] && pos[a] > pos[b]); };
+  std::nth_element(idx.begin(), idx.begin() + k, idx.end(), better);
+  idx.resize(static_cast<size_t>(k));
+  std::sort(idx.begin(), idx.end());
+  return idx;
+}
+
+std::vector<int32_t> select_window(int64_t n, int64_t budget, int64_t sinks) {
+  std::vector<int32_t> idx;
+  for (int64_t j = 0; j < n; ++j)
+    if (n <= budget || j < sinks || j >= n - (budget - sinks)) idx.push_back(static_cast<int32_t>(j));
+  return idx;
+}
+
+std::vector<int32_t> select_h2o(std::span<const float> attn_sum, std::span<const int32_t> pos, int64_t budget) {
+  const int64_t n = static_cast<int64_t>(attn_sum.size());
+  if (n <= budget) return select_top(attn_sum, pos, n);
+  const int64_t recent = budget / 2, heavy = budget - recent, old = n - recent;
+  std::vector<int32_t> idx = select_top(attn_sum.subspan(0, static_cast<size_t>(old)),
+                                        pos.subspan(0, static_cast<size_t>(old)), heavy);
+  for (int64_t j = old; j < n; ++j) idx.push_back(static_cast<int32_t>(j));
+  return idx;
+}
+
+std::vector<uint8_t> select_global(std::span<const GlobalEntry> e, int64_t k) {
+  const int64_t n = static_cast<int64_t>(e.size());
+  std::vector<uint8_t> keep(static_cast<size_t>(n), 1);
+  if (n <= k) return keep;
+  std::vector<int32_t> idx(static_cast<size_t>(n));
+  std::iota(idx.begin(), idx.end(), 0);
+  auto better = [&](int32_t a, int32_t b) {
+    if (e[a].score != e[b].score) return e[a].score > e[b].score;
+    if (e[a].pos != e[b].pos) return e[a].pos > e[b].pos;
+    return e[a].stream < e[b].stream;
+  };
+  std::nth_element(idx.begin(), idx.begin() + k, idx.end(), better);
+  for (int64_t j = k; j < n; ++j) keep[idx[j]] = 0;
+  return keep;
+}
+
+namespace {
+
+class FullPolicy : public EvictionPolicy {
+ public:
+  using EvictionPolicy::EvictionPolicy;
+  void evict(KVCache&, int64_t) const override {}
+};
+
+// Base of the per-(layer, KV head) policies: evict a head once it reaches B + buffer.
+class PerHeadPolicy : public EvictionPolicy {
+ public:
+  using EvictionPolicy::EvictionPolicy;
+  void evict(KVCache& cache, int64_t seen) const override {
+    for (int64_t l = 0; l < cache.layers(); ++l)
+      for (int64_t h = 0; h < cache.kv_heads(); ++h)
+        if (cache.size(l, h) >= opt_.budget + opt_.buffer) cache.keep(l, h, select(cache, l, h, seen));
+  }
+  virtual std::vector<int32_t> select(const KVCache& cache, int64_t l, int64_t h, int64_t seen) const = 0;
+};
+
+class WindowPolicy : public PerHeadPolicy {
+ public:
+  using PerHeadPolicy::PerHeadPolicy;
+  std::vector<int32_t> select(const KVCache& c, int64_t l, int64_t h, int64_t) const override {
+    return select_window(c.size(l, h), opt_.budget, opt_.sinks);
+  }
+};
+
+class H2OPolicy : public PerHeadPolicy {
+ public:
+  using PerHeadPolicy::PerHeadPolicy;
+  bool needs_attention_sums() const override { return true; }
+  std::vector<int32_t> select(const KVCache& c, int64_t l, int64_t h, int64_t) const override {
+    const size_t n = static_cast<size_t>(c.size(l, h));
+    return select_h2o({c.attn_sum(l, h), n}, {c.positions(l, h), n}, opt_.budget);
+  }
+};
+
+class TrimKVPolicy : public PerHeadPolicy {
+ public:
+  using PerHeadPolicy::PerHeadPolicy;
+  std::vector<int32_t> select(const KVCache& c, int64_t l, int64_t h, int64_t seen) const override {
+    const int64_t n = c.size(l, h);
+    const float* lb = c.log_beta(l, h);
+    const int32_t* pos = c.positions(l, h);
+    std::vector<float> score(static_cast<size_t>(n));
+    for (int64_t j = 0; j < n; ++j) score[j] = trimkv_score(lb[j], seen + 1, pos[j]);
+    return select_top(score, {pos, static_cast<size_t>(n)}, opt_.budget);
+  }
+};
+
+class DBTrimKVPolicy : public EvictionPolicy {
+ public:
+  using EvictionPolicy::EvictionPolicy;
+  void evict(KVCache& c, int64_t seen) const override {
+    const int64_t streams = c.layers() * c.kv_heads();
+    if (c.total() < streams * (opt_.budget + opt_.buffer)) return;
+    std::vector<GlobalEntry> all;
+    all.reserve(static_cast<size_t>(c.total()));
+    for (int64_t l = 0; l < c.layers(); ++l)
+      for (int64_t h = 0; h < c.kv_heads(); ++h) {
+        const float* lb = c.log_beta(l, h);
+        const int32_t* pos = c.positions(l, h);
+        for (int64_t j = 0; j < c.size(l, h); ++j)
+          all.push_back({trimkv_score(lb[j], seen + 1, pos[j]), pos[j], static_cast<int32_t>(l * c.kv_heads() + h)});
+      }
+    const std::vector<uint8_t> keep = select_global(all, streams * opt_.budget);
+    size_t at = 0;
+    for (int64_t l = 0; l < c.layers(); ++l)
+      for (int64_t h = 0; h < c.kv_heads(); ++h) {
+        std::vector<int32_t> idx;
+        const int64_t n = c.size(l, h);
+        for (int64_t j = 0; j < n; ++j)
+          if (keep[at + static_cast<size_t>(j)]) idx.push_back(static_cast<int32_t>(j));
+        at += static_cast<size_t>(n);
+        c.keep(l, h, idx);
+      }
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<EvictionPolicy> make_policy(const PolicyOptions& opt) {
+  if (opt.kind == PolicyKind::kvpop)
+    fail("--policy kvpop: not available yet (KVPOP scorers cannot be trained or loaded in this version of retain)");
+  if (opt.buffer < 1) fail("--buffer must be at least 1, got {}", opt.buffer);
+  if (opt.kind != PolicyKind::full && opt.budget < min_budget(opt))
+    fail("--budget {} is below the minimum {} of policy {}{}", opt.budget, min_budget(opt), policy_name(opt.kind),
+         opt.kind == PolicyKind::window ? fmt::format(" ({} sinks + 1 recent token)", opt.sinks)
+         : opt.kind == PolicyKind::h2o  ? std::string(" (1 heavy hitter + 1 recent token)")
+                                        : std::string());
+  switch (opt.kind) {
+    case PolicyKind::full: return std::make_unique<FullPolicy>(opt);
+    case PolicyKind::window: return std::make_unique<WindowPolicy>(opt);
+    case PolicyKind::h2o: return std::make_unique<H2OPolicy>(opt);
+    case PolicyKind::trimkv: return std::make_unique<TrimKVPolicy>(opt);
+    case PolicyKind::dbtrimkv: return std::make_unique<DBTrimKVPolicy>(opt);
+    case PolicyKind::kvpop: break;
+  }
+  fail("--policy: unknown policy");
+}
+
+}  // namespace retain::infer
