@@ -1,0 +1,28 @@
+#include "model/infer/generate.h"
+
+#include <chrono>
+
+namespace retain::infer {
+
+GenerateResult generate(Decoder& dec, std::span<const int32_t> prompt, const GenerateOptions& opt) {
+  using clock = std::chrono::steady_clock;
+  GenerateResult r;
+  std::mt19937_64 rng(opt.seed);
+  auto t0 = clock::now();
+  Tensor logits = dec.prefill(prompt, opt.prefill_chunk);
+  r.prefill_s = std::chrono::duration<double>(clock::now() - t0).count();
+  const int64_t V = logits.dim(1);
+  t0 = clock::now();
+  while (static_cast<int64_t>(r.generated.size()) < opt.max_new) {
+    if (opt.keep_logits) r.logits.insert(r.logits.end(), logits.data<float>(), logits.data<float>() + V);
+    const int32_t next = pick_token(logits.data<float>(), V, opt.temperature, rng);
+    r.generated.push_back(next);
+    if ((opt.stop_id && next == *opt.stop_id) || static_cast<int64_t>(r.generated.size()) == opt.max_new) break;
+    logits = dec.feed(std::span(&r.generated.back(), 1));
+    ++r.decode_tokens;
+  }
+  r.decode_s = std::chrono::duration<double>(clock::now() - t0).count();
+  return r;
+}
+
+}  // namespace retain::infer
