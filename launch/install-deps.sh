@@ -16,6 +16,7 @@ PACKAGES=(
   zlib1g-dev                          # gzip-compressed corpora
   libssl-dev                          # SHA-256 of tokenizer.json (libcrypto)
   libspdlog-dev libfmt-dev            # logging, formatting
+  libplplot-dev plplot-driver-cairo   # PNG figures (retain-eval --plot, retain-plot)
 )
 
 missing=()
