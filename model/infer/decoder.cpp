@@ -5,6 +5,8 @@
 #include <cmath>
 #include <cstring>
 
+#include <omp.h>
+
 #include "kernels/kv_attention.h"
 #include "kernels/ops.h"
 #include "model/qwen3.h"
@@ -32,11 +34,31 @@ Decoder::Decoder(WeightProvider& weights, const gates::RetentionGates* gates, co
   if (gates_) lb_hist_.resize(static_cast<size_t>(c.num_hidden_layers));
 }
 
+namespace {
+
+// A decoding step of a small model is a few microseconds of work per op: waking OpenMP's
+// threads for each costs more than the op (and far more on a loaded machine, where a parked
+// thread may miss its time slice: 60 ms instead of 0.1 ms per token with 2 threads on 2 busy
+// cores). Below ~4 MFLOP per projection the step runs on the calling thread alone.
+class ThreadScope {
+ public:
+  explicit ThreadScope(int64_t flops) : saved_(omp_get_max_threads()) {
+    if (flops < (int64_t{1} << 22)) omp_set_num_threads(1);
+  }
+  ~ThreadScope() { omp_set_num_threads(saved_); }
+
+ private:
+  int saved_;
+};
+
+}  // namespace
+
 Tensor Decoder::feed(std::span<const int32_t> ids, bool all_logits) {
   const auto start = std::chrono::steady_clock::now();
   const Qwen3Config& c = w_.config();
   const int64_t T = static_cast<int64_t>(ids.size()), D = c.hidden_size, H = c.num_attention_heads,
                 K = c.num_key_value_heads, d = c.head_dim, I = c.intermediate_size;
+  ThreadScope threads(2 * T * D * std::max({D, I, H * d}));
   RETAIN_CHECK(T > 0, "Decoder::feed: no tokens");
   const float eps = static_cast<float>(c.rms_norm_eps);
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));

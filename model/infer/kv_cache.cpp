@@ -89,30 +89,37 @@ void KVCache::append(int64_t l, const Tensor& k, const Tensor& v, const Tensor& 
 void KVCache::keep(int64_t l, int64_t h, std::span<const int32_t> keep) {
   Layer& ly = layers_[l];
   int32_t* lens = ly.lens.data<int32_t>();
-  const int64_t C = ly.capacity, d = head_dim_;
+  const int64_t C = ly.capacity, d = head_dim_, n = lens[h];
   float* kb = ly.keys.data<float>() + h * C * d;
   float* vb = ly.values.data<float>() + h * C * d;
   int32_t* pb = ly.pos.data<int32_t>() + h * C;
   float* lb = ly.log_beta.data<float>() + h * C;
   float* ab = ly.attn_sum.data<float>() + h * C;
-  int64_t w = 0;
+  std::vector<uint8_t> kept(static_cast<size_t>(n), 0);
   for (size_t i = 0; i < keep.size(); ++i) {
-    const int64_t j = keep[i];
-    RETAIN_CHECK(j >= 0 && j < lens[h] && (i == 0 || j > keep[i - 1]), "KVCache::keep: bad index {} of {}", j,
-                 lens[h]);
-    if (j != w) {  // j > w: moving left, never over an unread entry
-      std::memmove(kb + w * d, kb + j * d, d * sizeof(float));
-      std::memmove(vb + w * d, vb + j * d, d * sizeof(float));
-      pb[w] = pb[j], lb[w] = lb[j], ab[w] = ab[j];
-    }
-    ++w;
+    RETAIN_CHECK(keep[i] >= 0 && keep[i] < n && (i == 0 || keep[i] > keep[i - 1]), "KVCache::keep: bad index {} of {}",
+                 keep[i], n);
+    kept[static_cast<size_t>(keep[i])] = 1;
   }
-  lens[h] = static_cast<int32_t>(w);
+  // Dropped slots from the highest down: the last entry fills each hole. Every slot above the
+  // current one is already a survivor (or gone), so no survivor is moved twice into a hole.
+  int64_t len = n;
+  for (int64_t j = n - 1; j >= 0; --j) {
+    if (kept[static_cast<size_t>(j)]) continue;
+    const int64_t last = --len;
+    if (j == last) continue;
+    std::memcpy(kb + j * d, kb + last * d, d * sizeof(float));
+    std::memcpy(vb + j * d, vb + last * d, d * sizeof(float));
+    pb[j] = pb[last], lb[j] = lb[last], ab[j] = ab[last];
+  }
+  lens[h] = static_cast<int32_t>(len);
 }
 
 std::vector<int32_t> KVCache::kept_positions(int64_t l, int64_t h) const {
   const int32_t* p = positions(l, h);
-  return std::vector<int32_t>(p, p + size(l, h));
+  std::vector<int32_t> out(p, p + size(l, h));
+  std::sort(out.begin(), out.end());
+  return out;
 }
 
 }  // namespace retain::infer

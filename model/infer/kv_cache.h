@@ -1,8 +1,11 @@
 // The bounded KV cache of DESIGN §8: per layer and KV head, its own number of entries, each
 // with its key, value, original position, logβ (when gates ran) and accumulated attention
-// (for H2O). Entries of a head are kept in position order. Storage per layer is one tensor
-// [K, capacity, d] for keys and one for values, so the attention op reads a layer at once
-// (kernels/kv_attention.h); capacity grows geometrically, eviction compacts in place.
+// (for H2O). Storage per layer is one tensor [K, capacity, d] for keys and one for values, so
+// the attention op reads a layer at once (kernels/kv_attention.h); capacity grows
+// geometrically. A head's entries are in no particular order: eviction moves the last entries
+// into the holes it leaves (O(evicted·d), not a shift of everything after them — with one
+// eviction per decoding step that shift would cost as much as the attention itself), and
+// attention masks by position, not by slot. kept_positions() sorts.
 #pragma once
 #include <cstdint>
 #include <span>
@@ -30,13 +33,14 @@ class KVCache {
   // Appends T entries to every KV head of layer l: k, v F32 [T, K, d], positions I32 [T],
   // log_beta F32 [T, K] or nullptr (no gates: logβ recorded as 0).
   void append(int64_t l, const Tensor& k, const Tensor& v, const Tensor& positions, const Tensor* log_beta);
-  // Keeps the entries `keep` of (l, h) (strictly increasing indices into its entries) and drops the rest.
+  // Keeps the entries `keep` of (l, h) (strictly increasing indices into its entries) and drops
+  // the rest; the survivors' slots may change.
   void keep(int64_t l, int64_t h, std::span<const int32_t> keep);
 
   const int32_t* positions(int64_t l, int64_t h) const { return at<int32_t>(layers_[l].pos, h); }
   const float* log_beta(int64_t l, int64_t h) const { return at<float>(layers_[l].log_beta, h); }
   const float* attn_sum(int64_t l, int64_t h) const { return at<float>(layers_[l].attn_sum, h); }
-  std::vector<int32_t> kept_positions(int64_t l, int64_t h) const;
+  std::vector<int32_t> kept_positions(int64_t l, int64_t h) const;  // sorted
 
   // What kernels/kv_attention.h reads: keys, values F32 [K, C, d], positions I32 [K, C],
   // lens I32 [K], accumulated attention F32 [K, C].

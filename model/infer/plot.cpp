@@ -55,19 +55,20 @@ class Session {
 };
 
 // The viewport of panel i in a grid, in normalized page coordinates, below a title band.
-void panel_viewport(size_t i, size_t n, int cols, double left, double right) {
+void panel_viewport(size_t i, size_t n, int cols, double left, double right, double bottom = 0.18,
+                    double top_margin = 0.11) {
   const int rows = static_cast<int>((n + static_cast<size_t>(cols) - 1) / static_cast<size_t>(cols));
   const int r = static_cast<int>(i) / cols, c = static_cast<int>(i) % cols;
-  const double top = 0.93, bottom = 0.0, w = 0.95 / cols, h = (top - bottom) / rows;
+  const double top = 0.93, w = 0.93 / cols, h = top / rows;
   // Room below for the x label, above for the panel title, left for the y label.
-  plvpor(c * w + left * w, (c + 1) * w - right * w, top - (r + 1) * h + 0.16 * h, top - r * h - 0.09 * h);
+  plvpor(c * w + left * w, (c + 1) * w - right * w, top - (r + 1) * h + bottom * h, top - r * h - top_margin * h);
 }
 
-void page_title(const std::string& title) {
+void page_title(const std::string& title, double scale = 1.0) {
   plvpor(0.0, 1.0, 0.93, 0.98);
   plwind(0, 1, 0, 1);
   plcol0(1);
-  plschr(0, 1.0);
+  plschr(0, scale);
   plptex(0.5, 0.5, 1, 0, 0.5, title.c_str());
   plschr(0, 0.8);
 }
@@ -159,26 +160,27 @@ void plot_images(const std::string& png, const std::string& title, const std::ve
               b[] = {0.33, 0.56, 0.38, 0.14};
   plscmap1l(1, 4, pos, r, g, b, nullptr);
   pladv(0);
-  page_title(title);
+  page_title(title, 0.7);
   double vmin = 0, vmax = 1;
   for (size_t p = 0; p < panels.size(); ++p) {
     const ImagePanel& im = panels[p];
     vmin = im.vmin, vmax = im.vmax;
-    panel_viewport(p, panels.size(), cols, 0.14, 0.04);
+    panel_viewport(p, panels.size(), cols, 0.25, 0.02, 0.2, 0.13);
     plwind(0, static_cast<PLFLT>(im.cols), static_cast<PLFLT>(im.rows), 0);  // row 0 at the top
-    // plimage takes z[x][y]; NaN cells are left out (the background shows).
+    // plimagefr takes z[x][y]; cells outside [vmin, vmax] (NaN → below) are not drawn, so the
+    // background shows where a value is undefined; colours span exactly [vmin, vmax].
     std::vector<std::vector<PLFLT>> z(static_cast<size_t>(im.cols), std::vector<PLFLT>(static_cast<size_t>(im.rows)));
     std::vector<PLFLT*> zp(static_cast<size_t>(im.cols));
     for (int64_t c = 0; c < im.cols; ++c) {
       for (int64_t rr = 0; rr < im.rows; ++rr) {
         const double v = im.values[static_cast<size_t>(rr * im.cols + c)];
-        z[c][rr] = std::isfinite(v) ? v : vmin - 1e9;  // below zmin: not drawn
+        z[c][rr] = std::isfinite(v) ? v : im.vmin - 1.0 - std::fabs(im.vmax - im.vmin);
       }
       zp[c] = z[c].data();
     }
-    plimage(zp.data(), static_cast<PLINT>(im.cols), static_cast<PLINT>(im.rows), 0, static_cast<PLFLT>(im.cols), 0,
-            static_cast<PLFLT>(im.rows), im.vmin, im.vmax, 0, static_cast<PLFLT>(im.cols), 0,
-            static_cast<PLFLT>(im.rows));
+    plimagefr(zp.data(), static_cast<PLINT>(im.cols), static_cast<PLINT>(im.rows), 0, static_cast<PLFLT>(im.cols), 0,
+              static_cast<PLFLT>(im.rows), im.vmin, im.vmax, im.vmin, im.vmax, nullptr, nullptr);
+    plschr(0, 0.55);
     plcol0(1);
     plwidth(1);
     plbox("bcnst", 0, 0, "bcnstv", 0, 0);
@@ -186,7 +188,7 @@ void plot_images(const std::string& png, const std::string& title, const std::ve
   }
   // The colour bar, right of the last panel row.
   if (!panels.empty()) {
-    plvpor(0.965, 0.985, 0.1, 0.85);
+    plvpor(0.94, 0.955, 0.1, 0.85);
     plwind(0, 1, vmin, vmax);
     const int steps = 64;
     for (int i = 0; i < steps; ++i) {
@@ -197,7 +199,7 @@ void plot_images(const std::string& png, const std::string& title, const std::ve
     }
     plcol0(1);
     plbox("bc", 0, 0, "bcmstv", 0, 0);
-    plmtex("l", 1.0, 0.5, 0.5, scale_label.c_str());
+    plmtex("t", 1.5, 0.5, 0.5, scale_label.c_str());
   }
   s.finish();
 }

@@ -51,21 +51,54 @@ std::vector<int32_t> select_top(std::span<const float> score, std::span<const in
   return idx;
 }
 
-std::vector<int32_t> select_window(int64_t n, int64_t budget, int64_t sinks) {
-  std::vector<int32_t> idx;
-  for (int64_t j = 0; j < n; ++j)
-    if (n <= budget || j < sinks || j >= n - (budget - sinks)) idx.push_back(static_cast<int32_t>(j));
-  return idx;
+namespace {
+
+// Indices of the k entries with the largest positions (all when n ≤ k), ascending.
+std::vector<int32_t> newest(std::span<const int32_t> pos, int64_t k) {
+  std::vector<float> none(pos.size(), 0.f);  // equal scores: the tie rule (newer first) decides
+  return select_top(none, pos, k);
+}
+
+}  // namespace
+
+std::vector<int32_t> select_window(std::span<const int32_t> pos, int64_t budget, int64_t sinks) {
+  const int64_t n = static_cast<int64_t>(pos.size());
+  std::vector<int32_t> idx(static_cast<size_t>(n));
+  std::iota(idx.begin(), idx.end(), 0);
+  if (n <= budget) return idx;
+  // The sinks are the `sinks` oldest entries; the rest of the budget goes to the newest.
+  std::vector<int32_t> by_age = idx;
+  std::nth_element(by_age.begin(), by_age.begin() + sinks, by_age.end(),
+                   [&](int32_t a, int32_t b) { return pos[a] < pos[b]; });
+  std::vector<uint8_t> keep(static_cast<size_t>(n), 0);
+  for (int64_t j = 0; j < sinks; ++j) keep[by_age[j]] = 1;
+  std::vector<int32_t> others, others_pos;
+  for (int32_t j = 0; j < n; ++j)
+    if (!keep[j]) others.push_back(j), others_pos.push_back(pos[j]);
+  for (int32_t j : newest(others_pos, budget - sinks)) keep[others[j]] = 1;
+  std::vector<int32_t> out;
+  for (int32_t j = 0; j < n; ++j)
+    if (keep[j]) out.push_back(j);
+  return out;
 }
 
 std::vector<int32_t> select_h2o(std::span<const float> attn_sum, std::span<const int32_t> pos, int64_t budget) {
   const int64_t n = static_cast<int64_t>(attn_sum.size());
-  if (n <= budget) return select_top(attn_sum, pos, n);
-  const int64_t recent = budget / 2, heavy = budget - recent, old = n - recent;
-  std::vector<int32_t> idx = select_top(attn_sum.subspan(0, static_cast<size_t>(old)),
-                                        pos.subspan(0, static_cast<size_t>(old)), heavy);
-  for (int64_t j = old; j < n; ++j) idx.push_back(static_cast<int32_t>(j));
-  return idx;
+  std::vector<int32_t> all(static_cast<size_t>(n));
+  std::iota(all.begin(), all.end(), 0);
+  if (n <= budget) return all;
+  const int64_t recent = budget / 2, heavy = budget - recent;
+  std::vector<uint8_t> keep(static_cast<size_t>(n), 0);
+  for (int32_t j : newest(pos, recent)) keep[j] = 1;
+  std::vector<int32_t> others, others_pos;
+  std::vector<float> others_sum;
+  for (int32_t j = 0; j < n; ++j)
+    if (!keep[j]) others.push_back(j), others_pos.push_back(pos[j]), others_sum.push_back(attn_sum[j]);
+  for (int32_t j : select_top(others_sum, others_pos, heavy)) keep[others[j]] = 1;
+  std::vector<int32_t> out;
+  for (int32_t j = 0; j < n; ++j)
+    if (keep[j]) out.push_back(j);
+  return out;
 }
 
 std::vector<uint8_t> select_global(std::span<const GlobalEntry> e, int64_t k) {
@@ -108,7 +141,7 @@ class WindowPolicy : public PerHeadPolicy {
  public:
   using PerHeadPolicy::PerHeadPolicy;
   std::vector<int32_t> select(const KVCache& c, int64_t l, int64_t h, int64_t) const override {
-    return select_window(c.size(l, h), opt_.budget, opt_.sinks);
+    return select_window({c.positions(l, h), static_cast<size_t>(c.size(l, h))}, opt_.budget, opt_.sinks);
   }
 };
 

@@ -54,13 +54,15 @@ class EvictionPolicy {
 std::unique_ptr<EvictionPolicy> make_policy(const PolicyOptions& opt);
 
 // ---- selections (indices into one head's entries, ascending) --------------------------------
+// A head's entries are in no particular order (eviction fills holes, see kv_cache.h): every
+// selection goes by the entries' positions, never by their indices.
 
 // The k entries with the largest score, ties toward the larger position; all when n ≤ k.
 std::vector<int32_t> select_top(std::span<const float> score, std::span<const int32_t> pos, int64_t k);
-// StreamingLLM: the first `sinks` entries and the last budget − sinks (entries in position order).
-std::vector<int32_t> select_window(int64_t n, int64_t budget, int64_t sinks);
-// H2O: the last budget/2 entries (recent half) and the budget − budget/2 other entries with the
-// largest accumulated attention (ties toward newer).
+// StreamingLLM: the `sinks` oldest entries and the budget − sinks newest.
+std::vector<int32_t> select_window(std::span<const int32_t> pos, int64_t budget, int64_t sinks);
+// H2O: the budget/2 newest entries (recent half) and the budget − budget/2 other entries with
+// the largest accumulated attention (ties toward newer).
 std::vector<int32_t> select_h2o(std::span<const float> attn_sum, std::span<const int32_t> pos, int64_t budget);
 // TRIM-KV's score at query q: (q − i)·logβ_i in float32, as TrimKVCache computes it.
 inline float trimkv_score(float log_beta, int64_t q, int32_t pos) {

@@ -54,16 +54,20 @@ TEST(Policies, TopKMatchesBruteForceWithTies) {
 }
 
 TEST(Policies, WindowKeepsSinksAndRecent) {
+  // Entries in shuffled slots (as the cache holds them after evictions): the selection goes by position.
+  std::mt19937_64 rng(10);
   for (int64_t n = 1; n < 30; ++n)
     for (int64_t b = 5; b < 32; ++b) {
+      std::vector<int32_t> pos(static_cast<size_t>(n));
+      for (int64_t j = 0; j < n; ++j) pos[j] = static_cast<int32_t>(2 * j + (j > 6 ? 5 : 0));
+      std::shuffle(pos.begin(), pos.end(), rng);
       std::vector<int32_t> want;
-      for (int64_t j = 0; j < n; ++j)  // by definition: a sink (one of the 4 oldest) or among the b − 4 newest
-        if (j < 4 || n - j <= b - 4) want.push_back(static_cast<int32_t>(j));
-      if (n <= b) {
-        want.clear();
-        for (int64_t j = 0; j < n; ++j) want.push_back(static_cast<int32_t>(j));
+      for (int64_t j = 0; j < n; ++j) {  // by definition: one of the 4 oldest, or among the b − 4 newest
+        int64_t older = 0, newer = 0;
+        for (int32_t p : pos) older += p < pos[j], newer += p > pos[j];
+        if (n <= b || older < 4 || newer < b - 4) want.push_back(static_cast<int32_t>(j));
       }
-      EXPECT_EQ(select_window(n, b, 4), want) << n << " " << b;
+      EXPECT_EQ(select_window(pos, b, 4), want) << n << " " << b;
     }
 }
 
@@ -74,16 +78,25 @@ TEST(Policies, H2OMatchesBruteForce) {
     const std::vector<float> s = tied_scores(rng, n);
     std::vector<int32_t> pos(static_cast<size_t>(n));
     for (int64_t j = 0; j < n; ++j) pos[j] = static_cast<int32_t>(3 * j);
+    std::shuffle(pos.begin(), pos.end(), rng);
     std::vector<int32_t> want;
-    if (n <= b) {
-      for (int64_t j = 0; j < n; ++j) want.push_back(static_cast<int32_t>(j));
-    } else {
-      // The newest b/2 by position, then the best b − b/2 of the others by accumulated attention.
-      const int64_t recent = b / 2;
-      std::vector<float> s_old(s.begin(), s.end() - recent);
-      std::vector<int32_t> p_old(pos.begin(), pos.end() - recent);
-      want = brute_top(s_old, p_old, b - recent);
-      for (int64_t j = n - recent; j < n; ++j) want.push_back(static_cast<int32_t>(j));
+    const int64_t recent = b / 2;
+    for (int64_t j = 0; j < n; ++j) {
+      // Recent: fewer than b/2 entries are newer. Heavy: not recent, and fewer than b − b/2 other
+      // non-recent entries beat it (more attention, or equal and newer).
+      auto is_recent = [&](int64_t i) {
+        int64_t newer = 0;
+        for (int32_t p : pos) newer += p > pos[i];
+        return newer < recent;
+      };
+      bool keep = n <= b || is_recent(j);
+      if (!keep) {
+        int64_t beaten = 0;
+        for (int64_t i = 0; i < n; ++i)
+          if (!is_recent(i) && (s[i] > s[j] || (s[i] == s[j] && pos[i] > pos[j]))) ++beaten;
+        keep = beaten < b - recent;
+      }
+      if (keep) want.push_back(static_cast<int32_t>(j));
     }
     EXPECT_EQ(select_h2o(s, pos, b), want) << "trial " << trial;
   }

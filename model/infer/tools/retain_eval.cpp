@@ -147,9 +147,10 @@ int run(int argc, char** argv) {
   m["buffer"] = eopt.buffer;
   std::vector<EvalResult> results;
   if (recall) {
+    const std::vector<RecallSample> task_samples = make_recall_task(spec);  // spec errors before any output
     if (vm.count("dump-task")) {
       std::string lines;
-      for (const RecallSample& s : make_recall_task(spec)) {
+      for (const RecallSample& s : task_samples) {
         nlohmann::json j;
         std::vector<int32_t> ids = s.prompt;
         ids.insert(ids.end(), s.answer.begin(), s.answer.end());
