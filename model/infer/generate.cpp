@@ -12,6 +12,7 @@ GenerateResult generate(Decoder& dec, std::span<const int32_t> prompt, const Gen
   Tensor logits = dec.prefill(prompt, opt.prefill_chunk);
   r.prefill_s = std::chrono::duration<double>(clock::now() - t0).count();
   const int64_t V = logits.dim(1);
+  const double evict0 = dec.evict_seconds();
   t0 = clock::now();
   while (static_cast<int64_t>(r.generated.size()) < opt.max_new) {
     if (opt.keep_logits) r.logits.insert(r.logits.end(), logits.data<float>(), logits.data<float>() + V);
@@ -22,6 +23,7 @@ GenerateResult generate(Decoder& dec, std::span<const int32_t> prompt, const Gen
     ++r.decode_tokens;
   }
   r.decode_s = std::chrono::duration<double>(clock::now() - t0).count();
+  r.decode_evict_s = dec.evict_seconds() - evict0;
   return r;
 }
 

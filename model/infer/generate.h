@@ -22,6 +22,7 @@ struct GenerateOptions {
 struct GenerateResult {
   std::vector<int32_t> generated;
   double prefill_s = 0, decode_s = 0;  // wall time of the prefill and of the decode forwards
+  double decode_evict_s = 0;           // of decode_s: eviction (selection + compaction)
   int64_t decode_tokens = 0;           // forwards after the prefill
   std::vector<float> logits;           // [generated, V] when keep_logits
 };

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 
 namespace retain::infer {
 
@@ -87,25 +88,35 @@ void KVCache::append(int64_t l, const Tensor& k, const Tensor& v, const Tensor& 
 }
 
 void KVCache::keep(int64_t l, int64_t h, std::span<const int32_t> keep) {
-  Layer& ly = layers_[l];
-  int32_t* lens = ly.lens.data<int32_t>();
-  const int64_t C = ly.capacity, d = head_dim_, n = lens[h];
-  float* kb = ly.keys.data<float>() + h * C * d;
-  float* vb = ly.values.data<float>() + h * C * d;
-  int32_t* pb = ly.pos.data<int32_t>() + h * C;
-  float* lb = ly.log_beta.data<float>() + h * C;
-  float* ab = ly.attn_sum.data<float>() + h * C;
+  const int64_t n = size(l, h);
   std::vector<uint8_t> kept(static_cast<size_t>(n), 0);
   for (size_t i = 0; i < keep.size(); ++i) {
     RETAIN_CHECK(keep[i] >= 0 && keep[i] < n && (i == 0 || keep[i] > keep[i - 1]), "KVCache::keep: bad index {} of {}",
                  keep[i], n);
     kept[static_cast<size_t>(keep[i])] = 1;
   }
-  // Dropped slots from the highest down: the last entry fills each hole. Every slot above the
-  // current one is already a survivor (or gone), so no survivor is moved twice into a hole.
-  int64_t len = n;
-  for (int64_t j = n - 1; j >= 0; --j) {
-    if (kept[static_cast<size_t>(j)]) continue;
+  std::vector<int32_t> gone;
+  for (int32_t j = 0; j < n; ++j)
+    if (!kept[static_cast<size_t>(j)]) gone.push_back(j);
+  drop(l, h, std::move(gone));
+}
+
+void KVCache::drop(int64_t l, int64_t h, std::vector<int32_t> drop) {
+  Layer& ly = layers_[l];
+  int32_t* lens = ly.lens.data<int32_t>();
+  const int64_t C = ly.capacity, d = head_dim_;
+  float* kb = ly.keys.data<float>() + h * C * d;
+  float* vb = ly.values.data<float>() + h * C * d;
+  int32_t* pb = ly.pos.data<int32_t>() + h * C;
+  float* lb = ly.log_beta.data<float>() + h * C;
+  float* ab = ly.attn_sum.data<float>() + h * C;
+  // From the highest dropped slot down, the last entry fills each hole: every slot above the
+  // current drop already holds a survivor (or is gone), so only survivors are moved.
+  std::sort(drop.begin(), drop.end(), std::greater<>());
+  int64_t len = lens[h];
+  for (size_t i = 0; i < drop.size(); ++i) {
+    const int64_t j = drop[i];
+    RETAIN_CHECK(j >= 0 && j < len && (i == 0 || j < drop[i - 1]), "KVCache::drop: bad index {} of {}", j, len);
     const int64_t last = --len;
     if (j == last) continue;
     std::memcpy(kb + j * d, kb + last * d, d * sizeof(float));

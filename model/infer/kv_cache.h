@@ -36,6 +36,8 @@ class KVCache {
   // Keeps the entries `keep` of (l, h) (strictly increasing indices into its entries) and drops
   // the rest; the survivors' slots may change.
   void keep(int64_t l, int64_t h, std::span<const int32_t> keep);
+  // Drops the entries `drop` of (l, h) (distinct indices, any order): O(|drop|·d).
+  void drop(int64_t l, int64_t h, std::vector<int32_t> drop);
 
   const int32_t* positions(int64_t l, int64_t h) const { return at<int32_t>(layers_[l].pos, h); }
   const float* log_beta(int64_t l, int64_t h) const { return at<float>(layers_[l].log_beta, h); }

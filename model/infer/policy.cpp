@@ -1,6 +1,8 @@
 #include "model/infer/policy.h"
 
 #include <algorithm>
+#include <functional>
+#include <limits>
 #include <numeric>
 
 #include "kernels/base/error.h"
@@ -39,66 +41,79 @@ int64_t min_budget(const PolicyOptions& opt) {
   }
 }
 
-std::vector<int32_t> select_top(std::span<const float> score, std::span<const int32_t> pos, int64_t k) {
+std::vector<int32_t> drop_worst(std::span<const float> score, std::span<const int32_t> pos, int64_t m) {
   const int64_t n = static_cast<int64_t>(score.size());
+  if (m <= 0) return {};
   std::vector<int32_t> idx(static_cast<size_t>(n));
   std::iota(idx.begin(), idx.end(), 0);
-  if (n <= k) return idx;
-  auto better = [&](int32_t a, int32_t b) { return score[a] > score[b] || (score[a] == score[b] && pos[a] > pos[b]); };
-  std::nth_element(idx.begin(), idx.begin() + k, idx.end(), better);
-  idx.resize(static_cast<size_t>(k));
-  std::sort(idx.begin(), idx.end());
+  if (m >= n) return idx;
+  // One O(n) partition: [0, m) are the m losers (lower score; on a tie, the older entry).
+  std::nth_element(idx.begin(), idx.begin() + m, idx.end(), [&](int32_t a, int32_t b) {
+    return score[a] < score[b] || (score[a] == score[b] && pos[a] < pos[b]);
+  });
+  idx.resize(static_cast<size_t>(m));
   return idx;
 }
 
 namespace {
 
-// Indices of the k entries with the largest positions (all when n ≤ k), ascending.
-std::vector<int32_t> newest(std::span<const int32_t> pos, int64_t k) {
-  std::vector<float> none(pos.size(), 0.f);  // equal scores: the tie rule (newer first) decides
-  return select_top(none, pos, k);
+// The complement of `drop` in [0, n), ascending.
+std::vector<int32_t> complement(int64_t n, const std::vector<int32_t>& drop) {
+  std::vector<uint8_t> gone(static_cast<size_t>(n), 0);
+  for (int32_t j : drop) gone[static_cast<size_t>(j)] = 1;
+  std::vector<int32_t> out;
+  for (int32_t j = 0; j < n; ++j)
+    if (!gone[static_cast<size_t>(j)]) out.push_back(j);
+  return out;
+}
+
+constexpr float kProtected = std::numeric_limits<float>::infinity();
+
+// The k-th largest position (k ≥ 1), by a partition of a copy: entries with a larger or equal
+// position are the k newest (positions within a head are distinct).
+int32_t kth_newest(std::span<const int32_t> pos, int64_t k) {
+  std::vector<int32_t> p(pos.begin(), pos.end());
+  std::nth_element(p.begin(), p.begin() + (k - 1), p.end(), std::greater<>());
+  return p[static_cast<size_t>(k - 1)];
 }
 
 }  // namespace
 
-std::vector<int32_t> select_window(std::span<const int32_t> pos, int64_t budget, int64_t sinks) {
+std::vector<int32_t> window_drops(std::span<const int32_t> pos, int64_t budget, int64_t sinks) {
   const int64_t n = static_cast<int64_t>(pos.size());
-  std::vector<int32_t> idx(static_cast<size_t>(n));
-  std::iota(idx.begin(), idx.end(), 0);
-  if (n <= budget) return idx;
-  // The sinks are the `sinks` oldest entries; the rest of the budget goes to the newest.
-  std::vector<int32_t> by_age = idx;
-  std::nth_element(by_age.begin(), by_age.begin() + sinks, by_age.end(),
-                   [&](int32_t a, int32_t b) { return pos[a] < pos[b]; });
-  std::vector<uint8_t> keep(static_cast<size_t>(n), 0);
-  for (int64_t j = 0; j < sinks; ++j) keep[by_age[j]] = 1;
-  std::vector<int32_t> others, others_pos;
-  for (int32_t j = 0; j < n; ++j)
-    if (!keep[j]) others.push_back(j), others_pos.push_back(pos[j]);
-  for (int32_t j : newest(others_pos, budget - sinks)) keep[others[j]] = 1;
-  std::vector<int32_t> out;
-  for (int32_t j = 0; j < n; ++j)
-    if (keep[j]) out.push_back(j);
-  return out;
+  if (n <= budget) return {};
+  // Score = position (older loses), except the sinks (the `sinks` oldest), which never lose.
+  std::vector<int32_t> neg(pos.size());
+  for (size_t j = 0; j < pos.size(); ++j) neg[j] = -pos[j];
+  const int32_t sink_edge = sinks > 0 ? -kth_newest(neg, sinks) : std::numeric_limits<int32_t>::min();
+  std::vector<float> score(pos.size());
+  for (size_t j = 0; j < pos.size(); ++j)
+    score[j] = sinks > 0 && pos[j] <= sink_edge ? kProtected : static_cast<float>(pos[j]);
+  return drop_worst(score, pos, n - budget);
+}
+
+std::vector<int32_t> h2o_drops(std::span<const float> attn_sum, std::span<const int32_t> pos, int64_t budget) {
+  const int64_t n = static_cast<int64_t>(attn_sum.size());
+  if (n <= budget) return {};
+  const int64_t recent = budget / 2;
+  const int32_t recent_edge = recent > 0 ? kth_newest(pos, recent) : std::numeric_limits<int32_t>::max();
+  std::vector<float> score(attn_sum.begin(), attn_sum.end());
+  for (size_t j = 0; j < pos.size(); ++j)
+    if (pos[j] >= recent_edge) score[j] = kProtected;
+  return drop_worst(score, pos, n - budget);
+}
+
+std::vector<int32_t> select_top(std::span<const float> score, std::span<const int32_t> pos, int64_t k) {
+  const int64_t n = static_cast<int64_t>(score.size());
+  return complement(n, drop_worst(score, pos, n - k));
+}
+
+std::vector<int32_t> select_window(std::span<const int32_t> pos, int64_t budget, int64_t sinks) {
+  return complement(static_cast<int64_t>(pos.size()), window_drops(pos, budget, sinks));
 }
 
 std::vector<int32_t> select_h2o(std::span<const float> attn_sum, std::span<const int32_t> pos, int64_t budget) {
-  const int64_t n = static_cast<int64_t>(attn_sum.size());
-  std::vector<int32_t> all(static_cast<size_t>(n));
-  std::iota(all.begin(), all.end(), 0);
-  if (n <= budget) return all;
-  const int64_t recent = budget / 2, heavy = budget - recent;
-  std::vector<uint8_t> keep(static_cast<size_t>(n), 0);
-  for (int32_t j : newest(pos, recent)) keep[j] = 1;
-  std::vector<int32_t> others, others_pos;
-  std::vector<float> others_sum;
-  for (int32_t j = 0; j < n; ++j)
-    if (!keep[j]) others.push_back(j), others_pos.push_back(pos[j]), others_sum.push_back(attn_sum[j]);
-  for (int32_t j : select_top(others_sum, others_pos, heavy)) keep[others[j]] = 1;
-  std::vector<int32_t> out;
-  for (int32_t j = 0; j < n; ++j)
-    if (keep[j]) out.push_back(j);
-  return out;
+  return complement(static_cast<int64_t>(pos.size()), h2o_drops(attn_sum, pos, budget));
 }
 
 std::vector<uint8_t> select_global(std::span<const GlobalEntry> e, int64_t k) {
@@ -132,16 +147,17 @@ class PerHeadPolicy : public EvictionPolicy {
   void evict(KVCache& cache, int64_t seen) const override {
     for (int64_t l = 0; l < cache.layers(); ++l)
       for (int64_t h = 0; h < cache.kv_heads(); ++h)
-        if (cache.size(l, h) >= opt_.budget + opt_.buffer) cache.keep(l, h, select(cache, l, h, seen));
+        if (cache.size(l, h) >= opt_.budget + opt_.buffer) cache.drop(l, h, drops(cache, l, h, seen));
   }
-  virtual std::vector<int32_t> select(const KVCache& cache, int64_t l, int64_t h, int64_t seen) const = 0;
+  // The entries of (l, h) to evict, down to the budget.
+  virtual std::vector<int32_t> drops(const KVCache& cache, int64_t l, int64_t h, int64_t seen) const = 0;
 };
 
 class WindowPolicy : public PerHeadPolicy {
  public:
   using PerHeadPolicy::PerHeadPolicy;
-  std::vector<int32_t> select(const KVCache& c, int64_t l, int64_t h, int64_t) const override {
-    return select_window({c.positions(l, h), static_cast<size_t>(c.size(l, h))}, opt_.budget, opt_.sinks);
+  std::vector<int32_t> drops(const KVCache& c, int64_t l, int64_t h, int64_t) const override {
+    return window_drops({c.positions(l, h), static_cast<size_t>(c.size(l, h))}, opt_.budget, opt_.sinks);
   }
 };
 
@@ -149,22 +165,22 @@ class H2OPolicy : public PerHeadPolicy {
  public:
   using PerHeadPolicy::PerHeadPolicy;
   bool needs_attention_sums() const override { return true; }
-  std::vector<int32_t> select(const KVCache& c, int64_t l, int64_t h, int64_t) const override {
+  std::vector<int32_t> drops(const KVCache& c, int64_t l, int64_t h, int64_t) const override {
     const size_t n = static_cast<size_t>(c.size(l, h));
-    return select_h2o({c.attn_sum(l, h), n}, {c.positions(l, h), n}, opt_.budget);
+    return h2o_drops({c.attn_sum(l, h), n}, {c.positions(l, h), n}, opt_.budget);
   }
 };
 
 class TrimKVPolicy : public PerHeadPolicy {
  public:
   using PerHeadPolicy::PerHeadPolicy;
-  std::vector<int32_t> select(const KVCache& c, int64_t l, int64_t h, int64_t seen) const override {
+  std::vector<int32_t> drops(const KVCache& c, int64_t l, int64_t h, int64_t seen) const override {
     const int64_t n = c.size(l, h);
     const float* lb = c.log_beta(l, h);
     const int32_t* pos = c.positions(l, h);
     std::vector<float> score(static_cast<size_t>(n));
     for (int64_t j = 0; j < n; ++j) score[j] = trimkv_score(lb[j], seen + 1, pos[j]);
-    return select_top(score, {pos, static_cast<size_t>(n)}, opt_.budget);
+    return drop_worst(score, {pos, static_cast<size_t>(n)}, n - opt_.budget);
   }
 };
 
@@ -187,12 +203,12 @@ class DBTrimKVPolicy : public EvictionPolicy {
     size_t at = 0;
     for (int64_t l = 0; l < c.layers(); ++l)
       for (int64_t h = 0; h < c.kv_heads(); ++h) {
-        std::vector<int32_t> idx;
+        std::vector<int32_t> drop;
         const int64_t n = c.size(l, h);
         for (int64_t j = 0; j < n; ++j)
-          if (keep[at + static_cast<size_t>(j)]) idx.push_back(static_cast<int32_t>(j));
+          if (!keep[at + static_cast<size_t>(j)]) drop.push_back(static_cast<int32_t>(j));
         at += static_cast<size_t>(n);
-        c.keep(l, h, idx);
+        c.drop(l, h, std::move(drop));
       }
   }
 };

@@ -57,7 +57,14 @@ std::unique_ptr<EvictionPolicy> make_policy(const PolicyOptions& opt);
 // A head's entries are in no particular order (eviction fills holes, see kv_cache.h): every
 // selection goes by the entries' positions, never by their indices.
 
-// The k entries with the largest score, ties toward the larger position; all when n ≤ k.
+// The m entries with the lowest score, ties toward the smaller position (the older entry loses);
+// in no particular order. What the policies evict: one O(n) partition per call.
+std::vector<int32_t> drop_worst(std::span<const float> score, std::span<const int32_t> pos, int64_t m);
+// What window and h2o evict (below), as drop sets.
+std::vector<int32_t> window_drops(std::span<const int32_t> pos, int64_t budget, int64_t sinks);
+std::vector<int32_t> h2o_drops(std::span<const float> attn_sum, std::span<const int32_t> pos, int64_t budget);
+// The kept sets (the complements), ascending:
+// the k entries with the largest score, ties toward the larger position; all when n ≤ k.
 std::vector<int32_t> select_top(std::span<const float> score, std::span<const int32_t> pos, int64_t k);
 // StreamingLLM: the `sinks` oldest entries and the budget − sinks newest.
 std::vector<int32_t> select_window(std::span<const int32_t> pos, int64_t budget, int64_t sinks);

@@ -1,4 +1,6 @@
 // retain-generate: text generation with a bounded KV cache (DESIGN §7, §8).
+#include <sys/resource.h>
+
 #include <chrono>
 #include <filesystem>
 #include <iostream>
@@ -32,6 +34,12 @@ constexpr const char* kUsage =
     "text, tokens/s of prefill and decoding, and the cache size. --json FILE writes prompt_ids,\n"
     "generated_ids, cache_sizes (entries per layer, summed over KV heads) and kept_positions (per\n"
     "layer and KV head, sorted), as the cache is after the forward that produced the last token.";
+
+double peak_rss_mib() {
+  rusage u{};
+  ::getrusage(RUSAGE_SELF, &u);
+  return static_cast<double>(u.ru_maxrss) / 1024.0;  // Linux: KiB
+}
 
 // The text of `ids`; an id the tokenizer does not know (a random tiny model's vocabulary is
 // larger than its byte-level tokenizer) is shown as [id].
@@ -141,9 +149,10 @@ int run(int argc, char** argv) {
   }
   std::cerr << fmt::format(
       "cache: {} entries ({} per layer: {}; at most {} per KV head), {:.2f} MiB of K/V in F32; eviction {:.1f}% of the "
-      "forward time\n",
+      "decode time ({:.1f} us per step); peak RSS {:.1f} MiB\n",
       cache.total(), cache.layers(), fmt::join(per_layer, " "), cache.max_size(),
-      static_cast<double>(cache.kv_bytes()) / (1 << 20), 100.0 * dec.evict_seconds() / std::max(dec.feed_seconds(), 1e-12));
+      static_cast<double>(cache.kv_bytes()) / (1 << 20), 100.0 * r.decode_evict_s / std::max(r.decode_s, 1e-12),
+      1e6 * r.decode_evict_s / static_cast<double>(std::max<int64_t>(r.decode_tokens, 1)), peak_rss_mib());
 
   if (vm.count("json")) {
     nlohmann::json j;
