@@ -36,7 +36,7 @@ void plot_eval_metrics(const nlohmann::json& m, const std::string& png, const st
   std::vector<LinePanel> panels;
   for (const Metric& mt : metrics) {
     LinePanel p;
-    p.title = mt.title, p.xlabel = "budget (entries per layer and KV head)", p.ylabel = mt.ylabel, p.log_x = true;
+    p.title = mt.title, p.xlabel = "budget (entries per KV head)", p.ylabel = mt.ylabel, p.log_x = true;
     if (std::string(mt.key) == "accuracy" || std::string(mt.key) == "top1_agreement") p.y_range = {{0.0, 1.0}};
     std::map<std::string, Series> by_policy;
     std::vector<std::string> order;

@@ -56,16 +56,16 @@ class Session {
 
 // The viewport of panel i in a grid, in normalized page coordinates, below a title band.
 void panel_viewport(size_t i, size_t n, int cols, double left, double right, double bottom = 0.18,
-                    double top_margin = 0.11) {
+                    double top_margin = 0.11, double area = 0.93) {
   const int rows = static_cast<int>((n + static_cast<size_t>(cols) - 1) / static_cast<size_t>(cols));
   const int r = static_cast<int>(i) / cols, c = static_cast<int>(i) % cols;
-  const double top = 0.93, w = 0.93 / cols, h = top / rows;
+  const double top = 0.9, w = area / cols, h = top / rows;
   // Room below for the x label, above for the panel title, left for the y label.
   plvpor(c * w + left * w, (c + 1) * w - right * w, top - (r + 1) * h + bottom * h, top - r * h - top_margin * h);
 }
 
 void page_title(const std::string& title, double scale = 1.0) {
-  plvpor(0.0, 1.0, 0.93, 0.98);
+  plvpor(0.0, 1.0, 0.91, 0.97);
   plwind(0, 1, 0, 1);
   plcol0(1);
   plschr(0, scale);
@@ -85,9 +85,18 @@ void log2_labels(PLINT axis, PLFLT value, char* label, PLINT length, PLPointer) 
 
 void plot_lines(const std::string& png, const std::string& title, const std::vector<LinePanel>& panels, int cols,
                 int width_px, int height_px) {
-  Session s(png, width_px, height_px);
+  // Panels that show the same series share one legend in a 320 px column on the right; otherwise
+  // each panel with several series gets its own legend inside it.
+  bool shared = true;
+  for (const LinePanel& pan : panels) {
+    if (pan.series.size() != panels[0].series.size()) shared = false;
+    for (size_t k = 0; shared && k < pan.series.size(); ++k) shared = pan.series[k].label == panels[0].series[k].label;
+  }
+  const int legend_px = shared ? 320 : 0;
+  Session s(png, width_px + legend_px, height_px);
+  const double area = static_cast<double>(width_px) / (width_px + legend_px);
   pladv(0);
-  page_title(title);
+  page_title(title, 0.85);
   for (size_t p = 0; p < panels.size(); ++p) {
     const LinePanel& pan = panels[p];
     double x0 = INFINITY, x1 = -INFINITY, y0 = INFINITY, y1 = -INFINITY;
@@ -104,7 +113,7 @@ void plot_lines(const std::string& png, const std::string& title, const std::vec
     if (y1 - y0 < 1e-12) y0 -= 0.5, y1 += 0.5;
     const double padx = 0.04 * (x1 - x0), pady = 0.06 * (y1 - y0);
     const bool last = p + 1 == panels.size();
-    panel_viewport(p, panels.size(), cols, 0.17, last ? 0.36 : 0.04);  // the last panel's legend goes right of it
+    panel_viewport(p, panels.size(), cols, 0.2, 0.05, 0.18, 0.11, area);
     plwind(x0 - padx, x1 + padx, y0 - pady, y1 + pady);
     plcol0(1);
     plwidth(1);
@@ -140,10 +149,11 @@ void plot_lines(const std::string& png, const std::string& title, const std::vec
       scol.push_back(color), sscale.push_back(0.8), snum.push_back(2);
       text.push_back(se.label.c_str()), symbols.push_back("#(840)");
     }
-    if (!text.empty() && last) {
+    if (!text.empty() && (shared ? last : text.size() > 1)) {
       PLFLT lw, lh;
       std::vector<PLINT> tcol(text.size(), 1);
-      pllegend(&lw, &lh, PL_LEGEND_BACKGROUND | PL_LEGEND_BOUNDING_BOX, PL_POSITION_RIGHT | PL_POSITION_OUTSIDE,
+      pllegend(&lw, &lh, PL_LEGEND_BACKGROUND | PL_LEGEND_BOUNDING_BOX,
+               shared ? PL_POSITION_RIGHT | PL_POSITION_OUTSIDE : PL_POSITION_TOP | PL_POSITION_RIGHT | PL_POSITION_INSIDE,
                0.02, 0.0, 0.06, 0, 1, 1, 0, 0, static_cast<PLINT>(text.size()), opt.data(), 0.8, 0.7, 1.6, 0.0,
                tcol.data(), text.data(), nullptr, nullptr, nullptr, nullptr, lcol.data(), lsty.data(), lwid.data(),
                scol.data(), sscale.data(), snum.data(), symbols.data());
