@@ -41,18 +41,66 @@ int64_t min_budget(const PolicyOptions& opt) {
   }
 }
 
+namespace {
+
+// One candidate for eviction. `worse` is the eviction order: lower score first, then the older
+// entry, then (global selections) the later stream.
+struct Cand {
+  float score;
+  int32_t pos;
+  int32_t stream;
+  int32_t index;
+};
+bool worse(const Cand& a, const Cand& b) {
+  if (a.score != b.score) return a.score < b.score;
+  if (a.pos != b.pos) return a.pos < b.pos;
+  return a.stream > b.stream;
+}
+
+// The m worst of a stream of candidates, in one pass: a max-heap (by `worse`) of the m worst
+// so far, whose top is the best of them. O(n log m) without allocating per candidate; a
+// decoding step evicts m = buffer entries per head (L·K for dbtrimkv), so this is a linear scan.
+class WorstM {
+ public:
+  explicit WorstM(int64_t m) : m_(static_cast<size_t>(m)) { heap_.reserve(m_); }
+  void offer(const Cand& c) {
+    if (heap_.size() < m_) {
+      heap_.push_back(c);
+      std::push_heap(heap_.begin(), heap_.end(), worse);
+    } else if (m_ > 0 && worse(c, heap_.front())) {
+      std::pop_heap(heap_.begin(), heap_.end(), worse);
+      heap_.back() = c;
+      std::push_heap(heap_.begin(), heap_.end(), worse);
+    }
+  }
+  const std::vector<Cand>& result() const { return heap_; }
+
+ private:
+  size_t m_;
+  std::vector<Cand> heap_;
+};
+
+std::vector<int32_t> indices(const WorstM& w) {
+  std::vector<int32_t> out;
+  for (const Cand& c : w.result()) out.push_back(c.index);
+  return out;
+}
+
+}  // namespace
+
 std::vector<int32_t> drop_worst(std::span<const float> score, std::span<const int32_t> pos, int64_t m) {
   const int64_t n = static_cast<int64_t>(score.size());
   if (m <= 0) return {};
-  std::vector<int32_t> idx(static_cast<size_t>(n));
-  std::iota(idx.begin(), idx.end(), 0);
-  if (m >= n) return idx;
-  // One O(n) partition: [0, m) are the m losers (lower score; on a tie, the older entry).
-  std::nth_element(idx.begin(), idx.begin() + m, idx.end(), [&](int32_t a, int32_t b) {
-    return score[a] < score[b] || (score[a] == score[b] && pos[a] < pos[b]);
-  });
-  idx.resize(static_cast<size_t>(m));
-  return idx;
+  WorstM w(std::min(m, n));
+  for (int32_t j = 0; j < n; ++j) w.offer({score[j], pos[j], 0, j});
+  return indices(w);
+}
+
+std::vector<int32_t> trimkv_drops(const float* log_beta, const int32_t* pos, int64_t n, int64_t q, int64_t m) {
+  if (m <= 0) return {};
+  WorstM w(std::min(m, n));
+  for (int32_t j = 0; j < n; ++j) w.offer({trimkv_score(log_beta[j], q, pos[j]), pos[j], 0, j});
+  return indices(w);
 }
 
 namespace {
@@ -120,15 +168,9 @@ std::vector<uint8_t> select_global(std::span<const GlobalEntry> e, int64_t k) {
   const int64_t n = static_cast<int64_t>(e.size());
   std::vector<uint8_t> keep(static_cast<size_t>(n), 1);
   if (n <= k) return keep;
-  std::vector<int32_t> idx(static_cast<size_t>(n));
-  std::iota(idx.begin(), idx.end(), 0);
-  auto better = [&](int32_t a, int32_t b) {
-    if (e[a].score != e[b].score) return e[a].score > e[b].score;
-    if (e[a].pos != e[b].pos) return e[a].pos > e[b].pos;
-    return e[a].stream < e[b].stream;
-  };
-  std::nth_element(idx.begin(), idx.begin() + k, idx.end(), better);
-  for (int64_t j = k; j < n; ++j) keep[idx[j]] = 0;
+  WorstM w(n - k);
+  for (int32_t j = 0; j < n; ++j) w.offer({e[j].score, e[j].pos, e[j].stream, j});
+  for (const Cand& c : w.result()) keep[static_cast<size_t>(c.index)] = 0;
   return keep;
 }
 
@@ -176,11 +218,7 @@ class TrimKVPolicy : public PerHeadPolicy {
   using PerHeadPolicy::PerHeadPolicy;
   std::vector<int32_t> drops(const KVCache& c, int64_t l, int64_t h, int64_t seen) const override {
     const int64_t n = c.size(l, h);
-    const float* lb = c.log_beta(l, h);
-    const int32_t* pos = c.positions(l, h);
-    std::vector<float> score(static_cast<size_t>(n));
-    for (int64_t j = 0; j < n; ++j) score[j] = trimkv_score(lb[j], seen + 1, pos[j]);
-    return drop_worst(score, {pos, static_cast<size_t>(n)}, n - opt_.budget);
+    return trimkv_drops(c.log_beta(l, h), c.positions(l, h), n, seen + 1, n - opt_.budget);
   }
 };
 
@@ -190,24 +228,20 @@ class DBTrimKVPolicy : public EvictionPolicy {
   void evict(KVCache& c, int64_t seen) const override {
     const int64_t streams = c.layers() * c.kv_heads();
     if (c.total() < streams * (opt_.budget + opt_.buffer)) return;
-    std::vector<GlobalEntry> all;
-    all.reserve(static_cast<size_t>(c.total()));
+    // One pass over every entry of every head, keeping the worst (total − B·L·K).
+    WorstM w(c.total() - streams * opt_.budget);
     for (int64_t l = 0; l < c.layers(); ++l)
       for (int64_t h = 0; h < c.kv_heads(); ++h) {
         const float* lb = c.log_beta(l, h);
         const int32_t* pos = c.positions(l, h);
-        for (int64_t j = 0; j < c.size(l, h); ++j)
-          all.push_back({trimkv_score(lb[j], seen + 1, pos[j]), pos[j], static_cast<int32_t>(l * c.kv_heads() + h)});
+        const int32_t stream = static_cast<int32_t>(l * c.kv_heads() + h);
+        for (int32_t j = 0; j < c.size(l, h); ++j) w.offer({trimkv_score(lb[j], seen + 1, pos[j]), pos[j], stream, j});
       }
-    const std::vector<uint8_t> keep = select_global(all, streams * opt_.budget);
-    size_t at = 0;
+    std::vector<std::vector<int32_t>> drops(static_cast<size_t>(streams));
+    for (const Cand& cand : w.result()) drops[static_cast<size_t>(cand.stream)].push_back(cand.index);
     for (int64_t l = 0; l < c.layers(); ++l)
       for (int64_t h = 0; h < c.kv_heads(); ++h) {
-        std::vector<int32_t> drop;
-        const int64_t n = c.size(l, h);
-        for (int64_t j = 0; j < n; ++j)
-          if (!keep[at + static_cast<size_t>(j)]) drop.push_back(static_cast<int32_t>(j));
-        at += static_cast<size_t>(n);
+        std::vector<int32_t>& drop = drops[static_cast<size_t>(l * c.kv_heads() + h)];
         c.drop(l, h, std::move(drop));
       }
   }

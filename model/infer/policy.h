@@ -60,6 +60,8 @@ std::unique_ptr<EvictionPolicy> make_policy(const PolicyOptions& opt);
 // The m entries with the lowest score, ties toward the smaller position (the older entry loses);
 // in no particular order. What the policies evict: one O(n) partition per call.
 std::vector<int32_t> drop_worst(std::span<const float> score, std::span<const int32_t> pos, int64_t m);
+// What trimkv evicts from one head at query q: the m entries with the lowest (q − i)·logβ_i.
+std::vector<int32_t> trimkv_drops(const float* log_beta, const int32_t* pos, int64_t n, int64_t q, int64_t m);
 // What window and h2o evict (below), as drop sets.
 std::vector<int32_t> window_drops(std::span<const int32_t> pos, int64_t budget, int64_t sinks);
 std::vector<int32_t> h2o_drops(std::span<const float> attn_sum, std::span<const int32_t> pos, int64_t budget);
