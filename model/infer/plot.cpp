@@ -25,6 +25,9 @@ constexpr int kColors = sizeof(kPalette) / sizeof(kPalette[0]);
 class Session {
  public:
   Session(const std::string& png, int w, int h) : png_(png), tmp_(png + ".tmp." + std::to_string(::getpid())) {
+    const std::filesystem::path parent = std::filesystem::path(png).parent_path();
+    if (!parent.empty() && !std::filesystem::is_directory(parent))
+      fail("{}: folder {} does not exist", png, parent.string());
     plsdev("pngcairo");
     plsfnam(tmp_.c_str());
     plspage(0, 0, w, h, 0, 0);

@@ -113,10 +113,15 @@ TEST_F(InferTools, GenerateErrors) {
   const fs::path js = root() / "bad.json";
   const std::string base = "retain-generate --model " + tiny() + " --prompt-ids \"1 2 3\" --json " + js.string();
   expect_error(base + " --policy kvpop --budget 64", "not available yet", 1, js);
-  expect_error(base + " --policy trimkv --budget 8", "--gates", 1, js);
-  expect_error(base + " --policy window --budget 4", "below the minimum 5", 1, js);
-  expect_error(base + " --policy h2o --budget 1", "below the minimum 2", 1, js);
-  expect_error(base + " --policy lru --budget 8", "unknown policy 'lru'", 1, js);
+  // What no file can fix is a usage error (2); what the files or this build decide is 1.
+  expect_error(base + " --policy trimkv --budget 8", "--gates", 2, js);
+  expect_error(base + " --policy window --budget 4", "below the minimum 5", 2, js);
+  expect_error(base + " --policy h2o --budget 1", "below the minimum 2", 2, js);
+  expect_error(base + " --policy lru --budget 8", "unknown policy 'lru'", 2, js);
+  expect_error(base + " --policy window --budget 8 --buffer 0", "--buffer must be at least 1", 2, js);
+  expect_error("retain-generate --model " + tiny() + " --prompt-ids \"1 2 3\" --policy full --json " +
+                   (root() / "missing" / "x.json").string(),
+               "does not exist", 1, root() / "missing" / "x.json");
   expect_error(base + " --policy trimkv --budget 8 --gates " + other() + "/gates.safetensors", "gates.safetensors", 1, js);
   expect_error(base + " --policy trimkv", "needs --budget", 2, js);
   expect_error("retain-generate --model " + tiny() + " --policy full --json " + js.string(), "exactly one of", 2, js);
@@ -158,8 +163,9 @@ TEST_F(InferTools, EvalRecallMetricsAndPlot) {
 TEST_F(InferTools, EvalErrors) {
   const fs::path m = root() / "bad_metrics.json";
   const std::string base = "retain-eval --model " + tiny() + " --task recall --samples 1 --context 32 --pairs 2 --out " + m.string();
-  expect_error(base + " --policy window --budget 8,4", "below the minimum 5", 1, m);
-  expect_error(base + " --policy trimkv --budget 8", "--gates", 1, m);
+  expect_error(base + " --policy window --budget 8,4", "below the minimum 5", 2, m);
+  expect_error(base + " --policy trimkv --budget 8", "--gates", 2, m);
+  expect_error(base + " --policy full --plot " + (root() / "missing" / "q.png").string(), "does not exist", 1, m);
   expect_error(base + " --policy kvpop --budget 8", "not available yet", 1, m);
   expect_error(base + " --policy window", "needs --budget", 2, m);
   expect_error(base + " --policy full --data x.h5", "exactly one of", 2, m);
@@ -188,4 +194,9 @@ TEST_F(InferTools, PlotLossesAndRetention) {
   expect_error("retain-plot retention --model " + tiny() + " --gates " + gates() + " --ids \"1 2 3\" --heads 5:0 --out " + rp.string(),
                "--heads", 1, rp);
   expect_error("retain-plot frobnicate", "unknown command", 2, rp);
+  expect_error("retain-plot losses --metrics " + jl.string() + " --out " + (root() / "missing" / "l.png").string(),
+               "does not exist", 1, root() / "missing" / "l.png");
+  expect_error("retain-plot retention --model " + tiny() + " --gates " + gates() + " --ids \"1 2 3\" --policies lru --out " +
+                   rp.string(),
+               "unknown policy", 2, rp);
 }

@@ -16,6 +16,7 @@
 #include "kernels/base/cli.h"
 #include "model/infer/eval.h"
 #include "model/infer/figures.h"
+#include "model/infer/tools/tool_args.h"
 #include "model/tools/token_list.h"
 
 using namespace retain;
@@ -96,7 +97,7 @@ int run(int argc, char** argv) {
   if (eopt.prefill_chunk < 1) throw cli::UsageError("--prefill-chunk must be >= 1");
   if (eopt.max_sequences < 0) throw cli::UsageError("--sequences must be >= 0");
   const std::vector<PolicyKind> policies = parse_list<PolicyKind>(
-      policies_text, "--policy", [](const std::string& s, const char* o) { return parse_policy(s, o); });
+      policies_text, "--policy", [](const std::string& s, const char* o) { return policy_arg(s, o); });
   std::vector<int64_t> budgets;
   if (vm.count("budget"))
     budgets = parse_list<int64_t>(budgets_text, "--budget", [](const std::string& s, const char* o) {
@@ -117,9 +118,12 @@ int run(int argc, char** argv) {
   for (const EvalRun& r : runs) {  // every policy/budget error before any loading
     PolicyOptions po;
     po.kind = r.policy, po.budget = r.budget, po.buffer = eopt.buffer;
-    make_policy(po);
+    check_policy_args(po, vm.count("gates") > 0);
   }
-  if (need_gates && !vm.count("gates")) fail("--policy trimkv/dbtrimkv ranks tokens by their retention gates: give --gates FILE");
+  (void)need_gates;
+  check_output_dir(out, "--out");
+  if (vm.count("plot")) check_output_dir(plot, "--plot");
+  if (vm.count("dump-task")) check_output_dir(dump, "--dump-task");
 
   auto ckpt = std::make_shared<const Qwen3Checkpoint>(Qwen3Checkpoint::open(model));
   std::optional<gates::RetentionGates> gates;

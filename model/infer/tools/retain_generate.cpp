@@ -13,6 +13,7 @@
 #include "kernels/base/atomic_file.h"
 #include "kernels/base/cli.h"
 #include "model/infer/generate.h"
+#include "model/infer/tools/tool_args.h"
 #include "model/tools/token_list.h"
 
 using namespace retain;
@@ -95,12 +96,14 @@ int run(int argc, char** argv) {
   if (max_new < 0) throw cli::UsageError("--max-new must be >= 0");
   if (chunk < 0) throw cli::UsageError("--prefill-chunk must be >= 0");
   PolicyOptions popt;
-  popt.kind = parse_policy(policy_text);
+  popt.kind = policy_arg(policy_text, "--policy");
   popt.buffer = buffer;
-  if (popt.kind != PolicyKind::full && popt.kind != PolicyKind::kvpop && budget < 0)
+  if (popt.kind != PolicyKind::full && popt.kind != PolicyKind::kvpop && !vm.count("budget"))
     throw cli::UsageError(fmt::format("--policy {} needs --budget", policy_text));
+  if (vm.count("budget") && budget < 0) throw cli::UsageError("--budget must be >= 0");
   popt.budget = std::max<int64_t>(budget, 0);
-  make_policy(popt);  // budget and policy errors before any loading
+  check_policy_args(popt, vm.count("gates") > 0);  // before any loading
+  if (vm.count("json")) check_output_dir(json_path, "--json");
 
   auto ckpt = std::make_shared<const Qwen3Checkpoint>(Qwen3Checkpoint::open(model));
   const Qwen3Config& cfg = ckpt->config();

@@ -16,6 +16,7 @@
 #include "model/infer/decoder.h"
 #include "model/infer/figures.h"
 #include "model/infer/plot.h"
+#include "model/infer/tools/tool_args.h"
 #include "model/tools/token_list.h"
 
 using namespace retain;
@@ -69,11 +70,12 @@ int retention(int argc, char** argv) {
   std::vector<PolicyOptions> policies;
   for (const std::string& p : split(policies_text)) {
     PolicyOptions o;
-    o.kind = parse_policy(p, "--policies"), o.budget = budget;
-    make_policy(o);
+    o.kind = policy_arg(p, "--policies"), o.budget = budget;
+    check_policy_args(o, true);
     policies.push_back(o);
   }
 
+  check_output_dir(out, "--out");
   auto ckpt = std::make_shared<const Qwen3Checkpoint>(Qwen3Checkpoint::open(model));
   const Qwen3Config& cfg = ckpt->config();
   const gates::RetentionGates gates = gates::RetentionGates::load(gates_path, cfg);
@@ -163,6 +165,7 @@ int losses(int argc, char** argv) {
       ("out", cli::po::value(&out)->required(), "output PNG");
   cli::po::variables_map vm;
   if (!cli::parse(argc, argv, kUsage, opts, vm)) return 0;
+  check_output_dir(out, "--out");
   plot_training_curves(metrics, out);
   std::cerr << fmt::format("retain-plot: wrote {}\n", out);
   return 0;
@@ -176,6 +179,7 @@ int eval(int argc, char** argv) {
       ("out", cli::po::value(&out)->required(), "output PNG");
   cli::po::variables_map vm;
   if (!cli::parse(argc, argv, kUsage, opts, vm)) return 0;
+  check_output_dir(out, "--out");
   nlohmann::json m;
   try {
     m = nlohmann::json::parse(read_file(metrics));
