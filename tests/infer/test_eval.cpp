@@ -187,5 +187,14 @@ TEST(Eval, DataFullHasZeroKLAndMatchesForward) {
   }
   EXPECT_EQ(res[0].tokens, tokens);
   EXPECT_NEAR(res[0].nll, nll / static_cast<double>(tokens), 1e-5);
+  // Feeding 7 tokens per forward scores the same positions; the full cache gives the same numbers.
+  EvalOptions o7 = o;
+  o7.prefill_chunk = 7;
+  const auto res7 = evaluate_data(w, &m.gates, ds, {{PolicyKind::full, 0}, {PolicyKind::trimkv, 6}}, o7);
+  EXPECT_EQ(res7[0].tokens, tokens);
+  EXPECT_NEAR(res7[0].nll, res[0].nll, 1e-6);
+  EXPECT_LT(res7[0].kl, 1e-9);
+  // …while a bounded cache now sees up to 6 + 7 entries inside a chunk: closer to full than with 1.
+  EXPECT_LT(res7[1].kl, res[3].kl);
   fs::remove_all(dir);
 }

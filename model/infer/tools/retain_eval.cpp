@@ -105,9 +105,7 @@ int run(int argc, char** argv) {
       return v.at(0);
     });
   std::vector<EvalRun> runs;
-  bool need_gates = false;
   for (PolicyKind p : policies) {
-    need_gates = need_gates || policy_needs_gates(p);
     if (p == PolicyKind::full) {
       runs.push_back({p, 0});
       continue;
@@ -120,7 +118,6 @@ int run(int argc, char** argv) {
     po.kind = r.policy, po.budget = r.budget, po.buffer = eopt.buffer;
     check_policy_args(po, vm.count("gates") > 0);
   }
-  (void)need_gates;
   check_output_dir(out, "--out");
   if (vm.count("plot")) check_output_dir(plot, "--plot");
   if (vm.count("dump-task")) check_output_dir(dump, "--dump-task");
