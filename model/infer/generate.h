@@ -2,6 +2,7 @@
 // retain-generate). The result carries what --json writes.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <span>
 #include <vector>
@@ -17,6 +18,9 @@ struct GenerateOptions {
   uint64_t seed = 0;                // sampling seed
   std::optional<int32_t> stop_id;   // stop after generating it (EOS)
   bool keep_logits = false;         // record the logits each token was chosen from
+  // Called after every forward with the tokens processed so far and the most there can be
+  // (prompt + max_new): progress reporting.
+  std::function<void(int64_t done, int64_t total)> progress;
 };
 
 struct GenerateResult {

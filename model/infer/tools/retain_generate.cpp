@@ -1,5 +1,6 @@
 // retain-generate: text generation with a bounded KV cache (DESIGN §7, §8).
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <filesystem>
@@ -133,8 +134,21 @@ int run(int argc, char** argv) {
   gopt.max_new = max_new, gopt.prefill_chunk = chunk, gopt.seed = seed;
   gopt.temperature = vm.count("greedy") ? 0.0 : temperature;
   if (!vm.count("ignore-eos") && cfg.eos_token_id) gopt.stop_id = static_cast<int32_t>(*cfg.eos_token_id);
+  // A long prompt on a real model takes a while on the CPU: on a terminal, tokens done and an ETA.
+  const auto start = std::chrono::steady_clock::now();
+  double last = -1;
+  if (::isatty(STDERR_FILENO))
+    gopt.progress = [&](int64_t done, int64_t total) {
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      if (s - last < 0.2 || s < 1.0) return;
+      last = s;
+      std::cerr << fmt::format("\rretain-generate: {}/{} tokens  {:.1f} s  ETA {:.1f} s   ", done, total, s,
+                               s / static_cast<double>(done) * static_cast<double>(total - done))
+                << std::flush;
+    };
   const GenerateResult r = generate(dec, ids, gopt);
 
+  if (last >= 0) std::cerr << "\n";
   const KVCache& cache = dec.cache();
   if (tok) std::cout << render_text(*tok, r.generated) << "\n";
   std::cout << fmt::format("generated ids: {}\n", fmt::join(r.generated, " "));
