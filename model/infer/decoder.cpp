@@ -117,6 +117,7 @@ Tensor Decoder::feed(std::span<const int32_t> ids, bool all_logits) {
   Tensor logits = Tensor::empty({last.dim(0), c.vocab_size}, DType::F32);
   ops::linear(last, w_.lm_head(), logits);
 
+  if (before_evict_) before_evict_(cache_, seen_);
   const auto ev = std::chrono::steady_clock::now();
   policy_->evict(cache_, seen_);
   const auto end = std::chrono::steady_clock::now();

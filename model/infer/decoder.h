@@ -3,6 +3,7 @@
 // policy trims after every forward. One document per decoder: positions start at 0.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <random>
 #include <span>
@@ -48,6 +49,9 @@ class Decoder {
   Tensor prefill(std::span<const int32_t> ids, int64_t chunk = 0);
 
   const KVCache& cache() const { return cache_; }
+  // Called after every forward, before eviction, with the cache as the policy sees it (tests
+  // compare the policy's choice with a brute force from this state).
+  void set_before_evict(std::function<void(const KVCache&, int64_t seen)> hook) { before_evict_ = std::move(hook); }
   int64_t seen() const { return seen_; }
   // Seconds spent in eviction (the policy's selection and the cache compaction), and in feed() overall.
   double evict_seconds() const { return evict_s_; }
@@ -64,6 +68,7 @@ class Decoder {
   int64_t seen_ = 0;
   double evict_s_ = 0, feed_s_ = 0;
   std::vector<std::vector<float>> lb_hist_;
+  std::function<void(const KVCache&, int64_t)> before_evict_;
 };
 
 // Greedy (temperature ≤ 0) or seeded sampling at `temperature` from one row of logits.

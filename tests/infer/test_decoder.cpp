@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <map>
 #include <random>
@@ -213,6 +214,62 @@ TEST(Decoder, H2OKeepsRecentHalfAndBoundsTheCache) {
     }
   }
   EXPECT_GT(diff, 1e-4);  // evictions change the output: the bounded cache is what attention reads
+}
+
+// H2O's kept sets depend on the attention the decoder accumulated: after every forward, the
+// entries that survive eviction must be exactly those a brute force picks from the cache as it
+// was just before (positions and accumulated attention of every entry), and the accumulated
+// attention must add up: every query row of a KV head's group hands out probability 1.
+TEST(Decoder, H2OKeptSetsMatchBruteForceFromTheAccumulatedAttention) {
+  const Tiny& t = tiny(gates::GateKind::trimkv);
+  ResidentWeightProvider w(t.ckpt);
+  const std::vector<int32_t> ids = random_ids(70, 6);
+  for (int64_t buffer : {1, 4}) {
+    PolicyOptions o = policy(PolicyKind::h2o, 9);
+    o.buffer = buffer;
+    Decoder dec(w, nullptr, o);
+    std::vector<std::vector<int32_t>> want(4);
+    std::vector<double> evicted_mass(4, 0.0);
+    dec.set_before_evict([&](const KVCache& c, int64_t) {
+      for (int64_t s = 0; s < 4; ++s) {
+        const int64_t l = s / 2, h = s % 2, n = c.size(l, h);
+        const int32_t* pos = c.positions(l, h);
+        const float* acc = c.attn_sum(l, h);
+        std::vector<int32_t> keep;
+        for (int64_t j = 0; j < n; ++j) {
+          bool kept = n < o.budget + o.buffer;  // no eviction below B + buffer
+          int64_t newer = 0;
+          for (int64_t i = 0; i < n; ++i) newer += pos[i] > pos[j];
+          kept = kept || newer < o.budget / 2;  // the recent half
+          if (!kept) {
+            int64_t beaten = 0;  // by a non-recent entry with more attention (ties: newer)
+            for (int64_t i = 0; i < n; ++i) {
+              int64_t newer_i = 0;
+              for (int64_t x = 0; x < n; ++x) newer_i += pos[x] > pos[i];
+              if (newer_i >= o.budget / 2 && (acc[i] > acc[j] || (acc[i] == acc[j] && pos[i] > pos[j]))) ++beaten;
+            }
+            kept = beaten < o.budget - o.budget / 2;
+          }
+          if (kept)
+            keep.push_back(pos[j]);
+          else
+            evicted_mass[s] += acc[j];
+        }
+        std::sort(keep.begin(), keep.end());
+        want[s] = keep;
+      }
+    });
+    for (size_t i = 0; i < ids.size(); i += (i < 21 ? 7 : 1)) {
+      const size_t n = i < 21 ? 7 : 1;  // a prompt in chunks of 7, then one token at a time
+      dec.feed(std::span(ids).subspan(i, n));
+      for (int64_t s = 0; s < 4; ++s) {
+        ASSERT_EQ(dec.cache().kept_positions(s / 2, s % 2), want[s]) << "buffer " << buffer << " after " << i + n;
+        double mass = evicted_mass[s];
+        for (int64_t j = 0; j < dec.cache().size(s / 2, s % 2); ++j) mass += dec.cache().attn_sum(s / 2, s % 2)[j];
+        EXPECT_NEAR(mass, 2.0 * static_cast<double>(i + n), 1e-3);  // 2 query heads per KV head
+      }
+    }
+  }
 }
 
 TEST(Decoder, BadCombinationsFail) {
