@@ -18,6 +18,7 @@ PACKAGES=(
   libzip-dev                          # torch.save archives (trimkv_weights.pth)
   libtomlplusplus-dev                 # retain-train --config run.toml
   libspdlog-dev libfmt-dev            # logging, formatting
+  libplplot-dev plplot-driver-cairo   # PNG figures (retain-eval --plot, retain-plot)
 )
 
 missing=()

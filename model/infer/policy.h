@@ -1,0 +1,89 @@
+// Eviction policies of DESIGN §8, applied to a KVCache after every forward of the decoder.
+// Each keeps, per (layer, KV head) — or globally for dbtrimkv — at most `budget` entries once
+// an entry count reaches budget + buffer. Ties are broken toward the newer token. The
+// selection functions are exposed so that tests can compare them with brute-force references.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "model/infer/kv_cache.h"
+
+namespace retain::infer {
+
+// kvpop is named so the command line can give a clear "not available yet" (DESIGN §5 scorers
+// have no trainer or loader in retain yet); make_policy refuses it.
+enum class PolicyKind { full, window, h2o, trimkv, dbtrimkv, kvpop };
+
+PolicyKind parse_policy(std::string_view s, std::string_view what = "--policy");
+std::string_view policy_name(PolicyKind kind);
+// True for the policies that rank entries by logβ (they need retention gates).
+bool policy_needs_gates(PolicyKind kind);
+
+struct PolicyOptions {
+  PolicyKind kind = PolicyKind::full;
+  int64_t budget = 0;  // B: entries per (layer, KV head); ignored by full
+  int64_t buffer = 1;  // evict when a count reaches B + buffer (DESIGN §8 default 1)
+  int64_t sinks = 4;   // window: StreamingLLM's attention sinks
+};
+
+// The smallest budget a policy can run with: window needs its sinks and one recent token,
+// h2o one heavy hitter and one recent token; the rest one entry. full: 0 (no budget).
+int64_t min_budget(const PolicyOptions& opt);
+
+class EvictionPolicy {
+ public:
+  explicit EvictionPolicy(const PolicyOptions& opt) : opt_(opt) {}
+  virtual ~EvictionPolicy() = default;
+  const PolicyOptions& options() const { return opt_; }
+  // H2O ranks by the attention each entry received: the decoder accumulates it when asked.
+  virtual bool needs_attention_sums() const { return false; }
+  // Called after every forward; `seen` = tokens fed so far (the next query is at seen + 1 in
+  // the reference's counting: q = seen + 1).
+  virtual void evict(KVCache& cache, int64_t seen) const = 0;
+
+ protected:
+  PolicyOptions opt_;
+};
+
+// Validates the budget (one-line error naming the policy and its minimum) and builds the
+// policy; kvpop fails with "not available yet".
+std::unique_ptr<EvictionPolicy> make_policy(const PolicyOptions& opt);
+
+// ---- selections (indices into one head's entries, ascending) --------------------------------
+// A head's entries are in no particular order (eviction fills holes, see kv_cache.h): every
+// selection goes by the entries' positions, never by their indices.
+
+// The m entries with the lowest score, ties toward the smaller position (the older entry loses);
+// in no particular order. What the policies evict: one O(n) partition per call.
+std::vector<int32_t> drop_worst(std::span<const float> score, std::span<const int32_t> pos, int64_t m);
+// What trimkv evicts from one head at query q: the m entries with the lowest (q − i)·logβ_i.
+std::vector<int32_t> trimkv_drops(const float* log_beta, const int32_t* pos, int64_t n, int64_t q, int64_t m);
+// What window and h2o evict (below), as drop sets.
+std::vector<int32_t> window_drops(std::span<const int32_t> pos, int64_t budget, int64_t sinks);
+std::vector<int32_t> h2o_drops(std::span<const float> attn_sum, std::span<const int32_t> pos, int64_t budget);
+// The kept sets (the complements), ascending:
+// the k entries with the largest score, ties toward the larger position; all when n ≤ k.
+std::vector<int32_t> select_top(std::span<const float> score, std::span<const int32_t> pos, int64_t k);
+// StreamingLLM: the `sinks` oldest entries and the budget − sinks newest.
+std::vector<int32_t> select_window(std::span<const int32_t> pos, int64_t budget, int64_t sinks);
+// H2O: the budget/2 newest entries (recent half) and the budget − budget/2 other entries with
+// the largest accumulated attention (ties toward newer).
+std::vector<int32_t> select_h2o(std::span<const float> attn_sum, std::span<const int32_t> pos, int64_t budget);
+// TRIM-KV's score at query q: (q − i)·logβ_i in float32, as TrimKVCache computes it.
+inline float trimkv_score(float log_beta, int64_t q, int32_t pos) {
+  return log_beta * static_cast<float>(q - pos);
+}
+// DBTrimKV: one top-k over entries of several streams (stream = layer·K + head); returns a
+// keep flag per entry. Ties: larger position, then smaller stream.
+struct GlobalEntry {
+  float score;
+  int32_t pos;
+  int32_t stream;
+};
+std::vector<uint8_t> select_global(std::span<const GlobalEntry> entries, int64_t k);
+
+}  // namespace retain::infer

@@ -1,0 +1,209 @@
+// retain-eval: quality of bounded-KV decoding per policy and budget (DESIGN §7, §8).
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <iostream>
+#include <optional>
+#include <sstream>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "data/packed_dataset.h"
+#include "kernels/base/atomic_file.h"
+#include "kernels/base/cli.h"
+#include "model/infer/eval.h"
+#include "model/infer/figures.h"
+#include "model/infer/tools/tool_args.h"
+#include "model/tools/token_list.h"
+
+using namespace retain;
+using namespace retain::infer;
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr const char* kUsage =
+    "Usage: retain-eval --model DIR [--gates FILE] --data FILE.h5|--task recall\n"
+    "                   --policy P,... --budget B,... [--out metrics.json] [--plot PNG]\n"
+    "                   [--sequences N] [--prefill-chunk C] [--buffer N]\n"
+    "                   [--samples N --context N --pairs N --key-len N --value-len N --seed S]\n"
+    "                   [--dump-task FILE.jsonl]\n\n"
+    "For each policy (full, window, h2o, trimkv, dbtrimkv) and budget (entries per layer and KV\n"
+    "head), feeds text through the bounded-KV decoder one token per forward (--prefill-chunk to\n"
+    "feed more), evicting as generation would, and scores its predictions:\n"
+    "  --data FILE.h5   a packed dataset (retain-pack): NLL and perplexity of the target tokens,\n"
+    "                   KL(full cache || bounded cache) and top-1 agreement with the full cache,\n"
+    "                   over the documents of the first --sequences sequences;\n"
+    "  --task recall    the synthetic key-value recall task (model/infer/recall_task.h): exact-\n"
+    "                   match accuracy and NLL of the answers. --dump-task writes its samples as\n"
+    "                   JSON lines {input_ids, target_mask} that retain-pack reads (pretraining).\n"
+    "full runs once (no budget). Writes metrics.json (`results`: policy, budget, nll, perplexity,\n"
+    "kl + top1_agreement or accuracy, tokens, mean cache, tokens/s, eviction share) atomically,\n"
+    "and with --plot a PNG of quality vs budget per policy.";
+
+// "1:02:03", "12:03" or "45s".
+std::string format_duration(double s) {
+  if (!std::isfinite(s) || s < 0) return "--";
+  const int64_t t = static_cast<int64_t>(s + 0.5);
+  if (t >= 3600) return fmt::format("{}:{:02}:{:02}", t / 3600, t / 60 % 60, t % 60);
+  if (t >= 60) return fmt::format("{}:{:02}", t / 60, t % 60);
+  return fmt::format("{}s", t);
+}
+
+template <typename T>
+std::vector<T> parse_list(const std::string& text, const char* option, T (*one)(const std::string&, const char*)) {
+  std::vector<T> out;
+  std::stringstream ss(text);
+  std::string item;
+  while (std::getline(ss, item, ','))
+    if (!item.empty()) out.push_back(one(item, option));
+  if (out.empty()) throw cli::UsageError(fmt::format("{}: empty list", option));
+  return out;
+}
+
+int run(int argc, char** argv) {
+  cli::po::options_description opts("Options");
+  std::string model, gates_path, data_path, task, policies_text, budgets_text, out = "metrics.json", plot, dump;
+  EvalOptions eopt;
+  RecallSpec spec;
+  opts.add_options()
+      ("model", cli::po::value(&model)->required(), "Hugging Face model directory")
+      ("gates", cli::po::value(&gates_path), "retention gates (.safetensors); needed by trimkv and dbtrimkv")
+      ("data", cli::po::value(&data_path), "packed dataset (.h5) to score")
+      ("task", cli::po::value(&task), "built-in task: recall")
+      ("policy", cli::po::value(&policies_text)->required(), "policies, comma-separated")
+      ("budget", cli::po::value(&budgets_text), "budgets, comma-separated (not needed for full alone)")
+      ("out", cli::po::value(&out)->default_value("metrics.json"), "metrics file (JSON, written atomically)")
+      ("plot", cli::po::value(&plot), "PNG of quality vs budget per policy")
+      ("sequences", cli::po::value(&eopt.max_sequences)->default_value(16), "data: first N sequences (0: all)")
+      ("prefill-chunk", cli::po::value(&eopt.prefill_chunk)->default_value(1), "tokens per forward")
+      ("buffer", cli::po::value(&eopt.buffer)->default_value(1), "evict at budget + buffer entries")
+      ("samples", cli::po::value(&spec.samples)->default_value(32), "recall: samples")
+      ("context", cli::po::value(&spec.context)->default_value(512), "recall: tokens before the query")
+      ("pairs", cli::po::value(&spec.pairs)->default_value(8), "recall: key-value records")
+      ("key-len", cli::po::value(&spec.key_len)->default_value(2), "recall: tokens per key")
+      ("value-len", cli::po::value(&spec.value_len)->default_value(2), "recall: tokens per value")
+      ("seed", cli::po::value(&spec.seed)->default_value(0), "recall: task seed")
+      ("dump-task", cli::po::value(&dump), "recall: also write the samples as JSON lines");
+  cli::po::variables_map vm;
+  if (!cli::parse(argc, argv, kUsage, opts, vm)) return 0;
+
+  if (vm.count("data") == vm.count("task")) throw cli::UsageError("give exactly one of --data FILE.h5, --task recall");
+  const bool recall = vm.count("task");
+  if (recall && task != "recall") throw cli::UsageError(fmt::format("--task: unknown task '{}' (recall)", task));
+  if (eopt.prefill_chunk < 1) throw cli::UsageError("--prefill-chunk must be >= 1");
+  if (eopt.max_sequences < 0) throw cli::UsageError("--sequences must be >= 0");
+  const std::vector<PolicyKind> policies = parse_list<PolicyKind>(
+      policies_text, "--policy", [](const std::string& s, const char* o) { return policy_arg(s, o); });
+  std::vector<int64_t> budgets;
+  if (vm.count("budget"))
+    budgets = parse_list<int64_t>(budgets_text, "--budget", [](const std::string& s, const char* o) {
+      const auto v = cli::parse_int_list(s, o);
+      return v.at(0);
+    });
+  std::vector<EvalRun> runs;
+  for (PolicyKind p : policies) {
+    if (p == PolicyKind::full) {
+      runs.push_back({p, 0});
+      continue;
+    }
+    if (budgets.empty()) throw cli::UsageError(fmt::format("--policy {} needs --budget", policy_name(p)));
+    for (int64_t b : budgets) runs.push_back({p, b});
+  }
+  for (const EvalRun& r : runs) {  // every policy/budget error before any loading
+    PolicyOptions po;
+    po.kind = r.policy, po.budget = r.budget, po.buffer = eopt.buffer;
+    check_policy_args(po, vm.count("gates") > 0);
+  }
+  check_output_dir(out, "--out");
+  if (vm.count("plot")) check_output_dir(plot, "--plot");
+  if (vm.count("dump-task")) check_output_dir(dump, "--dump-task");
+
+  auto ckpt = std::make_shared<const Qwen3Checkpoint>(Qwen3Checkpoint::open(model));
+  std::optional<gates::RetentionGates> gates;
+  if (vm.count("gates")) gates = gates::RetentionGates::load(gates_path, ckpt->config());
+  ResidentWeightProvider weights(ckpt);
+  spec.vocab = ckpt->config().vocab_size;
+
+  const auto start = std::chrono::steady_clock::now();
+  const bool tty = ::isatty(STDERR_FILENO);
+  double last_print = -1;
+  eopt.progress = [&](int64_t done, int64_t total) {
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (done != total && s - last_print < (tty ? 0.2 : 10.0)) return;
+    last_print = s;
+    const double eta = s / static_cast<double>(done) * static_cast<double>(total - done);
+    std::cerr << fmt::format("{}retain-eval: {}/{} runs  {}  ETA {}{}", tty ? "\r" : "", done, total,
+                             format_duration(s), format_duration(eta), tty && done != total ? "   " : "\n")
+              << std::flush;
+  };
+
+  nlohmann::json m;
+  m["model"] = model;
+  if (gates) m["gates"] = gates_path;
+  m["prefill_chunk"] = eopt.prefill_chunk;
+  m["buffer"] = eopt.buffer;
+  std::vector<EvalResult> results;
+  if (recall) {
+    const std::vector<RecallSample> task_samples = make_recall_task(spec);  // spec errors before any output
+    if (vm.count("dump-task")) {
+      std::string lines;
+      for (const RecallSample& s : task_samples) {
+        nlohmann::json j;
+        std::vector<int32_t> ids = s.prompt;
+        ids.insert(ids.end(), s.answer.begin(), s.answer.end());
+        std::vector<int> mask(ids.size(), 0);
+        std::fill(mask.end() - static_cast<std::ptrdiff_t>(s.answer.size()), mask.end(), 1);
+        j["input_ids"] = ids, j["target_mask"] = mask;
+        lines += j.dump() + "\n";
+      }
+      write_file_atomic(dump, lines);
+    }
+    std::cerr << fmt::format("retain-eval: {} on {} ({} runs)\n", describe(spec), model, runs.size());
+    results = evaluate_recall(weights, gates ? &*gates : nullptr, spec, runs, eopt);
+    m["task"] = {{"name", "recall"}, {"samples", spec.samples}, {"context", spec.context}, {"pairs", spec.pairs},
+                 {"key_len", spec.key_len}, {"value_len", spec.value_len}, {"seed", spec.seed}};
+  } else {
+    const data::PackedDataset ds = data::PackedDataset::open(data_path);
+    data::check_dataset_matches_model(ds, model, ckpt->config());
+    std::cerr << fmt::format("retain-eval: {} ({} sequences of {} tokens; scoring the first {}) on {} ({} runs)\n",
+                             data_path, ds.num_sequences(), ds.seq_len(),
+                             eopt.max_sequences ? std::min(eopt.max_sequences, ds.num_sequences()) : ds.num_sequences(),
+                             model, runs.size());
+    results = evaluate_data(weights, gates ? &*gates : nullptr, ds, runs, eopt);
+    m["data"] = data_path;
+    m["sequences"] = eopt.max_sequences;
+  }
+  m["results"] = nlohmann::json::array();
+  std::cout << (recall ? fmt::format("{:<9} {:>7} {:>9} {:>9} {:>9} {:>8} {:>9}\n", "policy", "budget", "accuracy",
+                                     "nll", "ppl", "tokens", "tok/s")
+                       : fmt::format("{:<9} {:>7} {:>9} {:>9} {:>9} {:>7} {:>8} {:>9}\n", "policy", "budget", "nll",
+                                     "ppl", "kl", "top1", "tokens", "tok/s"));
+  for (const EvalResult& r : results) {
+    m["results"].push_back(result_json(r, recall));
+    const std::string b = r.run.policy == PolicyKind::full ? "-" : std::to_string(r.run.budget);
+    if (recall)
+      std::cout << fmt::format("{:<9} {:>7} {:>9.4f} {:>9.4f} {:>9.3f} {:>8} {:>9.0f}\n", policy_name(r.run.policy), b,
+                               r.accuracy, r.nll, std::exp(r.nll), r.tokens, r.tokens_per_s);
+    else
+      std::cout << fmt::format("{:<9} {:>7} {:>9.4f} {:>9.3f} {:>9.5f} {:>7.4f} {:>8} {:>9.0f}\n",
+                               policy_name(r.run.policy), b, r.nll, std::exp(r.nll), r.kl, r.top1, r.tokens,
+                               r.tokens_per_s);
+  }
+  write_file_atomic(out, m.dump(1) + "\n");
+  std::cerr << fmt::format("retain-eval: wrote {}\n", out);
+  if (vm.count("plot")) {
+    plot_eval_metrics(m, plot, out);
+    std::cerr << fmt::format("retain-eval: wrote {}\n", plot);
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  return cli::run_tool("retain-eval", [&] { return run(argc, argv); });
+}

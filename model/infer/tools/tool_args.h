@@ -1,0 +1,44 @@
+// What retain-generate, retain-eval and retain-plot check on their command lines, the same way
+// (README conventions): a policy, budget or buffer that cannot be right whatever the files hold
+// is a usage error (exit 2); an output whose folder is missing is refused before any work.
+#pragma once
+#include <filesystem>
+#include <string>
+
+#include <fmt/format.h>
+
+#include "kernels/base/cli.h"
+#include "model/infer/policy.h"
+
+namespace retain::infer {
+
+inline PolicyKind policy_arg(const std::string& text, const char* option) {
+  try {
+    return parse_policy(text, option);
+  } catch (const Error& e) {
+    throw cli::UsageError(e.what());
+  }
+}
+
+// Budget/buffer range, gates present for the policies that rank by logβ. kvpop stays exit 1:
+// the command line is right, this build lacks the policy.
+inline void check_policy_args(const PolicyOptions& p, bool have_gates) {
+  if (p.kind == PolicyKind::kvpop) make_policy(p);
+  try {
+    make_policy(p);
+  } catch (const Error& e) {
+    throw cli::UsageError(e.what());
+  }
+  if (policy_needs_gates(p.kind) && !have_gates)
+    throw cli::UsageError(fmt::format("--policy {} ranks tokens by their retention gates: give --gates FILE",
+                                      policy_name(p.kind)));
+}
+
+// An output's folder must exist (no tool creates parents).
+inline void check_output_dir(const std::string& path, const char* option) {
+  const std::filesystem::path parent = std::filesystem::path(path).parent_path();
+  if (!parent.empty() && !std::filesystem::is_directory(parent))
+    fail("{} {}: folder {} does not exist", option, path, parent.string());
+}
+
+}  // namespace retain::infer
