@@ -71,6 +71,8 @@ TEST(Conventions, MalformedValuesExit2InEveryTool) {
       {"retain-bench attention --device cpu --seq 0", "--seq: '0'"},
       {"retain-export --from x --format onnx --out " + (dir / "e"), "--format must be"},
       {"retain-train --model " + m + " --data x.h5 --out " + (dir / "r") + " --gate foo", "--gate"},
+      {"retain-generate --model " + m + " --policy lru --budget 8 --prompt-ids '1 2'", "lru"},
+      {"retain-eval --model " + m + " --task recall --policy full --budget x", "--budget"},
   };
   for (const auto& [cmd, needle] : cases) expect_error(run(bin(cmd), dir), 2, needle, cmd);
   expect_only(dir, {"m"});
@@ -83,7 +85,8 @@ TEST(Conventions, HelpShowsDefaultsAsTyped) {
   EXPECT_NE(r.out.find("--lr arg (=2e-4)"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("--weight-decay arg (=1e-6)"), std::string::npos) << r.out;
   for (const char* tool : {"retain-train", "retain-forward", "retain-make-tiny", "retain-pack", "retain-tokenize",
-                           "retain-export", "retain-bench attention"}) {
+                           "retain-export", "retain-bench attention", "retain-generate", "retain-eval",
+                           "retain-plot retention"}) {
     const Result h = run(bin(tool) + " --help", dir);
     EXPECT_EQ(h.code, 0) << tool;
     EXPECT_EQ(h.out.find("0000000"), std::string::npos) << tool << " prints a float default in full:\n" << h.out;
