@@ -6,6 +6,9 @@
 
 #include <cmath>
 #include <cstdio>
+#include <initializer_list>
+
+#include <omp.h>
 #include <random>
 #include <vector>
 
@@ -179,4 +182,39 @@ TEST(KvpopMlstm, RejectsNonContiguousDocumentsAndBadShapes) {
   EXPECT_THROW(kvpop::mlstm_scores(P, i32({0, 0, 1, 1, 2, 2}), 0, hp.w_o, hp.b_o), Error);
   EXPECT_THROW(kvpop::mlstm_scores(P, i32({0, 0, 1, 1, 2, 2}), 2, hp.b_o, hp.b_o), Error);
   EXPECT_NO_THROW(kvpop::mlstm_scores(P, i32({0, 0, -1, 1, 1, 1}), 2, hp.w_o, hp.b_o));
+}
+
+// Every op splits work so that no sum depends on the thread count: bit-identical results.
+TEST(KvpopMlstm, ThreadCountDoesNotChangeResults) {
+  std::mt19937 rng(21);
+  const int64_t T = 300, r = 4, n = 16, w = 9;
+  const RefParams p = random_params(r, rng);
+  const kvpop::HeadParams hp = to_head(p);
+  const std::vector<int32_t> doc = packed_docs(T, rng, 120);
+  const Tensor x = f32(randn(T * n, rng), {T, n}), ds = f32(randn(T, rng), {T});
+  auto run = [&](int threads) {
+    omp_set_num_threads(threads);
+    const kvpop::Projected P = kvpop::project(x, hp);
+    Vec all = to_vec(kvpop::mlstm_scores(P, i32(doc), w, hp.w_o, hp.b_o));
+    Tensor dw_o, db_o;
+    const kvpop::Projected dP = kvpop::mlstm_scores_backward(P, i32(doc), w, hp.w_o, hp.b_o, ds, dw_o, db_o);
+    kvpop::HeadParams g;
+    kvpop::project_backward(x, hp, dP, g);
+    for (const Tensor* t : std::initializer_list<const Tensor*>{&P.q, &dP.q, &dP.k, &dP.v, &dP.igate, &dP.log_f, &g.W_q, &g.W_k, &g.W_v, &g.w_i, &g.w_f, &dw_o})
+      for (double v : to_vec(*t)) all.push_back(v);
+    const Tensor q = f32(randn(T * 2 * 8, rng), {T, 2, 8}), k = f32(randn(T * 8, rng), {T, 1, 8});
+    const Tensor lse = f32(Vec(T * 2, 3.0), {T, 2});
+    for (double v : to_vec(kvpop::future_attention_target(q, k, lse, i32(doc), w, 0.35f))) all.push_back(v);
+    return all;
+  };
+  const int keep = omp_get_max_threads();
+  const std::mt19937 start = rng;
+  const Vec one = run(1);
+  rng = start;
+  const Vec three = run(3);
+  omp_set_num_threads(keep);
+  ASSERT_EQ(one.size(), three.size());
+  for (size_t i = 0; i < one.size(); ++i) {
+    ASSERT_EQ(one[i], three[i]) << i;  // −inf targets compare equal too
+  }
 }
