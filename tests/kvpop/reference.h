@@ -11,6 +11,8 @@
 #include <random>
 #include <vector>
 
+#include "kernels/kvpop.h"
+
 namespace retain::kvpop_test {
 
 using Vec = std::vector<double>;
@@ -155,5 +157,39 @@ inline Vec ref_target(const Vec& q, const Vec& k, const std::vector<int32_t>& do
   }
   return best;
 }
+
+// The decisions by sorting every query's eligible keys (ties: higher log m, then lower index).
+inline std::vector<kvpop::Decision> brute_decisions(const Vec& lm, const std::vector<int32_t>& doc, int64_t w, int64_t sinks,
+                                             int64_t k) {
+  const int64_t T = static_cast<int64_t>(doc.size());
+  std::vector<kvpop::Decision> out;
+  for (int64_t q = 0; q < T; ++q) {
+    const int64_t t_new = q - w;
+    if (t_new < 0 || !ref_same_doc_run(doc, t_new, q)) continue;
+    int64_t st = t_new;
+    while (st > 0 && doc[st - 1] == doc[t_new]) --st;
+    if (t_new - st < sinks) continue;
+    std::vector<int64_t> others;
+    for (int64_t i = st + sinks; i < t_new; ++i) others.push_back(i);
+    if (static_cast<int64_t>(others.size()) < k) continue;
+    std::sort(others.begin(), others.end(), [&](int64_t a, int64_t b) { return lm[a] != lm[b] ? lm[a] > lm[b] : a < b; });
+    const int64_t b = others[static_cast<size_t>(k - 1)];
+    out.push_back({q, t_new, b, lm[t_new] > lm[b] ? 1 : -1, static_cast<float>(std::abs(lm[t_new] - lm[b]))});
+  }
+  return out;
+}
+
+inline double ref_pair_loss(const Vec& score, double theta, const std::vector<kvpop::Decision>& ds, double margin_scale,
+                     double tau) {
+  const double lg = std::log(0.999) + (std::log(0.999999) - std::log(0.999)) / (1 + std::exp(-theta));
+  double sum = 0;
+  for (const auto& dc : ds) {
+    const double s_new = score[dc.t_new] + double(dc.q - dc.t_new) * lg, s_b = score[dc.b] + double(dc.q - dc.b) * lg;
+    const double a = margin_scale > 0 ? dc.margin * margin_scale : 1.0;
+    sum += a * std::log1p(std::exp(-dc.y * (s_new - s_b) / tau));
+  }
+  return sum;
+}
+
 
 }  // namespace retain::kvpop_test
