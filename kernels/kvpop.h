@@ -47,8 +47,9 @@ bool has_score(const int32_t* doc, int64_t T, int64_t w, int64_t u);
 
 // (b.) Stabilized mLSTM with per-document resets and the delayed readout: score F32 [T],
 // score_u = w_o·silu(h_u) + b_o with h_u read from the state at t = u + w − 1 with q̂_u = q̃_u/√d;
-// 0 for tokens without a score (has_score false). Chunkwise-parallel, O(T·d·r) work,
-// O((T/64)·d·r + T·r) memory, no T×T buffer. w ≥ 1.
+// 0 for tokens without a score (has_score false). Chunkwise-parallel (64-token chunks),
+// O(T·d·r + T·64·d) work, O((T/64)·d·r + T) extra memory forward and O((T/64)·d·r + T·d)
+// backward, no T×T buffer. w ≥ 1. Deterministic (independent of the OpenMP thread count).
 Tensor mlstm_scores(const Projected& P, const Tensor& doc, int64_t w, const Tensor& w_o, const Tensor& b_o);
 // Gradients given dscore F32 [T] (entries of unscored tokens are ignored): returns dP (every
 // field defined) and overwrites dw_o [r], db_o [1].
