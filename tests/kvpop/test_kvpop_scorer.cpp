@@ -218,3 +218,72 @@ TEST(KvpopMlstm, ThreadCountDoesNotChangeResults) {
     ASSERT_EQ(one[i], three[i]) << i;  // −inf targets compare equal too
   }
 }
+
+// A long document (24 chunks) with gates at the ends of the soft cap — input gates up to ±15,
+// forgetting from none (f̃ = 15) to hard (f̃ = −15), so the stabilizer m_t swings by tens and the
+// chunk-boundary rescale factors span e^{−30} … 1 — against the sequential recurrence, which
+// rescales by one step at a time.
+TEST(KvpopMlstm, ExtremeGatesOverManyChunks) {
+  std::mt19937 rng(31);
+  const int64_t T = 1500, r = 4, d = 8;
+  std::vector<int32_t> doc(T, 0);
+  for (int64_t t = 900; t < T; ++t) doc[t] = 1;
+  std::uniform_real_distribution<float> u(-15.0f, 15.0f);
+  std::vector<float> q(T * d), k(T * d), v(T * r), ig(T), lf(T);
+  const Vec zq = randn(T * d, rng, 2.0), zk = randn(T * d, rng, 2.0), zv = randn(T * r, rng);
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t half = 0; half < 2; ++half) {  // Hedgehog-like features: two softmaxes of r
+      double sq = 0, sk = 0;
+      for (int64_t j = 0; j < r; ++j) {
+        sq += std::exp(zq[t * d + half * r + j]);
+        sk += std::exp(zk[t * d + half * r + j]);
+      }
+      for (int64_t j = 0; j < r; ++j) {
+        q[t * d + half * r + j] = static_cast<float>(std::exp(zq[t * d + half * r + j]) / sq);
+        k[t * d + half * r + j] = static_cast<float>(std::exp(zk[t * d + half * r + j]) / sk);
+      }
+    }
+    for (int64_t j = 0; j < r; ++j) v[t * r + j] = static_cast<float>(zv[t * r + j]);
+    ig[t] = u(rng);
+    const double ft = (t / 100) % 2 ? u(rng) : 15.0 - 2.0 * std::abs(u(rng)) / 15.0;  // stretches of long memory
+    lf[t] = static_cast<float>(log_sigmoid(ft));
+  }
+  const kvpop::Projected P{Tensor::from_vector<float>(q, {T, d}), Tensor::from_vector<float>(k, {T, d}),
+                           Tensor::from_vector<float>(v, {T, r}), Tensor::from_vector<float>(ig, {T}),
+                           Tensor::from_vector<float>(lf, {T})};
+  const Vec w_o = randn(r, rng);
+  for (int64_t w : {1, 64, 130}) {
+    const RefProjected RP{to_vec(P.q), to_vec(P.k), to_vec(P.v), to_vec(P.igate), to_vec(P.log_f)};
+    const Vec want = ref_scores(RP, doc, w, w_o, 0.25);
+    const Vec got = to_vec(kvpop::mlstm_scores(P, i32(doc), w, f32(w_o, {r}), f32(0.25)));
+    const double err = rel_err(got, want);
+    std::printf("extreme gates, T %ld, w %ld: rel err %.3g\n", static_cast<long>(T), static_cast<long>(w), err);
+    EXPECT_LT(err, 1e-6);
+
+    // Backward: the directional derivative of J = Σ_u c_u·score_u along a random direction in
+    // every input (q̃, k̃, ṽ, ĩ, log f) vs central differences of the float64 recurrence.
+    const Vec c = randn(T, rng);
+    Tensor dw_o, db_o;
+    const kvpop::Projected dP = kvpop::mlstm_scores_backward(P, i32(doc), w, f32(w_o, {r}), f32(0.25), f32(c, {T}), dw_o, db_o);
+    std::vector<Vec> dirs;
+    double analytic = 0;
+    for (const Tensor* g : {&dP.q, &dP.k, &dP.v, &dP.igate, &dP.log_f}) {
+      dirs.push_back(randn(g->numel(), rng));
+      const Vec gv = to_vec(*g);
+      for (size_t i = 0; i < gv.size(); ++i) analytic += gv[i] * dirs.back()[i];
+    }
+    auto J = [&](double h) {
+      RefProjected X = RP;
+      Vec* parts[] = {&X.q, &X.k, &X.v, &X.igate, &X.log_f};
+      for (size_t p = 0; p < 5; ++p)
+        for (size_t i = 0; i < parts[p]->size(); ++i) (*parts[p])[i] += h * dirs[p][i];
+      const Vec sc = ref_scores(X, doc, w, w_o, 0.25);
+      double j = 0;
+      for (int64_t t = 0; t < T; ++t) j += c[t] * sc[t];
+      return j;
+    };
+    const double fd = (J(1e-6) - J(-1e-6)) / 2e-6;
+    std::printf("  backward: directional derivative %.9g vs finite differences %.9g\n", analytic, fd);
+    EXPECT_NEAR(analytic, fd, 1e-5 * std::abs(fd));
+  }
+}
