@@ -38,7 +38,9 @@ TeacherPass teacher_pass(WeightProvider& weights, const Tensor& ids, const Tenso
 
 // Scorer forward and backward on one sequence: returns grad_scale·Σℓ (with grad_scale =
 // 1 / global decisions this sequence's share of L_kvpop) and ADDS grad_scale·∂(Σℓ)/∂params
-// into grads (same [L][K] layout as params; fields are allocated on first use).
+// into grads (same [L][K] layout as params). A field that is empty is allocated; one that
+// already has the head's shape (e.g. a view rows(κ, κ + 1).reshape(...) of a stacked [K, …]
+// gradient tensor) is added into in place.
 double scorer_step(const TeacherPass& pass, const std::vector<std::vector<HeadParams>>& params, const StepSettings& s,
                    double margin_scale, double grad_scale, std::vector<std::vector<HeadParams>>& grads);
 
