@@ -1,0 +1,33 @@
+// CPU references behind kernels/kvpop.h (shapes, dtypes and document runs already checked by
+// kernels/kvpop.cpp).
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "kernels/kvpop.h"
+
+namespace retain::cpu::kvpop {
+
+using retain::kvpop::Decision;
+using retain::kvpop::HeadParams;
+using retain::kvpop::Projected;
+
+Projected project(const Tensor& x, const HeadParams& p);
+void project_backward(const Tensor& x, const HeadParams& p, const Projected& dP, HeadParams& g);
+Tensor mlstm_scores(const Projected& P, const int32_t* doc, int64_t w, const Tensor& w_o, float b_o);
+Projected mlstm_scores_backward(const Projected& P, const int32_t* doc, int64_t w, const Tensor& w_o,
+                                float b_o, const Tensor& dscore, Tensor& dw_o, Tensor& db_o);
+Tensor future_attention_target(const Tensor& q, const Tensor& k, const Tensor& lse, const int32_t* doc,
+                               int64_t w, float scale);
+std::vector<Decision> select_decisions(const float* log_m, const int32_t* doc, int64_t T, int64_t w,
+                                       int64_t sinks, int64_t k);
+
+}  // namespace retain::cpu::kvpop
+
+namespace retain::cpu::kvpop {
+double pair_loss(const float* score, double theta, const std::vector<Decision>& decisions, double margin_scale,
+                 double tau);
+void pair_loss_backward(const float* score, double theta, const std::vector<Decision>& decisions,
+                        double margin_scale, double tau, double grad_scale, int64_t T, float* dscore,
+                        double& dtheta);
+}  // namespace retain::cpu::kvpop

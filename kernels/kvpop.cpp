@@ -1,0 +1,191 @@
+// Shape/dtype checks and device dispatch for kernels/kvpop.h. Failures are one line naming the
+// op, the argument and what was expected. Only CPU implementations exist so far.
+#include "kernels/kvpop.h"
+
+#include <cmath>
+#include <tuple>
+#include <unordered_set>
+
+#include "kernels/cpu/kvpop_cpu.h"
+#include "kernels/require_cpu.h"
+
+namespace retain::kvpop {
+
+namespace {
+
+void expect(const char* op, const char* what, const Tensor& t, const Shape& shape, DType dtype = DType::F32) {
+  if (!t.defined() || t.dtype() != dtype || t.shape() != shape)
+    fail("{}: {} must be {} {}, got {} {}", op, what, dtype_name(dtype), shape_str(shape), dtype_name(t.dtype()),
+         shape_str(t.shape()));
+}
+
+// doc I32 [T]; every document id forms one contiguous run (the recurrent state and the
+// target's same-document ranges assume it).
+const int32_t* check_doc(const char* op, const Tensor& doc, int64_t T) {
+  expect(op, "doc", doc, {T}, DType::I32);
+  const int32_t* p = doc.data<int32_t>();
+  std::unordered_set<int32_t> finished;
+  for (int64_t t = 0; t < T; ++t) {
+    if (p[t] < 0 || (t > 0 && p[t] == p[t - 1])) continue;
+    if (!finished.insert(p[t]).second) fail("{}: document {} reappears at token {} (documents must be contiguous runs)", op, p[t], t);
+  }
+  return p;
+}
+
+void check_window(const char* op, int64_t w) {
+  if (w < 1) fail("{}: window w = {} must be ≥ 1", op, w);
+}
+
+// The HeadParams shapes for 2d = n input features and r = n / 4.
+int64_t check_params(const char* op, const HeadParams& p, int64_t n) {
+  if (n % 4 != 0) fail("{}: x has {} features, not 2·d with d even", op, n);
+  const int64_t r = n / 4;
+  expect(op, "W_q", p.W_q, {r, n});
+  expect(op, "W_k", p.W_k, {r, n});
+  expect(op, "W_v", p.W_v, {r, n});
+  expect(op, "w_i", p.w_i, {n});
+  expect(op, "w_f", p.w_f, {n});
+  expect(op, "b_i", p.b_i, {1});
+  expect(op, "b_f", p.b_f, {1});
+  ops::require_cpu(op, {&p.W_q, &p.W_k, &p.W_v, &p.w_i, &p.w_f, &p.b_i, &p.b_f});
+  return r;
+}
+
+// Projected of T tokens with d = 2r; `optional` lets undefined fields through (zero gradient).
+void check_projected(const char* op, const Projected& P, int64_t T, int64_t r, bool optional) {
+  const int64_t d = 2 * r;
+  for (auto [t, name, shape] : {std::tuple{&P.q, "q", Shape{T, d}}, std::tuple{&P.k, "k", Shape{T, d}},
+                                std::tuple{&P.v, "v", Shape{T, r}}, std::tuple{&P.igate, "igate", Shape{T}},
+                                std::tuple{&P.log_f, "log_f", Shape{T}}}) {
+    if (optional && t->numel() == 0 && t->shape().empty()) continue;
+    expect(op, name, *t, shape);
+    ops::require_cpu(op, {t});
+  }
+}
+
+}  // namespace
+
+bool has_score(const int32_t* doc, int64_t T, int64_t w, int64_t u) {
+  const int64_t t = u + w - 1;
+  if (u < 0 || t >= T || doc[u] < 0) return false;
+  for (int64_t x = u + 1; x <= t; ++x)
+    if (doc[x] != doc[u]) return false;
+  return true;
+}
+
+double log_gamma(double theta) {
+  const double A = std::log(0.999), B = std::log(0.999999);
+  return A + (B - A) / (1 + std::exp(-theta));
+}
+
+Projected project(const Tensor& x, const HeadParams& p) {
+  const char* op = "kvpop::project";
+  if (x.ndim() != 2 || x.dtype() != DType::F32) fail("{}: x must be F32 [T, 2d], got {} {}", op, dtype_name(x.dtype()), shape_str(x.shape()));
+  ops::require_cpu(op, {&x});
+  check_params(op, p, x.dim(1));
+  return cpu::kvpop::project(x, p);
+}
+
+void project_backward(const Tensor& x, const HeadParams& p, const Projected& dP, HeadParams& g) {
+  const char* op = "kvpop::project_backward";
+  if (x.ndim() != 2 || x.dtype() != DType::F32) fail("{}: x must be F32 [T, 2d], got {} {}", op, dtype_name(x.dtype()), shape_str(x.shape()));
+  ops::require_cpu(op, {&x});
+  const int64_t r = check_params(op, p, x.dim(1));
+  check_projected(op, dP, x.dim(0), r, true);
+  cpu::kvpop::project_backward(x, p, dP, g);
+}
+
+namespace {
+int64_t check_mlstm(const char* op, const Projected& P, const Tensor& doc, int64_t w, const Tensor& w_o,
+                    const Tensor& b_o) {
+  if (P.v.ndim() != 2) fail("{}: v must be F32 [T, r], got {}", op, shape_str(P.v.shape()));
+  const int64_t T = P.v.dim(0), r = P.v.dim(1);
+  check_projected(op, P, T, r, false);
+  expect(op, "w_o", w_o, {r});
+  expect(op, "b_o", b_o, {1});
+  ops::require_cpu(op, {&doc, &w_o, &b_o});
+  check_window(op, w);
+  check_doc(op, doc, T);
+  return T;
+}
+}  // namespace
+
+Tensor mlstm_scores(const Projected& P, const Tensor& doc, int64_t w, const Tensor& w_o, const Tensor& b_o) {
+  check_mlstm("kvpop::mlstm_scores", P, doc, w, w_o, b_o);
+  return cpu::kvpop::mlstm_scores(P, doc.data<int32_t>(), w, w_o, b_o.data<float>()[0]);
+}
+
+Projected mlstm_scores_backward(const Projected& P, const Tensor& doc, int64_t w, const Tensor& w_o,
+                                const Tensor& b_o, const Tensor& dscore, Tensor& dw_o, Tensor& db_o) {
+  const char* op = "kvpop::mlstm_scores_backward";
+  const int64_t T = check_mlstm(op, P, doc, w, w_o, b_o);
+  expect(op, "dscore", dscore, {T});
+  ops::require_cpu(op, {&dscore});
+  return cpu::kvpop::mlstm_scores_backward(P, doc.data<int32_t>(), w, w_o, b_o.data<float>()[0], dscore, dw_o, db_o);
+}
+
+Tensor future_attention_target(const Tensor& q, const Tensor& k, const Tensor& lse, const Tensor& doc,
+                               int64_t w, float scale) {
+  const char* op = "kvpop::future_attention_target";
+  if (q.ndim() != 3 || k.ndim() != 3 || q.dtype() != DType::F32 || k.dtype() != DType::F32)
+    fail("{}: q must be F32 [T, H, hd] and k F32 [T, K, hd], got {} {} and {} {}", op, dtype_name(q.dtype()),
+         shape_str(q.shape()), dtype_name(k.dtype()), shape_str(k.shape()));
+  const int64_t T = q.dim(0), H = q.dim(1), hd = q.dim(2), K = k.dim(1);
+  if (K < 1 || H % K != 0) fail("{}: {} query heads are not a multiple of {} KV heads", op, H, K);
+  expect(op, "k", k, {T, K, hd});
+  expect(op, "lse", lse, {T, H});
+  ops::require_cpu(op, {&q, &k, &lse, &doc});
+  check_window(op, w);
+  return cpu::kvpop::future_attention_target(q, k, lse, check_doc(op, doc, T), w, scale);
+}
+
+std::vector<Decision> select_decisions(const Tensor& log_m, const Tensor& doc, int64_t w, int64_t sinks,
+                                       int64_t k) {
+  const char* op = "kvpop::select_decisions";
+  if (log_m.ndim() != 1) fail("{}: log_m must be F32 [T], got {}", op, shape_str(log_m.shape()));
+  const int64_t T = log_m.dim(0);
+  expect(op, "log_m", log_m, {T});
+  ops::require_cpu(op, {&log_m, &doc});
+  check_window(op, w);
+  if (sinks < 0 || k < 1) fail("{}: sinks = {} must be ≥ 0 and k = {} ≥ 1", op, sinks, k);
+  const int32_t* dp = check_doc(op, doc, T);
+  const float* lm = log_m.data<float>();
+  // Every candidate key (position ≥ sinks, not in the last w of its run) has a target; a NaN
+  // or −inf there means log_m is not future_attention_target's output for this doc and w.
+  for (int64_t t = 0; t < T; ++t)
+    if (dp[t] >= 0 && t + w < T && dp[t + w] == dp[t] && !std::isfinite(lm[t]))
+      fail("{}: log_m[{}] = {} is not finite although token {} has a target", op, t, lm[t], t);
+  return cpu::kvpop::select_decisions(lm, dp, T, w, sinks, k);
+}
+
+namespace {
+void check_loss(const char* op, const Tensor& score, const Tensor& theta, const std::vector<Decision>& decisions,
+                double margin_scale, double tau) {
+  if (score.ndim() != 1) fail("{}: score must be F32 [T], got {}", op, shape_str(score.shape()));
+  expect(op, "score", score, {score.dim(0)});
+  expect(op, "theta", theta, {1});
+  ops::require_cpu(op, {&score, &theta});
+  if (!(tau > 0) || !(margin_scale >= 0)) fail("{}: tau = {} must be > 0 and margin_scale = {} ≥ 0", op, tau, margin_scale);
+  for (const Decision& dc : decisions)
+    if (dc.b < 0 || dc.t_new < 0 || dc.b >= score.dim(0) || dc.t_new >= score.dim(0))
+      fail("{}: decision (q {}, t_new {}, b {}) is outside the {} scores", op, dc.q, dc.t_new, dc.b, score.dim(0));
+}
+}  // namespace
+
+double pair_loss(const Tensor& score, const Tensor& theta, const std::vector<Decision>& decisions,
+                 double margin_scale, double tau) {
+  check_loss("kvpop::pair_loss", score, theta, decisions, margin_scale, tau);
+  return cpu::kvpop::pair_loss(score.data<float>(), theta.data<float>()[0], decisions, margin_scale, tau);
+}
+
+void pair_loss_backward(const Tensor& score, const Tensor& theta, const std::vector<Decision>& decisions,
+                        double margin_scale, double tau, double grad_scale, Tensor& dscore, Tensor& dtheta) {
+  check_loss("kvpop::pair_loss_backward", score, theta, decisions, margin_scale, tau);
+  dscore = Tensor::empty({score.dim(0)}, DType::F32);
+  double dt = 0;
+  cpu::kvpop::pair_loss_backward(score.data<float>(), theta.data<float>()[0], decisions, margin_scale, tau,
+                                 grad_scale, score.dim(0), dscore.data<float>(), dt);
+  dtheta = Tensor::from_vector<float>({static_cast<float>(dt)}, {1});
+}
+
+}  // namespace retain::kvpop

@@ -1,0 +1,94 @@
+// The KVPOP scorer step (model/kvpop_step.h): the teacher's decoder layers one at a time (only
+// the residual stream and the current layer's saved k, v, q are alive), then per (layer, head)
+// project → mLSTM → pairwise loss and back.
+#include "model/kvpop_step.h"
+
+#include <cmath>
+
+#include "kernels/ops.h"
+#include "kernels/retention.h"
+#include "model/qwen3.h"
+#include "model/rope_params.h"
+
+namespace retain::kvpop {
+
+namespace {
+
+// out += g (allocating out as zeros on first use).
+void add_into(Tensor& out, const Tensor& g) {
+  if (out.numel() == 0 || out.shape() != g.shape()) out = Tensor::zeros(g.shape(), DType::F32);
+  for (int64_t i = 0; i < g.numel(); ++i) out.data<float>()[i] += g.data<float>()[i];
+}
+
+}  // namespace
+
+TeacherPass teacher_pass(WeightProvider& weights, const Tensor& ids, const Tensor& doc, const StepSettings& s) {
+  const Qwen3Config& c = weights.config();
+  RETAIN_CHECK(s.topk >= 1 && s.window >= 1 && s.sinks >= 0, "kvpop::teacher_pass: window {} sinks {} topk {}",
+               s.window, s.sinks, s.topk);
+  const int64_t T = ids.dim(0), K = c.num_key_value_heads, hd = c.head_dim, H = c.num_attention_heads;
+  TeacherPass pass;
+  pass.doc = doc;
+  Tensor x = Tensor::empty({T, c.hidden_size}, DType::F32);
+  ops::embedding(weights.embedding(), ids, x);
+  const Tensor positions = ops::document_positions(doc);
+  const RopeParams rope = compute_rope_params(c);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    DecoderLayerSaved saved;
+    qwen3_decoder_layer(c, weights.layer(l), rope, positions, doc, nullptr, l, x, nullptr, &saved);
+    // The dense LSE per query head: the teacher's attention again (log β ≡ 0 is plain attention).
+    Tensor out = Tensor::empty({T, H, hd}, DType::F32), lse = Tensor::empty({T, H}, DType::F32);
+    ops::gated_attention(saved.q, saved.k, saved.v, Tensor::zeros({T, K}, DType::F32), doc, scale, out, lse);
+    const Tensor log_m = future_attention_target(saved.q, saved.k, lse, doc, s.window, scale);
+    pass.x.emplace_back();
+    pass.decisions.emplace_back();
+    for (int64_t kv = 0; kv < K; ++kv) {
+      Tensor xk = Tensor::empty({T, 2 * hd}, DType::F32);
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t e = 0; e < hd; ++e) {
+          xk.data<float>()[t * 2 * hd + e] = saved.k.data<float>()[(t * K + kv) * hd + e];
+          xk.data<float>()[t * 2 * hd + hd + e] = saved.v.data<float>()[(t * K + kv) * hd + e];
+        }
+      pass.x.back().push_back(xk);
+      pass.decisions.back().push_back(select_decisions(log_m.rows(kv, kv + 1).reshape({T}), doc, s.window, s.sinks, s.topk));
+      for (const Decision& dc : pass.decisions.back().back()) pass.margin_sum += dc.margin;
+      pass.num_decisions += static_cast<int64_t>(pass.decisions.back().back().size());
+    }
+  }
+  return pass;
+}
+
+double scorer_step(const TeacherPass& pass, const std::vector<std::vector<HeadParams>>& params, const StepSettings& s,
+                   double margin_scale, double grad_scale, std::vector<std::vector<HeadParams>>& grads) {
+  RETAIN_CHECK(params.size() == pass.x.size(), "kvpop::scorer_step: {} layers of parameters for {} layers",
+               params.size(), pass.x.size());
+  grads.resize(params.size());
+  double loss = 0;
+  for (size_t l = 0; l < params.size(); ++l) {
+    RETAIN_CHECK(params[l].size() == pass.x[l].size(), "kvpop::scorer_step: layer {} has {} heads of parameters, not {}",
+                 l, params[l].size(), pass.x[l].size());
+    grads[l].resize(params[l].size());
+    for (size_t kv = 0; kv < params[l].size(); ++kv) {
+      const HeadParams& p = params[l][kv];
+      const std::vector<Decision>& ds = pass.decisions[l][kv];
+      const Projected P = project(pass.x[l][kv], p);
+      const Tensor score = mlstm_scores(P, pass.doc, s.window, p.w_o, p.b_o);
+      loss += grad_scale * pair_loss(score, p.theta, ds, margin_scale, s.tau);
+      Tensor dscore, dtheta, dw_o, db_o;
+      pair_loss_backward(score, p.theta, ds, margin_scale, s.tau, grad_scale, dscore, dtheta);
+      const Projected dP = mlstm_scores_backward(P, pass.doc, s.window, p.w_o, p.b_o, dscore, dw_o, db_o);
+      HeadParams g;
+      project_backward(pass.x[l][kv], p, dP, g);
+      HeadParams& acc = grads[l][kv];
+      for (auto [out, in] : {std::pair{&acc.W_q, &g.W_q}, std::pair{&acc.W_k, &g.W_k}, std::pair{&acc.W_v, &g.W_v},
+                             std::pair{&acc.w_i, &g.w_i}, std::pair{&acc.w_f, &g.w_f}, std::pair{&acc.b_i, &g.b_i},
+                             std::pair{&acc.b_f, &g.b_f}, std::pair{&acc.w_o, &dw_o}, std::pair{&acc.b_o, &db_o},
+                             std::pair{&acc.theta, &dtheta}})
+        add_into(*out, *in);
+    }
+  }
+  return loss;
+}
+
+}  // namespace retain::kvpop

@@ -1,0 +1,47 @@
+// The layer-local KVPOP scorer step of DESIGN §5 for one packed sequence, built from
+// kernels/kvpop.h: one dense teacher forward of the frozen model keeps every layer's k, v
+// (after k_norm and RoPE) and derives the targets and boundary decisions; the scorer step then
+// runs every (layer, KV head) scorer forward and backward on them. Only the scorers get
+// gradients. The trainer's loop: teacher pass per sequence → sum decisions and margins over
+// the global batch (all sequences, ranks) → scorer step per sequence with
+// margin_scale = decisions / margin_sum (0 for --no-margin-weight) and grad_scale = 1 / decisions.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "kernels/kvpop.h"
+#include "kernels/tensor.h"
+#include "model/weights.h"
+
+namespace retain::kvpop {
+
+struct StepSettings {
+  int64_t window = 64;  // w (--window)
+  int64_t sinks = 4;    // s
+  int64_t topk = 0;     // k of the top-k eligible keys (B − s − w); must be ≥ 1
+  double tau = 1.0;
+};
+
+// What the teacher pass keeps for one sequence: per layer l and KV head κ, the scorer input
+// x[l][κ] F32 [T, 2·head_dim] = [k_t; v_t] and its decisions.
+struct TeacherPass {
+  Tensor doc;  // I32 [T]
+  std::vector<std::vector<Tensor>> x;
+  std::vector<std::vector<std::vector<Decision>>> decisions;
+  int64_t num_decisions = 0;  // over all layers and heads of this sequence
+  double margin_sum = 0;      // Σ |Δ log m| over them
+};
+
+// One dense teacher forward (plain attention) of ids/doc I32 [T]: per layer, lse from
+// ops::gated_attention with log β ≡ 0, log m = future_attention_target, the decisions.
+TeacherPass teacher_pass(WeightProvider& weights, const Tensor& ids, const Tensor& doc, const StepSettings& s);
+
+// Scorer forward and backward on one sequence: returns grad_scale·Σℓ (with grad_scale =
+// 1 / global decisions this sequence's share of L_kvpop) and ADDS grad_scale·∂(Σℓ)/∂params
+// into grads (same [L][K] layout as params). A field that is empty is allocated; one that
+// already has the head's shape (e.g. a view rows(κ, κ + 1).reshape(...) of a stacked [K, …]
+// gradient tensor) is added into in place.
+double scorer_step(const TeacherPass& pass, const std::vector<std::vector<HeadParams>>& params, const StepSettings& s,
+                   double margin_scale, double grad_scale, std::vector<std::vector<HeadParams>>& grads);
+
+}  // namespace retain::kvpop

@@ -1,0 +1,131 @@
+// KVPOP targets, boundary selection and pairwise loss (kernels/kvpop.h, c. and d.): the
+// transposed target pass against a dense float64 T×T computation (tests/kvpop/reference.h) fed
+// by the existing ops::gated_attention's LSE; the Fenwick selection against brute force on
+// random cases (ties included); the loss and its gradient against float64 formulas and finite
+// differences.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <vector>
+
+#include "kernels/kvpop.h"
+#include "kernels/retention.h"
+#include "tests/kvpop/helpers.h"
+
+using namespace retain;
+using namespace retain::kvpop_test;
+
+
+TEST(KvpopTarget, MatchesDenseFloat64) {
+  for (auto [T, H, K, hd, w, max_doc, seed] :
+       {std::tuple{150, 4, 2, 16, 1, 60, 1u}, std::tuple{150, 4, 2, 16, 7, 60, 2u}, std::tuple{200, 2, 1, 8, 40, 200, 5u},
+        std::tuple{130, 3, 3, 8, 64, 130, 6u}}) {
+    SCOPED_TRACE(::testing::Message() << "T " << T << " w " << w);
+    std::mt19937 rng(seed);
+    std::vector<int32_t> doc = packed_docs(T, rng, max_doc);
+    if (w >= 40) {  // long windows: two documents longer than w around a padding run
+      for (int64_t t = 0; t < T; ++t) doc[t] = t < T / 2 + 10 ? 0 : t < T / 2 + 14 ? -1 : 1;
+    }
+    const Vec q = randn(T * H * hd, rng, 0.7), k = randn(T * K * hd, rng, 0.7), v = randn(T * K * hd, rng);
+    const float scale = 1.0f / std::sqrt(float(hd));
+    const Tensor qt = f32(q, {T, H, hd}), kt = f32(k, {T, K, hd});
+    Tensor out = Tensor::empty({T, H, hd}, DType::F32), lse = Tensor::empty({T, H}, DType::F32);
+    ops::gated_attention(qt, kt, f32(v, {T, K, hd}), Tensor::zeros({T, K}, DType::F32), i32(doc), scale, out, lse);
+    const Tensor got = kvpop::future_attention_target(qt, kt, lse, i32(doc), w, scale);
+    ASSERT_EQ(got.shape(), (Shape{K, T}));
+    double worst = 0;
+    int finite = 0;
+    for (int64_t kv = 0; kv < K; ++kv) {
+      const Vec want = ref_target(q, k, doc, H, K, hd, kv, w, scale);
+      for (int64_t t = 0; t < T; ++t) {
+        const float g = got.data<float>()[kv * T + t];
+        if (std::isinf(want[t])) {
+          EXPECT_EQ(g, -INFINITY) << kv << " " << t;
+        } else {
+          ++finite;
+          worst = std::max(worst, std::abs(g - want[t]));
+        }
+      }
+    }
+    std::printf("target vs dense float64: max |Δ log m| %.3g over %d targets\n", worst, finite);
+    EXPECT_GT(finite, 20);
+    EXPECT_LT(worst, 2e-5);
+  }
+}
+
+TEST(KvpopSelect, MatchesBruteForce) {
+  std::mt19937 rng(11);
+  int decisions = 0;
+  for (int trial = 0; trial < 60; ++trial) {
+    const int64_t T = std::uniform_int_distribution<int64_t>(1, 300)(rng);
+    const int64_t w = std::uniform_int_distribution<int64_t>(1, 20)(rng);
+    const int64_t sinks = std::uniform_int_distribution<int64_t>(0, 5)(rng);
+    const int64_t k = std::uniform_int_distribution<int64_t>(1, 12)(rng);
+    const std::vector<int32_t> doc = packed_docs(T, rng, 150);
+    Vec lm = randn(T, rng, 3.0);
+    if (trial % 2 == 1)  // many ties
+      for (double& x : lm) x = std::round(x);
+    const std::vector<kvpop::Decision> got = kvpop::select_decisions(f32(lm, {T}), i32(doc), w, sinks, k);
+    const std::vector<kvpop::Decision> want = brute_decisions(lm, doc, w, sinks, k);
+    ASSERT_EQ(got.size(), want.size()) << "trial " << trial;
+    for (size_t x = 0; x < got.size(); ++x) {
+      EXPECT_EQ(got[x].q, want[x].q);
+      EXPECT_EQ(got[x].t_new, want[x].t_new);
+      EXPECT_EQ(got[x].b, want[x].b);
+      EXPECT_EQ(got[x].y, want[x].y);
+      EXPECT_EQ(got[x].margin, want[x].margin);
+    }
+    decisions += static_cast<int>(got.size());
+  }
+  EXPECT_GT(decisions, 1000);
+}
+
+TEST(KvpopSelect, RejectsMissingTargets) {
+  const std::vector<int32_t> doc(10, 0);
+  Vec lm(10, 0.0);
+  lm[3] = -INFINITY;  // token 3 has queries d ≥ 3 + 2 in its document, so it has a target
+  EXPECT_THROW(kvpop::select_decisions(f32(lm, {10}), i32(doc), 2, 0, 1), Error);
+  lm[3] = 0;
+  lm[9] = -INFINITY;  // the last w tokens have none: allowed
+  EXPECT_NO_THROW(kvpop::select_decisions(f32(lm, {10}), i32(doc), 2, 0, 1));
+}
+
+TEST(KvpopLoss, ValueAndGradientMatchFloat64) {
+  std::mt19937 rng(12);
+  const int64_t T = 120, w = 4;
+  const std::vector<int32_t> doc = packed_docs(T, rng, 70);
+  const std::vector<kvpop::Decision> ds = kvpop::select_decisions(f32(randn(T, rng, 2.0), {T}), i32(doc), w, 2, 3);
+  ASSERT_GT(ds.size(), 20u);
+  Vec score = randn(T, rng);
+  for (double theta0 : {0.0, -1.3, 2.1}) {
+    for (double margin_scale : {0.0, 0.7}) {
+      double theta = theta0;
+      const double tau = margin_scale > 0 ? 1.0 : 0.5;
+      const Tensor st = f32(score, {T}), th = f32(theta);
+      const double want = ref_pair_loss(score, double(th.data<float>()[0]), ds, margin_scale, tau);
+      EXPECT_NEAR(kvpop::pair_loss(st, th, ds, margin_scale, tau), want, 1e-9 * std::abs(want));
+      Tensor dscore, dtheta;
+      kvpop::pair_loss_backward(st, th, ds, margin_scale, tau, 0.5, dscore, dtheta);
+      Vec fd(T + 1);
+      const double h = 1e-6;
+      for (int64_t t = 0; t <= T; ++t) {
+        double& v = t < T ? score[t] : theta;
+        const double keep = v;
+        v = keep + h;
+        const double jp = ref_pair_loss(score, theta, ds, margin_scale, tau);
+        v = keep - h;
+        const double jm = ref_pair_loss(score, theta, ds, margin_scale, tau);
+        v = keep;
+        fd[t] = 0.5 * (jp - jm) / (2 * h);
+      }
+      Vec got = to_vec(dscore);
+      got.push_back(dtheta.data<float>()[0]);
+      EXPECT_LT(rel_err(got, fd), 1e-6);
+      // θ's gradient is small (log γ moves by 1e-3 at most): check it on its own scale too.
+      EXPECT_NEAR(got[T], fd[T], 1e-6 * std::abs(fd[T]) + 1e-12);
+    }
+  }
+}
