@@ -1,6 +1,14 @@
 #include "data/h5.h"
 
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
 #include <mutex>
+#include <string>
+#include <thread>
 #include <vector>
 
 #include "kernels/base/error.h"
@@ -77,6 +85,47 @@ int64_t read_attr_int(hid_t obj, const char* name, const std::string& file) {
   return v;
 }
 
+namespace {
+
+std::atomic<double> g_deadline_seconds{30.0};
+
+// Ends the process if not destroyed within the deadline (see set_read_deadline_seconds).
+class Deadline {
+ public:
+  Deadline(std::string file, std::string what) : file_(std::move(file)), what_(std::move(what)) {
+    thread_ = std::thread([this] {
+      const double seconds = g_deadline_seconds.load();
+      std::unique_lock lock(mu_);
+      if (cv_.wait_for(lock, std::chrono::duration<double>(seconds), [this] { return done_; })) return;
+      std::fprintf(stderr, "%s: error: %s: %s did not finish in %g s: the file is damaged\n",
+                   program_invocation_short_name, file_.c_str(), what_.c_str(), seconds);
+      std::fflush(stderr);
+      std::_Exit(1);
+    });
+  }
+  ~Deadline() {
+    {
+      std::lock_guard lock(mu_);
+      done_ = true;
+    }
+    cv_.notify_one();
+    thread_.join();
+  }
+  Deadline(const Deadline&) = delete;
+  Deadline& operator=(const Deadline&) = delete;
+
+ private:
+  std::string file_, what_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::thread thread_;
+};
+
+}  // namespace
+
+void set_read_deadline_seconds(double seconds) { g_deadline_seconds = seconds; }
+
 std::string read_attr_str(hid_t obj, const char* name, const std::string& file) {
   Handle attr = open_scalar_attr(obj, name, file);
   Handle type = checked(H5Aget_type(attr.get()), H5Tclose, file, "reading an attribute's type");
@@ -86,7 +135,10 @@ std::string read_attr_str(hid_t obj, const char* name, const std::string& file) 
     check(H5Tset_size(mem.get(), H5T_VARIABLE), file, "sizing a string type");
     check(H5Tset_cset(mem.get(), H5Tget_cset(type.get())), file, "setting a string charset");
     char* p = nullptr;
-    check(H5Aread(attr.get(), mem.get(), &p), file, std::string("reading attribute ") + name);
+    {
+      const Deadline deadline(file, std::string("reading attribute ") + name);  // the global heap
+      check(H5Aread(attr.get(), mem.get(), &p), file, std::string("reading attribute ") + name);
+    }
     std::string s = p ? p : "";
     if (p) H5free_memory(p);
     return s;

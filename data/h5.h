@@ -52,6 +52,14 @@ class Handle {
 Handle checked(hid_t id, Handle::Closer close, const std::string& file, const std::string& what);
 void check(herr_t status, const std::string& file, const std::string& what);
 
+// libhdf5 (1.10, as Debian ships it) can loop forever on a damaged global heap, the store of
+// variable-length strings (found by tests/fuzz; regressions/packed_dataset). Reads that go
+// there run under a deadline: past it, the process ends with exit status 1 and one line
+// "<tool>: error: <file>: <what> did not finish in N s: the file is damaged", since a thread
+// stuck inside libhdf5 can be neither interrupted nor left running while the library is used.
+// 30 s by default; tests shorten it.
+void set_read_deadline_seconds(double seconds);
+
 // Scalar attributes on an object (a file or a dataset).
 void write_attr_i64(hid_t obj, const char* name, int64_t value, const std::string& file);
 void write_attr_u64(hid_t obj, const char* name, uint64_t value, const std::string& file);
