@@ -677,5 +677,14 @@ TEST(PackedDatasetDamage, AGlobalHeapThatHangsLibhdf5EndsTheProcessWithOneLine) 
       ::testing::ExitedWithCode(1), "error: .*hdf5-global-heap-loop.h5: reading attribute .* did not finish in 1 s: the file is damaged");
 }
 
+// A string whose heap reference names an object the heap does not hold: libhdf5 1.10 reads
+// out of bounds and crashes (found by tests/fuzz). One line and exit 1, not a segfault.
+TEST(PackedDatasetDamage, AHeapReferenceThatCrashesLibhdf5EndsTheProcessWithOneLine) {
+  const std::string file = std::string(RETAIN_FIXTURES_DIR) + "/../fuzz/regressions/packed_dataset/libhdf5-heap-index-segv.h5";
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT((void)PackedDataset::open(file), ::testing::ExitedWithCode(1),
+              "error: .*libhdf5-heap-index-segv.h5: reading attribute .* crashed inside libhdf5: the file is damaged");
+}
+
 }  // namespace
 }  // namespace retain::data::test
