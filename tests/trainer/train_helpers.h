@@ -144,14 +144,19 @@ inline void expect_same_gates(const std::string& run_a, const std::string& run_b
   }
 }
 
-// The per-step losses of two runs' metrics.jsonl: equal (tol = 0) or within tol relative.
+// The per-step losses of two runs' metrics.jsonl: equal (tol = 0) or within tol relative, on a
+// scale of at least 1e-2: the capacity hinge near 0 (S(t) just above M) turns the last-bit
+// differences of another summation order (2 ranks vs 1; how much depends on the CPU's BLAS
+// kernels) into a large relative change of a tiny value (7e-9 on 5.9e-4 was seen on an EPYC).
+// (The same change as main's 1c13106, made here where the function moved.)
 inline void expect_same_losses(const std::string& run_a, const std::string& run_b, double tol) {
   const auto a = metrics(run_a), b = metrics(run_b);
   ASSERT_EQ(a.size(), b.size());
   for (size_t i = 0; i < a.size(); ++i)
     for (const char* f : {"step", "loss", "kl", "ntp", "cap", "grad_norm", "lr"}) {
       const double x = a[i].at(f).get<double>(), y = b[i].at(f).get<double>();
-      EXPECT_LE(std::abs(x - y), tol * std::abs(y)) << "step " << i + 1 << " " << f << ": " << x << " vs " << y;
+      EXPECT_LE(std::abs(x - y), tol * (tol == 0 ? 0.0 : std::max(std::abs(y), 1e-2)))
+          << "step " << i + 1 << " " << f << ": " << x << " vs " << y;
     }
 }
 
