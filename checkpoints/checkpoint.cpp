@@ -154,7 +154,9 @@ void phase(dist::Comm& comm, const std::string& what, const std::function<void()
   double failures = error.empty() ? 0.0 : 1.0;
   comm.all_reduce(&failures, 1);
   if (!error.empty()) throw Error(error);
-  if (failures > 0) fail("{}: failed on {} other rank(s); see their messages", what, static_cast<int64_t>(failures));
+  if (failures > 0)
+    throw PeerSaveError(
+        fmt::format("{}: failed on {} other rank(s); see their messages", what, static_cast<int64_t>(failures)));
 }
 
 void check_request(const SaveRequest& req, int rank, int world, const int64_t main_header[3]) {

@@ -42,9 +42,16 @@ struct SaveRequest {
   int keep_last = 3;                             // <= 0 keeps every checkpoint
 };
 
+// What the ranks that did not fail throw when another rank's part of a save failed (that rank
+// throws its own retain::Error): the caller can let the failing rank alone report it.
+class PeerSaveError : public Error {
+ public:
+  using Error::Error;
+};
+
 // Collective: every rank calls it with the same run_dir and step. Returns the final checkpoint
 // directory. A failure on any rank makes every rank throw retain::Error (the failing rank its
-// own message), and leaves `latest` as it was.
+// own message, the others a PeerSaveError), and leaves `latest` as it was.
 std::string save_checkpoint(dist::Comm& comm, const std::string& run_dir, const SaveRequest& req);
 
 // RUN/checkpoints/<latest> if `latest` exists and names a complete checkpoint; nullopt when the

@@ -1,6 +1,18 @@
 #include "data/h5.h"
 
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
 #include <mutex>
+#include <string>
+#include <thread>
 #include <vector>
 
 #include "kernels/base/error.h"
@@ -77,6 +89,71 @@ int64_t read_attr_int(hid_t obj, const char* name, const std::string& file) {
   return v;
 }
 
+namespace {
+
+std::atomic<double> g_deadline_seconds{30.0};
+
+// The message of a guarded read that crashed, made before the read: the signal handler may
+// only write it out.
+char g_crash_line[1024];
+size_t g_crash_len = 0;
+
+extern "C" void on_crash_in_libhdf5(int) {
+  (void)!::write(STDERR_FILENO, g_crash_line, g_crash_len);
+  std::_Exit(1);
+}
+
+// A libhdf5 call on untrusted metadata (see set_read_deadline_seconds): ends the process with
+// one line and exit status 1 if it has not returned by the deadline, or if it crashes inside
+// libhdf5 (SIGSEGV/SIGBUS: libhdf5 1.10 trusts a string's heap reference, tests/fuzz). Only
+// around the call itself, so a crash anywhere else stays a crash.
+class GuardedRead {
+ public:
+  GuardedRead(std::string file, std::string what) : file_(std::move(file)), what_(std::move(what)) {
+    const int n = std::snprintf(g_crash_line, sizeof g_crash_line, "%s: error: %s: %s crashed inside libhdf5: the file is damaged\n",
+                                program_invocation_short_name, file_.c_str(), what_.c_str());
+    g_crash_len = n < 0 ? 0 : std::min(static_cast<size_t>(n), sizeof g_crash_line - 1);
+    struct sigaction sa {};
+    sa.sa_handler = on_crash_in_libhdf5;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGSEGV, &sa, &old_segv_);
+    sigaction(SIGBUS, &sa, &old_bus_);
+    thread_ = std::thread([this] {
+      const double seconds = g_deadline_seconds.load();
+      std::unique_lock lock(mu_);
+      if (cv_.wait_for(lock, std::chrono::duration<double>(seconds), [this] { return done_; })) return;
+      std::fprintf(stderr, "%s: error: %s: %s did not finish in %g s: the file is damaged\n",
+                   program_invocation_short_name, file_.c_str(), what_.c_str(), seconds);
+      std::fflush(stderr);
+      std::_Exit(1);
+    });
+  }
+  ~GuardedRead() {
+    {
+      std::lock_guard lock(mu_);
+      done_ = true;
+    }
+    cv_.notify_one();
+    thread_.join();
+    sigaction(SIGSEGV, &old_segv_, nullptr);
+    sigaction(SIGBUS, &old_bus_, nullptr);
+  }
+  GuardedRead(const GuardedRead&) = delete;
+  GuardedRead& operator=(const GuardedRead&) = delete;
+
+ private:
+  std::string file_, what_;
+  struct sigaction old_segv_ {}, old_bus_ {};
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::thread thread_;
+};
+
+}  // namespace
+
+void set_read_deadline_seconds(double seconds) { g_deadline_seconds = seconds; }
+
 std::string read_attr_str(hid_t obj, const char* name, const std::string& file) {
   Handle attr = open_scalar_attr(obj, name, file);
   Handle type = checked(H5Aget_type(attr.get()), H5Tclose, file, "reading an attribute's type");
@@ -86,7 +163,10 @@ std::string read_attr_str(hid_t obj, const char* name, const std::string& file) 
     check(H5Tset_size(mem.get(), H5T_VARIABLE), file, "sizing a string type");
     check(H5Tset_cset(mem.get(), H5Tget_cset(type.get())), file, "setting a string charset");
     char* p = nullptr;
-    check(H5Aread(attr.get(), mem.get(), &p), file, std::string("reading attribute ") + name);
+    {
+      const GuardedRead guard(file, std::string("reading attribute ") + name);  // the global heap
+      check(H5Aread(attr.get(), mem.get(), &p), file, std::string("reading attribute ") + name);
+    }
     std::string s = p ? p : "";
     if (p) H5free_memory(p);
     return s;

@@ -52,6 +52,15 @@ class Handle {
 Handle checked(hid_t id, Handle::Closer close, const std::string& file, const std::string& what);
 void check(herr_t status, const std::string& file, const std::string& what);
 
+// libhdf5 (1.10, as Debian ships it) can loop forever, or crash, on a damaged global heap,
+// the store of variable-length strings (found by tests/fuzz; regressions/packed_dataset).
+// Reads that go there are guarded: past a deadline, or on SIGSEGV/SIGBUS inside the read, the
+// process ends with exit status 1 and one line "<tool>: error: <file>: <what> did not finish
+// in N s: the file is damaged" (or "crashed inside libhdf5"), since a thread stuck inside
+// libhdf5 can be neither interrupted nor left running while the library is used, and a crashed
+// one leaves it in no usable state. The deadline is 30 s by default; tests shorten it.
+void set_read_deadline_seconds(double seconds);
+
 // Scalar attributes on an object (a file or a dataset).
 void write_attr_i64(hid_t obj, const char* name, int64_t value, const std::string& file);
 void write_attr_u64(hid_t obj, const char* name, uint64_t value, const std::string& file);

@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # The whole test suite: dependencies -> configure -> build -> every test through CTest
-# (unit tests, AddressSanitizer tests, and multi-rank tests under mpirun -np 2).
+# (unit tests, AddressSanitizer tests, and multi-rank tests under mpirun -np 2), then every
+# fuzz target for FUZZ_SECONDS (default 10) in its own clang build (launch/fuzz.sh, without the
+# libhdf5-bound target's fuzzing: docs/reliability.md; FUZZ_SECONDS=0 skips it all).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./launch/install-deps.sh
 ./launch/build.sh
-cd "${BUILD_DIR:-build}"
-ctest --output-on-failure --timeout 600 --parallel "$(nproc)" "$@"
+ctest --test-dir "${BUILD_DIR:-build}" --output-on-failure --timeout 600 --parallel "$(nproc)" "$@"
+if [ "${FUZZ_SECONDS:-10}" != 0 ]; then
+  FUZZ_CI=1 ./launch/fuzz.sh "${FUZZ_SECONDS:-10}"
+fi

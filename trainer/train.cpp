@@ -17,6 +17,7 @@
 #include "data/tokenizer/sha256.h"
 #include "kernels/base/atomic_file.h"
 #include "kernels/base/error.h"
+#include "kernels/base/fault.h"
 #include "model/safetensors.h"
 #include "model/weights.h"
 #include "trainer/config_file.h"
@@ -311,6 +312,7 @@ int run_training(const TrainConfig& cfg, dist::Comm& comm) {
   std::string stop_reason;
   std::optional<StepMetrics> first_metrics, last_metrics;  // of this invocation, for the summary
   while (step < cfg.steps) {
+    if (fault::hangs_at(comm.rank(), step + 1)) fault::hang_forever();  // tests only (kernels/base/fault.h)
     const auto t0 = Clock::now();
     const data::PackedBatch batch = loader.next();
     gates.zero_grad();
@@ -383,7 +385,21 @@ int run_training(const TrainConfig& cfg, dist::Comm& comm) {
       stop_reason = "--stop-after";
     }
     const bool save_now = step % std::max<int64_t>(cfg.save_every, 1) == 0 || step == cfg.steps || signal > 0;
-    if (save_now) last_saved = save(step);
+    if (save_now) {
+      // A full disk or an I/O error: the save left `latest` on the last complete checkpoint.
+      // Every rank stops here together; the rank whose write failed says why.
+      try {
+        last_saved = save(step);
+      } catch (const ckpt::PeerSaveError& e) {
+        throw CollectiveError(e.what(), false);
+      } catch (const Error& e) {
+        const std::string prefix = comm.size() > 1 ? fmt::format("rank {}: ", comm.rank()) : std::string();
+        throw CollectiveError(fmt::format("{}step {}: saving the checkpoint failed: {} (the last complete checkpoint is {})",
+                                          prefix, step, e.what(),
+                                          last_saved.empty() ? (resume_dir ? *resume_dir : std::string("none")) : last_saved),
+                              true);
+      }
+    }
     if (signal > 0) {
       stopped = true;
       break;

@@ -33,6 +33,7 @@ nlohmann::json to_json(const TrainConfig& c) {
       {"log_every", c.log_every},
       {"stop_after", c.stop_after},
       {"seq_len", c.seq_len},
+      {"timeout", c.timeout},
   };
 }
 

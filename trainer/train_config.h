@@ -41,6 +41,7 @@ struct TrainConfig {
   int64_t log_every = 1;
   int64_t stop_after = 0;  // > 0: save and stop after this many steps of this invocation (time-sliced jobs)
   int64_t seq_len = 0;  // 0: the dataset's; otherwise must equal it
+  double timeout = 0;   // > 0: a collective waiting this many seconds ends the job (Comm::set_timeout)
 
   // DESIGN §4: local hinge for trimkv, global for dbtrimkv.
   bool global_capacity() const { return gate == gates::GateKind::dbtrimkv; }

@@ -54,7 +54,10 @@ Bpe::Bpe(Vocab vocab, const std::vector<std::pair<std::string_view, std::string_
   const size_t prefix_len = options_.continuing_subword_prefix.size();
   std::string merged;
   for (size_t rank = 0; rank < merges.size(); ++rank) {
-    const auto& [a, b] = merges[rank];
+    // Named references, not a structured binding: clang before 16 (the fuzz build) cannot
+    // capture bindings in a lambda.
+    const auto& a = merges[rank].first;
+    const auto& b = merges[rank].second;
     const auto find = [&](std::string_view t) {
       auto it = vocab_.find(t);
       if (it == vocab_.end())

@@ -208,8 +208,10 @@ void Tokenizer::Impl::load_model(const Reader& r, const json& m) {
   bpe = std::make_unique<Bpe>(std::move(vocab), merges, std::move(opt), r.file);
 }
 
-void Tokenizer::Impl::load_added_tokens(const Reader& r, const json& j) {
-  if (j.is_null()) return;
+void Tokenizer::Impl::load_added_tokens(const Reader& r, const json& list) {
+  // No "added_tokens" is no added tokens: the matchers below must exist all the same (encode
+  // uses them unconditionally; found by tests/fuzz, regressions/tokenizer/no-added-tokens.json).
+  const json j = list.is_null() ? json::array() : list;
   if (!j.is_array()) r.bad("added_tokens", "expected an array");
   added.reserve(j.size());  // pointers into `added` stay valid
   std::optional<int64_t> max_added;

@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "kernels/base/error.h"
+#include "kernels/base/fault.h"
 
 namespace retain {
 
@@ -24,6 +25,7 @@ AtomicFile::~AtomicFile() {
 
 void AtomicFile::write(const void* data, size_t bytes) {
   RETAIN_CHECK(f_ && !committed_, "write after commit to {}", path_);
+  if (bytes && fault::write_fails(path_)) fail("{}: write failed: {}", path_, std::strerror(ENOSPC));
   if (bytes && std::fwrite(data, 1, bytes, f_) != bytes) fail("{}: write failed: {}", path_, std::strerror(errno));
 }
 

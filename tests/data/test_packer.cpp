@@ -4,6 +4,8 @@
 // documents longer than S and matches an independent best-fit-decreasing; masks are carried.
 #include <random>
 
+#include "data/h5.h"
+#include "data/packed_dataset.h"
 #include "tests/data/pack_helpers.h"
 
 namespace retain::data::test {
@@ -658,6 +660,30 @@ TEST_F(PackerTest, SeparatorResolution) {
   cfg.eos_token_id = kImStart;
   write_text(dir_ / "noeos" / "config.json", cfg.to_json().dump());
   EXPECT_EQ(resolve_separator(noeos, "", dir_ / "noeos"), kImStart);
+}
+
+
+// A packed file whose global heap (the store of its string attributes) was damaged so that
+// libhdf5 1.10 loops forever reading it (found by tests/fuzz): opening it must end with one
+// line naming the file and a non-zero exit, not hang.
+TEST(PackedDatasetDamage, AGlobalHeapThatHangsLibhdf5EndsTheProcessWithOneLine) {
+  const std::string file = std::string(RETAIN_FIXTURES_DIR) + "/../fuzz/regressions/packed_dataset/hdf5-global-heap-loop.h5";
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        h5::set_read_deadline_seconds(1);
+        (void)PackedDataset::open(file);
+      },
+      ::testing::ExitedWithCode(1), "error: .*hdf5-global-heap-loop.h5: reading attribute .* did not finish in 1 s: the file is damaged");
+}
+
+// A string whose heap reference names an object the heap does not hold: libhdf5 1.10 reads
+// out of bounds and crashes (found by tests/fuzz). One line and exit 1, not a segfault.
+TEST(PackedDatasetDamage, AHeapReferenceThatCrashesLibhdf5EndsTheProcessWithOneLine) {
+  const std::string file = std::string(RETAIN_FIXTURES_DIR) + "/../fuzz/regressions/packed_dataset/libhdf5-heap-index-segv.h5";
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT((void)PackedDataset::open(file), ::testing::ExitedWithCode(1),
+              "error: .*libhdf5-heap-index-segv.h5: reading attribute .* crashed inside libhdf5: the file is damaged");
 }
 
 }  // namespace

@@ -1,4 +1,5 @@
 // Argument checks shared by every backend, and the choice of backend.
+#include <cmath>
 #include "trainer/dist/comm.h"
 
 #include <cstdint>
@@ -123,6 +124,11 @@ void Comm::abort(int code) {
   std::fflush(nullptr);  // what the process printed so far still reaches the log
   do_abort(code);
   std::_Exit(code);  // the backend could not abort the job: at least this rank stops
+}
+
+void Comm::set_timeout(double seconds) {
+  if (!(seconds >= 0) || !std::isfinite(seconds)) fail("timeout must be a finite number of seconds ≥ 0, got {}", seconds);
+  do_set_timeout(seconds);
 }
 
 void Comm::set_max_chunk(size_t elems) {

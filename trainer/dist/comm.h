@@ -88,6 +88,13 @@ class Comm {
   // errors seen by some ranks only; an error every rank sees alike may simply be thrown.
   [[noreturn]] void abort(int code);
 
+  // The collective watchdog (docs/reliability.md): when a collective has waited `seconds` on
+  // this rank, the job ends (exit status 75, EX_TEMPFAIL) with one line on stderr naming the
+  // rank(s) that never joined it: hung, stuck in computation, or stopped. 0 turns it off (the
+  // default). Collective: every rank calls it alike. A one-rank world waits for nobody and
+  // ignores it. MPI: needs MPI_THREAD_MULTIPLE (a thread answers the peers' questions).
+  void set_timeout(double seconds);
+
   // Most elements handed to one backend call (bytes for broadcast and all_gather_bytes);
   // larger buffers go in pieces. MPI takes int counts, so the default is INT_MAX. Tests
   // lower it to exercise the chunked paths. Every rank must use the same value.
@@ -111,6 +118,7 @@ class Comm {
   virtual void do_barrier() = 0;
   // May return only if it could not abort; abort() then ends this process.
   virtual void do_abort(int code) = 0;
+  virtual void do_set_timeout(double /*seconds*/) {}
 
   size_t max_chunk_ = INT_MAX;
 };

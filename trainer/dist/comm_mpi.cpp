@@ -11,6 +11,7 @@
 #include "kernels/base/error.h"
 #include "trainer/dist/comm.h"
 #include "trainer/dist/mpi_check.h"
+#include "trainer/dist/watchdog.h"
 
 namespace retain::dist {
 
@@ -51,15 +52,22 @@ class MpiLease {
     int initialized = 0;
     MPI_Initialized(&initialized);
     if (!initialized) {
-      int provided = 0;
-      // Funneled: the trainer's threads (OpenMP) never call MPI; its main thread does.
-      const int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided);
+      // Multiple: the main thread makes the collectives and, with a timeout set, the
+      // collective watchdog's thread talks to the other ranks meanwhile (OpenMP threads never
+      // call MPI). A library that offers less still runs, without the watchdog.
+      const int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided_);
       if (rc != MPI_SUCCESS) fail("MPI_Init_thread failed: {}", mpi_error_string(rc));
       owner_ = true;
       // Errors on the world return too (they would abort the job otherwise).
       MPI_CHECK(MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN));
     }
     ++live_;
+  }
+  // The thread support MPI was initialized with (by us, or by whoever did it first).
+  static int thread_level() {
+    int level = MPI_THREAD_SINGLE;
+    MPI_Query_thread(&level);
+    return level;
   }
   ~MpiLease() {
     std::lock_guard lock(mu_);
@@ -72,6 +80,23 @@ class MpiLease {
   static inline std::mutex mu_;
   static inline int live_ = 0;
   static inline bool owner_ = false;
+  static inline int provided_ = 0;
+};
+
+// The watchdog's view of one collective on the main thread (nothing when it is off).
+class Watched {
+ public:
+  Watched(CollectiveWatchdog* w, const char* op, bool counted = true) : w_(w) {
+    if (w_) w_->enter(op, counted);
+  }
+  ~Watched() {
+    if (w_) w_->leave();
+  }
+  Watched(const Watched&) = delete;
+  Watched& operator=(const Watched&) = delete;
+
+ private:
+  CollectiveWatchdog* w_;
 };
 
 template <typename T>
@@ -101,9 +126,10 @@ class TypeGuard {
 // It must be waited for (or destroyed) before the comm that made it.
 class MpiRequest final : public Request {
  public:
-  MpiRequest() = default;
+  explicit MpiRequest(CollectiveWatchdog* watchdog) : watchdog_(watchdog) {}
   ~MpiRequest() override {
     // A collective cannot be abandoned; errors have nowhere to go from a destructor.
+    Watched watched(done_ ? nullptr : watchdog_, "wait for all_gather_async", false);
     if (!done_)
       MPI_Waitall(static_cast<int>(requests_.size()), requests_.data(), MPI_STATUSES_IGNORE);
     free_types();
@@ -115,6 +141,7 @@ class MpiRequest final : public Request {
   void wait() override {
     if (done_) return;
     done_ = true;  // even if it fails: the destructor must not wait on a failed collective
+    Watched watched(watchdog_, "wait for all_gather_async", false);
     MPI_CHECK(
         MPI_Waitall(static_cast<int>(requests_.size()), requests_.data(), MPI_STATUSES_IGNORE));
     free_types();
@@ -141,6 +168,7 @@ class MpiRequest final : public Request {
   std::vector<MPI_Request> requests_;
   std::vector<MPI_Datatype> types_;
   bool done_ = false;
+  CollectiveWatchdog* watchdog_;
 };
 
 class MpiComm final : public Comm {
@@ -152,6 +180,7 @@ class MpiComm final : public Comm {
     MPI_CHECK(MPI_Comm_size(comm_, &size_));
   }
   ~MpiComm() override {
+    watchdog_.reset();
     if (comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);  // before lease_ may finalize
   }
 
@@ -164,17 +193,20 @@ class MpiComm final : public Comm {
   static int as_int(size_t n) { return static_cast<int>(n); }
 
   void do_all_gather(const float* send, float* recv, size_t count) override {
+    Watched watched(watchdog_.get(), "all_gather");
     gather(send, recv, count, MPI_FLOAT, sizeof(float), nullptr);
   }
 
   std::unique_ptr<Request> do_all_gather_async(const float* send, float* recv,
                                                size_t count) override {
-    auto request = std::make_unique<MpiRequest>();
+    auto request = std::make_unique<MpiRequest>(watchdog_.get());
+    Watched watched(watchdog_.get(), "all_gather_async");
     gather(send, recv, count, MPI_FLOAT, sizeof(float), request.get());
     return request;
   }
 
   void do_all_gather_bytes(const void* send, void* recv, size_t bytes) override {
+    Watched watched(watchdog_.get(), "all_gather_bytes");
     gather(send, recv, bytes, MPI_BYTE, 1, nullptr);
   }
 
@@ -220,6 +252,7 @@ class MpiComm final : public Comm {
   }
 
   void do_reduce_scatter(const float* send, float* recv, size_t count) override {
+    Watched watched(watchdog_.get(), "reduce_scatter");
     if (count <= max_chunk()) {
       MPI_CHECK(MPI_Reduce_scatter_block(send, recv, as_int(count), MPI_FLOAT, MPI_SUM, comm_));
       return;
@@ -238,6 +271,7 @@ class MpiComm final : public Comm {
 
   template <typename T>
   void all_reduce_impl(T* buf, size_t count, MPI_Op op = MPI_SUM) {
+    Watched watched(watchdog_.get(), op == MPI_MAX ? "all_reduce_max" : "all_reduce");
     for (size_t off = 0; off < count; off += max_chunk()) {
       const size_t n = std::min(max_chunk(), count - off);
       MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, buf + off, as_int(n), mpi_type<T>(), op, comm_));
@@ -250,6 +284,7 @@ class MpiComm final : public Comm {
   }
 
   void do_broadcast(void* buf, size_t bytes, int root) override {
+    Watched watched(watchdog_.get(), "broadcast");
     auto* p = static_cast<char*>(buf);
     for (size_t off = 0; off < bytes; off += max_chunk()) {
       const size_t n = std::min(max_chunk(), bytes - off);
@@ -257,7 +292,18 @@ class MpiComm final : public Comm {
     }
   }
 
-  void do_barrier() override { MPI_CHECK(MPI_Barrier(comm_)); }
+  void do_barrier() override {
+    Watched watched(watchdog_.get(), "barrier");
+    MPI_CHECK(MPI_Barrier(comm_));
+  }
+
+  void do_set_timeout(double seconds) override {
+    watchdog_.reset();
+    if (seconds == 0) return;
+    if (MpiLease::thread_level() < MPI_THREAD_MULTIPLE)
+      fail("a collective timeout needs MPI_THREAD_MULTIPLE, which this MPI library was not initialized with");
+    watchdog_ = std::make_unique<CollectiveWatchdog>(comm_, seconds);
+  }
 
   // On the world, not our duplicate: every process of the job goes, whatever it is doing.
   void do_abort(int code) override { MPI_Abort(MPI_COMM_WORLD, code); }
@@ -266,6 +312,7 @@ class MpiComm final : public Comm {
   MPI_Comm comm_ = MPI_COMM_NULL;
   int rank_ = 0;
   int size_ = 1;
+  std::unique_ptr<CollectiveWatchdog> watchdog_;  // with a timeout set
 };
 
 }  // namespace

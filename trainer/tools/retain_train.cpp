@@ -1,8 +1,11 @@
 // retain-train: trains retention gates on a frozen Qwen3 (DESIGN §7). One process is a
 // one-rank world; under mpirun every rank runs this same main (rank 0 alone prints).
+#include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <iostream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <fmt/format.h>
@@ -11,6 +14,7 @@
 #include "kernels/base/cli.h"
 #include "trainer/config_file.h"
 #include "trainer/dist/comm.h"
+#include "trainer/signals.h"
 #include "trainer/train.h"
 #include "trainer/train_config.h"
 
@@ -70,6 +74,9 @@ int run(int argc, char** argv, dist::Comm& comm) {
       ("log-every", cli::po::value(&c.log_every)->default_value(1), "metrics line every N steps")
       ("stop-after", cli::po::value(&c.stop_after)->default_value(0),
        "save a checkpoint and exit after N steps of this invocation (0: run to --steps)")
+      ("timeout", cli::po::value(&c.timeout)->default_value(0),
+       "end the job (exit 75) when a collective has waited this many seconds for a rank that hung or "
+       "stopped, naming it; set it well above the longest step (0: wait forever)")
       ("resume", cli::po::bool_switch(&c.resume), "continue the run in --out from its latest checkpoint")
       ("dump-grads", cli::po::value(&c.dump_grads), "write one step's gradients to FILE.safetensors and exit")
       ("config", cli::po::value<std::string>(), "read options from a TOML file (keys = option names; the command line wins)");
@@ -122,11 +129,27 @@ int run(int argc, char** argv, dist::Comm& comm) {
     throw cli::UsageError("--weight-decay and --clip must be ≥ 0");
   if (c.save_every <= 0 || c.log_every <= 0 || c.keep_last < 0 || c.stop_after < 0 || c.seq_len < 0)
     throw cli::UsageError("--save-every and --log-every must be ≥ 1; --keep-last, --stop-after and --seq-len ≥ 0");
+  if (!(c.timeout >= 0) || !std::isfinite(c.timeout))
+    throw cli::UsageError(fmt::format("--timeout must be a finite number of seconds ≥ 0, got {}", c.timeout));
+  comm.set_timeout(c.timeout);  // every rank parsed the same argv: collective, before any other
   if (!c.dump_grads.empty()) {
     trainer::dump_gradients(c, comm);
     return 0;
   }
   return trainer::run_training(c, comm);
+}
+
+// After a stop signal the checkpoint is saved and every rank is done, but MPI_Finalize (when
+// `comm` goes) exchanges with mpirun, and an mpirun that was itself signalled (a scheduler
+// preempting the job) is busy with its kill sequence: SIGCONT, 1 s, SIGTERM, 1 s, SIGKILL
+// (odls_base_sigkill_timeout), answering nobody meanwhile. Finalizing would wait for the
+// SIGKILL; so if it takes longer than half a second, the rank leaves with status 0 without it.
+void leave_soon_after_a_stop_signal() {
+  std::thread([] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    std::fflush(nullptr);
+    std::_Exit(0);
+  }).detach();
 }
 
 }  // namespace
@@ -143,7 +166,9 @@ int main(int argc, char** argv) {
   const bool main_rank = comm->is_main_rank();
   if (!main_rank) spdlog::set_level(spdlog::level::err);  // rank 0 alone prints progress
   try {
-    return run(argc, argv, *comm);
+    const int code = run(argc, argv, *comm);
+    if (code == 0 && trainer::stop_signal() != 0 && comm->size() > 1) leave_soon_after_a_stop_signal();
+    return code;
   } catch (const trainer::CollectiveError& e) {
     // Raised on every rank together: each exits on its own, one of them says why.
     if (e.print()) std::cerr << "retain-train: error: " << e.what() << "\n";

@@ -1,0 +1,23 @@
+// Fault injection for the reliability tests (docs/reliability.md). Each fault is off unless
+// its environment variable is set; none is a user option. They let tests produce, on demand,
+// what real clusters produce by accident: a full disk, a rank that stops.
+//   RETAIN_FAULT_ENOSPC=TEXT        every AtomicFile whose path contains TEXT fails its writes
+//                                   with ENOSPC, as on a full disk.
+//   RETAIN_FAULT_HANG_RANK=R        rank R of retain-train stops before step RETAIN_FAULT_AT_STEP
+//   RETAIN_FAULT_AT_STEP=S          (default 1): it sleeps forever, calling no collective.
+#pragma once
+#include <cstdint>
+#include <string_view>
+
+namespace retain::fault {
+
+// True when writes to `path` are to fail as on a full disk.
+bool write_fails(std::string_view path);
+
+// True when rank `rank` is to hang before step `step` (1-based).
+bool hangs_at(int rank, int64_t step);
+
+// Never returns: sleeps, calling nothing, until killed.
+[[noreturn]] void hang_forever();
+
+}  // namespace retain::fault
