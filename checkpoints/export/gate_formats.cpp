@@ -55,7 +55,7 @@ std::optional<double> parse_double(const std::string& s) {
 std::map<std::string, Tensor> to_map(const std::vector<std::pair<std::string, Tensor>>& v, const std::string& path) {
   std::map<std::string, Tensor> m;
   for (const auto& [n, t] : v)
-    if (!m.emplace(n, t).second) fail("{}: tensor '{}' appears twice", path, n);
+    if (!m.emplace(n, t).second) fail("{}: tensor '{}' appears twice", path, printable(n));
   return m;
 }
 
@@ -99,7 +99,7 @@ LoadedGates load_gguf(const std::string& path, const Qwen3Config& config, std::o
   auto str = [&](const char* key) -> std::optional<std::string> {
     const gguf::Value* v = f.find(key);
     if (!v) return std::nullopt;
-    if (v->type != gguf::Type::STRING) fail("{}: metadata '{}' is not a string", path, key);
+    if (v->type != gguf::Type::STRING) fail("{}: metadata '{}' is not a string", path, printable(key));
     return std::get<std::string>(v->v);
   };
   auto num = [&](const char* key) -> std::optional<double> {
@@ -108,15 +108,15 @@ LoadedGates load_gguf(const std::string& path, const Qwen3Config& config, std::o
     if (auto* d = std::get_if<double>(&v->v)) return *d;
     if (auto* u = std::get_if<uint64_t>(&v->v)) return static_cast<double>(*u);
     if (auto* i = std::get_if<int64_t>(&v->v)) return static_cast<double>(*i);
-    fail("{}: metadata '{}' is not a number", path, key);
+    fail("{}: metadata '{}' is not a number", path, printable(key));
   };
   if (str("general.type") != "adapter" || str("adapter.type") != "retention_gate")
     fail("{}: not a retention-gate GGUF adapter (general.type '{}', adapter.type '{}')", path,
-         str("general.type").value_or(""), str("adapter.type").value_or(""));
+         printable(str("general.type").value_or("")), printable(str("adapter.type").value_or("")));
   std::map<std::string, Tensor> tensors;
   for (const auto& [n, t] : f.tensors) {
     const auto name = gate_name_from_gguf(n);
-    if (!name) fail("{}: unexpected tensor '{}' (not a blk.N.retention_gate.* tensor)", path, n);
+    if (!name) fail("{}: unexpected tensor '{}' (not a blk.N.retention_gate.* tensor)", path, printable(n));
     tensors.emplace(*name, t);
   }
   std::map<std::string, std::string> meta;

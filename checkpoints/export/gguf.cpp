@@ -125,24 +125,24 @@ Value get_value(In& in, uint32_t type, int depth, const std::string& key) {
     case Type::F64: return {t, in.get<double>("an f64")};
     case Type::BOOL: {
       const uint8_t b = in.get<uint8_t>("a bool");
-      if (b > 1) fail("{}: metadata '{}': bool byte {} (0 or 1)", in.path(), key, b);
+      if (b > 1) fail("{}: metadata '{}': bool byte {} (0 or 1)", in.path(), printable(key), b);
       return {t, b == 1};
     }
     case Type::STRING: return {t, in.str("a string")};
     case Type::ARRAY: {
-      if (depth > 0) fail("{}: metadata '{}': nested arrays are not read", in.path(), key);
+      if (depth > 0) fail("{}: metadata '{}': nested arrays are not read", in.path(), printable(key));
       const uint32_t et = in.get<uint32_t>("an array type");
       const uint64_t n = in.get<uint64_t>("an array length");
       // Every element takes at least one byte (a string at least 8): a length beyond the
       // rest of the file is damage, not an allocation to attempt.
-      if (n > in.left()) fail("{}: metadata '{}': array of {} elements in {} bytes", in.path(), key, n, in.left());
+      if (n > in.left()) fail("{}: metadata '{}': array of {} elements in {} bytes", in.path(), printable(key), n, in.left());
       auto a = std::make_shared<Array>();
       a->reserve(static_cast<size_t>(n));
       for (uint64_t i = 0; i < n; ++i) a->push_back(get_value(in, et, depth + 1, key));
       return {t, a};
     }
   }
-  fail("{}: metadata '{}': unknown value type {}", in.path(), key, type);
+  fail("{}: metadata '{}': unknown value type {}", in.path(), printable(key), type);
 }
 
 }  // namespace
@@ -225,7 +225,7 @@ File read_file(const std::string& path) {
   std::set<std::string> keys;
   for (uint64_t i = 0; i < n_kv; ++i) {
     std::string key = in.str("a metadata key");
-    if (!keys.insert(key).second) fail("{}: metadata key '{}' appears twice", path, key);
+    if (!keys.insert(key).second) fail("{}: metadata key '{}' appears twice", path, printable(key));
     const uint32_t type = in.get<uint32_t>("a metadata type");
     Value v = get_value(in, type, 0, key);
     f.metadata.emplace_back(std::move(key), std::move(v));
@@ -248,21 +248,21 @@ File read_file(const std::string& path) {
   for (uint64_t i = 0; i < n_tensors; ++i) {
     Info t;
     t.name = in.str("a tensor name");
-    if (!names.insert(t.name).second) fail("{}: tensor '{}' appears twice", path, t.name);
+    if (!names.insert(t.name).second) fail("{}: tensor '{}' appears twice", path, printable(t.name));
     const uint32_t nd = in.get<uint32_t>("a tensor's dimension count");
-    if (nd == 0 || nd > kMaxDims) fail("{}: tensor '{}' has {} dimensions (1 to {})", path, t.name, nd, kMaxDims);
+    if (nd == 0 || nd > kMaxDims) fail("{}: tensor '{}' has {} dimensions (1 to {})", path, printable(t.name), nd, kMaxDims);
     std::vector<uint64_t> ne(nd);
     for (uint32_t d = 0; d < nd; ++d) {
       ne[d] = in.get<uint64_t>("a tensor dimension");
-      if (ne[d] > (uint64_t{1} << 40)) fail("{}: tensor '{}' dimension {} is {}", path, t.name, d, ne[d]);
+      if (ne[d] > (uint64_t{1} << 40)) fail("{}: tensor '{}' dimension {} is {}", path, printable(t.name), d, ne[d]);
     }
     for (uint32_t d = nd; d-- > 0;) t.shape.push_back(static_cast<int64_t>(ne[d]));
     const uint32_t type = in.get<uint32_t>("a tensor type");
     const auto dt = dtype_of(type);
-    if (!dt) fail("{}: tensor '{}' has ggml type {} (F32 = 0, F16 = 1 and BF16 = 30 are read)", path, t.name, type);
+    if (!dt) fail("{}: tensor '{}' has ggml type {} (F32 = 0, F16 = 1 and BF16 = 30 are read)", path, printable(t.name), type);
     t.dtype = *dt;
     t.offset = in.get<uint64_t>("a tensor offset");
-    if (t.offset % f.alignment) fail("{}: tensor '{}' offset {} is not a multiple of {}", path, t.name, t.offset, f.alignment);
+    if (t.offset % f.alignment) fail("{}: tensor '{}' offset {} is not a multiple of {}", path, printable(t.name), t.offset, f.alignment);
     t.bytes = static_cast<uint64_t>(shape_numel(t.shape)) * dtype_size(t.dtype);
     infos.push_back(std::move(t));
   }
@@ -273,7 +273,7 @@ File read_file(const std::string& path) {
   for (const Info& t : infos) {
     if (data_start > data.size() || t.offset > data.size() - data_start ||
         t.bytes > data.size() - data_start - t.offset)
-      fail("{}: tensor '{}' ({} bytes at data offset {}) runs past the end of the file", path, t.name, t.bytes,
+      fail("{}: tensor '{}' ({} bytes at data offset {}) runs past the end of the file", path, printable(t.name), t.bytes,
            t.offset);
     spans.emplace_back(t.offset, t.offset + t.bytes);
   }

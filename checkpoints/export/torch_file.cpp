@@ -34,24 +34,24 @@ std::string zip_message(zip_t* z) { return zip_strerror(z); }
 std::string read_record(zip_t* z, const std::string& path, const std::string& name, uint64_t cap,
                         std::optional<uint64_t> expect = std::nullopt) {
   const zip_int64_t idx = zip_name_locate(z, name.c_str(), ZIP_FL_ENC_RAW);
-  if (idx < 0) fail("{}: no record '{}' in the archive", path, name);
+  if (idx < 0) fail("{}: no record '{}' in the archive", path, printable(name));
   zip_stat_t st;
   zip_stat_init(&st);
   if (zip_stat_index(z, static_cast<zip_uint64_t>(idx), 0, &st) != 0 || !(st.valid & ZIP_STAT_SIZE))
-    fail("{}: record '{}': {}", path, name, zip_message(z));
+    fail("{}: record '{}': {}", path, printable(name), zip_message(z));
   if (expect && st.size != *expect)
-    fail("{}: record '{}' holds {} bytes, expected {} (its storage's element count × element size)", path, name,
+    fail("{}: record '{}' holds {} bytes, expected {} (its storage's element count × element size)", path, printable(name),
          st.size, *expect);
-  if (st.size > cap) fail("{}: record '{}' is {} bytes (more than {} allowed)", path, name, st.size, cap);
+  if (st.size > cap) fail("{}: record '{}' is {} bytes (more than {} allowed)", path, printable(name), st.size, cap);
   std::unique_ptr<zip_file_t, int (*)(zip_file_t*)> f(zip_fopen_index(z, static_cast<zip_uint64_t>(idx), 0),
                                                         zip_fclose);
-  if (!f) fail("{}: record '{}': {}", path, name, zip_message(z));
+  if (!f) fail("{}: record '{}': {}", path, printable(name), zip_message(z));
   std::string data(static_cast<size_t>(st.size), '\0');
   uint64_t got = 0;
   while (got < st.size) {
     const zip_int64_t n = zip_fread(f.get(), data.data() + got, st.size - got);
-    if (n < 0) fail("{}: record '{}': {}", path, name, zip_file_strerror(f.get()));
-    if (n == 0) fail("{}: record '{}' ends after {} of {} bytes", path, name, got, st.size);
+    if (n < 0) fail("{}: record '{}': {}", path, printable(name), zip_file_strerror(f.get()));
+    if (n == 0) fail("{}: record '{}' ends after {} of {} bytes", path, printable(name), got, st.size);
     got += static_cast<uint64_t>(n);
   }
   return data;
@@ -61,21 +61,21 @@ std::string read_record(zip_t* z, const std::string& path, const std::string& na
 Tensor gather(const TensorRecord& r, const std::string& storage, const std::string& path) {
   const Shape& shape = r.shape;
   for (int64_t s : shape)
-    if (s < 0) fail("{}: tensor '{}' has a negative size {}", path, r.name, shape_str(shape));
+    if (s < 0) fail("{}: tensor '{}' has a negative size {}", path, printable(r.name), shape_str(shape));
   Tensor out = Tensor::empty(shape, r.dtype);
   const int64_t n = out.numel();
   if (n == 0) return out;
-  if (r.storage_offset < 0) fail("{}: tensor '{}' has a negative storage offset", path, r.name);
+  if (r.storage_offset < 0) fail("{}: tensor '{}' has a negative storage offset", path, printable(r.name));
   // The last element the view touches must lie inside the storage (no negative strides).
   int64_t last = r.storage_offset;
   for (size_t d = 0; d < shape.size(); ++d) {
-    if (r.stride[d] < 0) fail("{}: tensor '{}' has a negative stride", path, r.name);
+    if (r.stride[d] < 0) fail("{}: tensor '{}' has a negative stride", path, printable(r.name));
     if (shape[d] > 1 && r.stride[d] > (INT64_MAX - last) / (shape[d] - 1))
-      fail("{}: tensor '{}': strides overflow", path, r.name);
+      fail("{}: tensor '{}': strides overflow", path, printable(r.name));
     last += (shape[d] - 1) * r.stride[d];
   }
   if (last >= r.storage_numel)
-    fail("{}: tensor '{}' (size {}, offset {}) reaches element {} of a {}-element storage", path, r.name,
+    fail("{}: tensor '{}' (size {}, offset {}) reaches element {} of a {}-element storage", path, printable(r.name),
          shape_str(shape), r.storage_offset, last, r.storage_numel);
   const size_t es = dtype_size(r.dtype);
   std::vector<int64_t> idx(shape.size(), 0);
@@ -113,17 +113,17 @@ NamedTensors read_torch_file(const std::string& path) {
     const std::string_view s(name);
     const size_t slash = s.find('/');
     if (slash != std::string_view::npos && s.substr(slash) == "/data.pkl") {
-      if (!prefix.empty()) fail("{}: two data.pkl records ('{}/…' and '{}')", path, prefix, s);
+      if (!prefix.empty()) fail("{}: two data.pkl records ('{}/…' and '{}')", path, printable(prefix), printable(s));
       prefix = std::string(s.substr(0, slash));
     }
   }
   if (prefix.empty()) fail("{}: no '<archive>/data.pkl' record (not a torch.save zip archive)", path);
   if (zip_name_locate(z.get(), (prefix + "/byteorder").c_str(), ZIP_FL_ENC_RAW) >= 0) {
     const std::string order = read_record(z.get(), path, prefix + "/byteorder", 16);
-    if (order != "little") fail("{}: byteorder '{}' (only little-endian archives are read)", path, order);
+    if (order != "little") fail("{}: byteorder '{}' (only little-endian archives are read)", path, printable(order));
   }
   const std::string pkl = read_record(z.get(), path, prefix + "/data.pkl", kMaxPickleBytes);
-  const std::vector<TensorRecord> records = parse_state_dict(pkl, path + ": " + prefix + "/data.pkl");
+  const std::vector<TensorRecord> records = parse_state_dict(pkl, path + ": " + printable(prefix) + "/data.pkl");
 
   // Each storage once (tied parameters share one), checked against every use of it.
   std::map<std::string, std::pair<TensorRecord, std::string>> storages;
@@ -135,8 +135,8 @@ NamedTensors read_torch_file(const std::string& path) {
       std::string data = read_record(z.get(), path, prefix + "/data/" + r.storage_key, bytes, bytes);
       it = storages.emplace(r.storage_key, std::make_pair(r, std::move(data))).first;
     } else if (it->second.first.dtype != r.dtype || it->second.first.storage_numel != r.storage_numel) {
-      fail("{}: storage '{}' is used with two dtypes or sizes ('{}' and '{}')", path, r.storage_key,
-           it->second.first.name, r.name);
+      fail("{}: storage '{}' is used with two dtypes or sizes ('{}' and '{}')", path, printable(r.storage_key),
+           printable(it->second.first.name), printable(r.name));
     }
     out.emplace_back(r.name, gather(r, it->second.second, path));
   }

@@ -237,7 +237,7 @@ class Machine {
     if (!allowed_globals().count(name))
       err(at, fmt::format("global '{}' is not allowed (a state dict of tensors needs only torch's tensor "
                           "rebuild functions, storage types and collections.OrderedDict)",
-                          name));
+                          printable(name)));
     ValuePtr v = make(Value::Global);
     v->s = name;
     return v;
@@ -286,7 +286,7 @@ class Machine {
       if (a.size() != 3 || a[0]->kind != Value::Tensor) err(at, "_rebuild_parameter without a tensor");
       return a[0];
     }
-    err(at, fmt::format("'{}' cannot be called (it names a storage type)", fn->s));
+    err(at, fmt::format("'{}' cannot be called (it names a storage type)", printable(fn->s)));
   }
   // ('storage', StorageType, key, location, numel)
   ValuePtr persistent(const ValuePtr& pid, size_t at) {
@@ -321,8 +321,8 @@ std::vector<TensorRecord> parse_state_dict(std::string_view pickle, const std::s
   for (size_t x = 0; x < root->items.size(); x += 2) {
     const ValuePtr &k = root->items[x], &v = root->items[x + 1];
     if (k->kind != Value::Str) fail("{}: a key is a {}, not a str", what, kind_name(k->kind));
-    if (v->kind != Value::Tensor) fail("{}: '{}' is a {}, not a tensor", what, k->s, kind_name(v->kind));
-    if (!seen.insert(k->s).second) fail("{}: key '{}' appears twice", what, k->s);
+    if (v->kind != Value::Tensor) fail("{}: '{}' is a {}, not a tensor", what, printable(k->s), kind_name(v->kind));
+    if (!seen.insert(k->s).second) fail("{}: key '{}' appears twice", what, printable(k->s));
     TensorRecord r = v->rec;
     r.name = k->s;
     out.push_back(std::move(r));

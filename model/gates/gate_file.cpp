@@ -30,7 +30,7 @@ std::optional<std::pair<int64_t, std::string>> split_gate_name(const std::string
 
 Tensor as_f32(const std::string& source, const std::string& name, const Tensor& t) {
   if (t.dtype() != DType::F32 && t.dtype() != DType::BF16 && t.dtype() != DType::F16 && t.dtype() != DType::F64)
-    fail("{}: tensor '{}' has dtype {}; gate tensors must be F32, BF16, F16 or F64", source, name, dtype_name(t.dtype()));
+    fail("{}: tensor '{}' has dtype {}; gate tensors must be F32, BF16, F16 or F64", source, printable(name), dtype_name(t.dtype()));
   Tensor out = t.dtype() == DType::F32 ? t.clone() : t.to_dtype(DType::F32);
   const float* v = out.data<float>();
   for (int64_t i = 0; i < out.numel(); ++i)
@@ -58,7 +58,7 @@ RetentionGates RetentionGates::from_tensors(const std::string& path, const std::
   std::set<int64_t> layers;
   for (const std::string& n : names) {
     const auto parts = split_gate_name(n);
-    if (!parts) fail("{}: unexpected tensor '{}' (not a retention gate tensor)", path, n);
+    if (!parts) fail("{}: unexpected tensor '{}' (not a retention gate tensor)", path, printable(n));
     layers.insert(parts->first);
     has_linear3 = has_linear3 || parts->second == "linear3.weight";
   }
@@ -111,7 +111,7 @@ RetentionGates RetentionGates::from_tensors(const std::string& path, const std::
     }
   }
   for (const std::string& n : names)
-    if (!expected.count(n)) fail("{}: unexpected tensor '{}'", path, n);
+    if (!expected.count(n)) fail("{}: unexpected tensor '{}'", path, printable(n));
 
   if (auto it = meta.find("bias_init"); it != meta.end()) {
     double b = 0;
