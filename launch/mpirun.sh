@@ -26,6 +26,10 @@
 #               machines); ranks waiting in a collective then yield their core.
 #   extra       RETAIN_MPI_EXTRA="...": more mpirun arguments, word-split, added last.
 #   wait policy OMP_WAIT_POLICY (default PASSIVE here): idle OpenMP threads sleep.
+# Exit status: mpirun's, except that a SIGINT/SIGTERM the ranks answer by saving and stopping
+# (retain-train, through RETAIN_STOP_FILE in TMPDIR: one host, or a TMPDIR every node shares)
+# exits 0, as a clean stop should for requeue scripts. OpenMPI's help boxes are off (--quiet),
+# so a failing rank's one-line error is the last line printed.
 # Running as root (containers) adds --allow-run-as-root. OMP_NUM_THREADS, PATH,
 # LD_LIBRARY_PATH and every RETAIN_*, NCCL_* and CUDA_* variable set here are exported to
 # every rank (-x), so that remote nodes see the same settings.
@@ -141,6 +145,10 @@ fi
 # 2-thread retain-train step 14.1 s spinning vs 9.6 s passive; docs/benchmarks.md).
 exports+=("OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}")
 
+# No OpenMPI help boxes ("Primary job terminated normally, but 1 process returned…"): each
+# rank's own one-line error is then the last thing printed.
+args+=(--quiet)
+
 if [ "${RETAIN_MPI_OVERSUBSCRIBE:-0}" = 1 ]; then
   args+=(--oversubscribe --mca mpi_yield_when_idle 1)
 fi
@@ -165,4 +173,26 @@ for a in "${args[@]}"; do
 done
 echo "$line" >&2
 [ $dry_run -eq 1 ] && exit 0
-exec "${args[@]}"
+
+# mpirun exits 1 once it has forwarded a SIGINT/SIGTERM, however cleanly the ranks stopped;
+# retain-train says it saved and stopped through RETAIN_STOP_FILE, and then this exits 0 (what
+# requeue scripts expect of a clean stop). mpirun runs in the background so that this shell
+# can forward the signal to it.
+stop_file=$(mktemp "${TMPDIR:-/tmp}/retain-stop.XXXXXX")
+trap 'rm -f "$stop_file"' EXIT
+export RETAIN_STOP_FILE=$stop_file
+args=("${args[@]:0:1}" -x RETAIN_STOP_FILE "${args[@]:1}")
+signalled=0
+"${args[@]}" &
+pid=$!
+trap 'signalled=1; kill -TERM $pid 2>/dev/null || true' INT TERM
+rc=0
+while :; do
+  wait $pid && rc=0 || rc=$?
+  kill -0 $pid 2>/dev/null || break  # wait returned for a trapped signal: mpirun still runs
+done
+if [ $rc -ne 0 ] && [ $signalled -eq 1 ] && grep -q '^stopped ' "$stop_file"; then
+  echo "$me: stopped cleanly ($(cat "$stop_file")); continue with --resume" >&2
+  exit 0
+fi
+exit $rc

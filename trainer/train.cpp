@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <cmath>
 #include <filesystem>
 #include <memory>
@@ -414,6 +415,11 @@ int run_training(const TrainConfig& cfg, dist::Comm& comm) {
                    last_metrics->ntp);
     if (stopped)
       spdlog::info("stopped after step {} ({}); continue with --resume", step, stop_reason);
+    // launch/mpirun.sh asks through RETAIN_STOP_FILE whether a signal ended the job cleanly
+    // (mpirun itself exits 1 once it has forwarded a signal, however the ranks ended).
+    if (stopped)
+      if (const char* f = std::getenv("RETAIN_STOP_FILE"); f && *f)
+        write_file_atomic(f, fmt::format("stopped {}\n", step));
     if (step >= cfg.steps) {
       // The base model by identity (an absolute directory) and content (its config's hash).
       gates.save(cfg.run_dir + "/gates.safetensors",

@@ -293,3 +293,42 @@ TEST_F(Faults, SigtermToMpirunSavesTheSameStepOnEveryRankAndResumesExactly) {
 
 }  // namespace
 }  // namespace retain::trainer::test
+
+namespace retain::trainer::test {
+namespace {
+
+// launch/mpirun.sh as a user runs it: a failing job prints the rank's one line last (no
+// OpenMPI help boxes) and exits 1; a SIGTERM/SIGINT that the ranks answer by saving and
+// stopping makes the launcher exit 0 (mpirun itself exits 1 after forwarding a signal).
+TEST(Launcher, FailureEndsWithTheRanksLineAndACleanStopExits0) {
+  TempDir dir;
+  const std::string data = pack_fixture_corpus(dir);
+  const std::string launcher = "env RETAIN_MPI_OVERSUBSCRIBE=1 RETAIN_MPI_SINGLE_COPY=none " +
+                               std::string(RETAIN_SOURCE_DIR) + "/launch/mpirun.sh -np 2 -- ";
+  const Result bad = run(launcher + bin("retain-train") + " --model " + kModel + " --data " + (dir / "none.h5") +
+                             " --out " + (dir / "r0"),
+                         dir);
+  EXPECT_EQ(bad.code, 1) << bad.err;
+  EXPECT_EQ(bad.err.find("Primary job"), std::string::npos) << bad.err;
+  std::string last = bad.err.substr(0, bad.err.size() - 1);
+  last = last.substr(last.rfind('\n') + 1);
+  EXPECT_EQ(last.rfind("retain-train: error: ", 0), 0u) << bad.err;
+  EXPECT_NE(last.find("none.h5"), std::string::npos) << bad.err;
+
+  const std::string run_dir = dir / "r1", log = dir / "log";
+  const pid_t pid = spawn(launcher + bin("retain-train") + train_args(data, run_dir, "trimkv", 3000) +
+                              " --save-every 1000 --log-every 100",
+                          log);
+  for (int i = 0; i < 3000 && metrics(run_dir).size() < 1; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  ASSERT_GE(metrics(run_dir).size(), 1u) << slurp(log);
+  kill(pid, SIGTERM);
+  int status = 0;
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status)) << slurp(log);
+  EXPECT_EQ(WEXITSTATUS(status), 0) << slurp(log);
+  EXPECT_NE(slurp(log).find("launch/mpirun.sh: stopped cleanly (stopped "), std::string::npos) << slurp(log);
+  EXPECT_GT(latest_step(run_dir), 0);
+}
+
+}  // namespace
+}  // namespace retain::trainer::test

@@ -1,5 +1,7 @@
 // retain-train: trains retention gates on a frozen Qwen3 (DESIGN §7). One process is a
 // one-rank world; under mpirun every rank runs this same main (rank 0 alone prints).
+#include <unistd.h>
+
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -185,8 +187,10 @@ int main(int argc, char** argv) {
       std::cerr << "retain-train: error: " << e.what() << "\n";
       return 1;
     }
-    std::cerr << "retain-train: error: rank " << comm->rank() << ": " << e.what() << "\n";
-    std::cerr.flush();
+    // One write(2) per line: ranks failing together must not interleave their messages.
+    const std::string line = fmt::format("retain-train: error: rank {}: {}\n", comm->rank(), e.what());
+    if (::write(STDERR_FILENO, line.data(), line.size()) < 0) {
+    }
     comm->abort(1);
   }
 }
