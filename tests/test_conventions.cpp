@@ -180,10 +180,14 @@ TEST(Conventions, TokenizeIsStrictAboutItsInput) {
                "is a model config.json, not a tokenizer.json", "config.json as tokenizer");
 }
 
-TEST(Conventions, BenchChecksItsOutputBeforeTiming) {
+TEST(Conventions, OutputsAreCheckedBeforeTheWork) {
   TempDir dir;
-  expect_error(run(bin("retain-bench") + " attention --device cpu --json " + (dir / "no/x.json"), dir), 2,
+  expect_error(run(bin("retain-bench") + " attention --device cpu --json " + (dir / "no/x.json"), dir), 1,
                "does not exist", "--json into a missing folder");
+  // retain-forward checks its --out before running the model.
+  ASSERT_EQ(run(bin("retain-make-tiny") + " --out " + (dir / "m"), dir).code, 0);
+  expect_error(run(bin("retain-forward") + " --model " + (dir / "m") + " --ids '1 2' --out " + (dir / "no/x.st"), dir),
+               1, "--out " + (dir / "no/x.st") + ": the folder", "--out into a missing folder");
 }
 
 // The README's tool table names exactly the tools this build makes, none "planned" that exists,

@@ -212,7 +212,7 @@ int attention(int argc, char** argv) {
   if (!json_path.empty()) {
     const std::filesystem::path parent = std::filesystem::absolute(json_path).parent_path();
     if (!std::filesystem::is_directory(parent))
-      throw cli::UsageError(fmt::format("--json {}: the folder {} does not exist", json_path, parent.string()));
+      fail("--json {}: the folder {} does not exist", json_path, parent.string());
     if (::access(parent.c_str(), W_OK) != 0) fail("--json {}: the folder {} is not writable", json_path, parent.string());
   }
   if (heads <= 0 || kv_heads <= 0 || heads % kv_heads != 0)

@@ -2,6 +2,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <filesystem>
 #include <iostream>
 #include <map>
 #include <optional>
@@ -79,6 +80,10 @@ int run(int argc, char** argv) {
     }
   }
 
+  {  // the output's folder must exist: checked before the model runs, not after
+    const std::filesystem::path parent = std::filesystem::absolute(out).parent_path();
+    if (!std::filesystem::is_directory(parent)) fail("--out {}: the folder {} does not exist", out, parent.string());
+  }
   auto ckpt = std::make_shared<const Qwen3Checkpoint>(Qwen3Checkpoint::open(model));
   const int64_t V = ckpt->config().vocab_size;
   for (size_t t = 0; t < ids.size(); ++t)
