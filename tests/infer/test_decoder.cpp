@@ -40,6 +40,7 @@ const Tiny& tiny(gates::GateKind kind) {
   Tiny t;
   t.ckpt = std::make_shared<const Qwen3Checkpoint>(Qwen3Checkpoint::open(dir.string()));
   t.gates = gates::RetentionGates::load((dir / "gates.safetensors").string(), t.ckpt->config());
+  fs::remove_all(dir);  // the weights stay mapped; nothing is left in the temp folder
   return cache.emplace(kind, std::move(t)).first->second;
 }
 

@@ -46,6 +46,14 @@ const Model& model() {
     x.gates = gates::RetentionGates::load((x.dir / "gates.safetensors").string(), x.ckpt->config());
     return x;
   }();
+  struct RemoveAtExit {  // nothing is left in the temp folder
+    fs::path p;
+    ~RemoveAtExit() {
+      std::error_code ec;
+      fs::remove_all(p, ec);
+    }
+  };
+  static const RemoveAtExit cleanup{m.dir};
   return m;
 }
 
