@@ -156,7 +156,7 @@ TEST(Conventions, TrainConfigFileRepeatsARun) {
 TEST(Conventions, MakeTinyRefusesNonsenseAndLeavesNothing) {
   TempDir dir;
   expect_error(run(bin("retain-make-tiny") + " --out " + (dir / "m") + " --yarn-factor 0.5", dir), 2,
-               "--yarn-factor must be > 1", "--yarn-factor 0.5");
+               "--yarn-factor must be 0 (no YaRN) or > 1", "--yarn-factor 0.5");
   expect_error(run(bin("retain-make-tiny") + " --out " + (dir / "m") + " --hidden 65536 --intermediate 65536 --layers 8", dir),
                1, "retain-make-tiny makes test models of at most 1 GiB", "size guard");
   expect_error(run(bin("retain-make-tiny") + " --out " + (dir / "no/m"), dir), 1, "does not exist", "missing parent");

@@ -43,9 +43,9 @@ int run(int argc, char** argv) {
       ("bias-init", cli::po::value(&o.gate_bias_init)->default_value(o.gate_bias_init), "gate logit bias b");
   cli::po::variables_map vm;
   if (!cli::parse(argc, argv, kUsage, opts, vm)) return 0;
-  if (!vm["yarn-factor"].defaulted() && !(o.yarn_factor > 1))
-    throw cli::UsageError(fmt::format("--yarn-factor must be > 1 (it stretches the context by that factor), got {}",
-                                      o.yarn_factor));
+  if (!(o.yarn_factor == 0 || o.yarn_factor > 1))
+    throw cli::UsageError(fmt::format(
+        "--yarn-factor must be 0 (no YaRN) or > 1 (it stretches the context by that factor), got {}", o.yarn_factor));
   if (vm.count("tie") && vm.count("no-tie")) throw cli::UsageError("--tie and --no-tie are exclusive");
   o.tie = !vm.count("no-tie");
   if (vm.count("gates")) {

@@ -9,8 +9,9 @@ the same tokens and the same kept positions per layer and KV head. A case whose 
 (top-1 minus top-2 logit) falls below 1e-4 at some step is skipped as ambiguous (reported).
 
 Needs torch, transformers 4.57 (trimkv's pin), safetensors and trimkv 0.1.5. Without them it
-exits 77 (CTest: skipped) — unless RETAIN_TRIMKV_PYTHON names a Python that has them (e.g.
-/work/venvs/trimkv/bin/python), which it then re-runs itself with.
+exits 77 (CTest: skipped) — unless RETAIN_TRIMKV_PYTHON (default
+~/.cache/retain/venvs/trimkv/bin/python, the venv of tests/fixtures/export/README.md) names a
+Python that has them, which it then re-runs itself with.
 """
 
 import argparse
@@ -44,7 +45,8 @@ def main():
     args = ap.parse_args()
     prog = "generate_crosscheck"
 
-    other = os.environ.get("RETAIN_TRIMKV_PYTHON")
+    other = os.environ.get("RETAIN_TRIMKV_PYTHON",
+                           os.path.expanduser("~/.cache/retain/venvs/trimkv/bin/python"))
     try:
         ref = load_reference()
         ref.install_cpu_workarounds()
