@@ -11,6 +11,7 @@
 #include <spdlog/spdlog.h>
 
 #include "checkpoints/export/gate_formats.h"
+#include "checkpoints/export/kvpop_formats.h"
 #include "checkpoints/checkpoint.h"
 #include "data/loader.h"
 #include "data/packed_dataset.h"
@@ -199,7 +200,7 @@ class KvpopTrainee : public Trainee {
     if (cfg.init_gates.empty()) {
       scorers_ = kvpop::Scorers::init(kvpop::Scorers::dims_for(mc), geometry, cfg.seed);
     } else {  // fine-tuning released scorers: this run's geometry is what they are trained for now
-      scorers_ = kvpop::Scorers::load(cfg.init_gates, mc);
+      scorers_ = gate_export::load_scorers(cfg.init_gates, mc).scorers;  // safetensors or GGUF
       scorers_.set_geometry(geometry);
     }
   }
