@@ -148,7 +148,8 @@ std::vector<int32_t> kvpop_drops(std::span<const float> key, std::span<const int
   if (n <= budget) return {};
   std::vector<float> score(key.begin(), key.end());
   for (size_t j = 0; j < pos.size(); ++j) {
-    if (pos[j] < sinks || pos[j] >= seen - window) score[j] = kProtected;
+    // The next query is q = seen: the window is q − i < w, the eligible keys are i ≤ q − w.
+    if (pos[j] < sinks || pos[j] > seen - window) score[j] = kProtected;
     else RETAIN_CHECK(std::isfinite(score[j]), "kvpop: entry at position {} has no score", pos[j]);
   }
   return drop_worst(score, pos, n - budget);

@@ -50,10 +50,12 @@ class EvictionPolicy {
 };
 
 // Validates the budget (one-line error naming the policy and its minimum) and builds the policy.
-// kvpop: after each eviction a head keeps its sinks (positions < sinks), the `window` newest
-// entries and the budget − sinks − window others with the largest ŝ_i(q) (DESIGN §5); the
-// decoder writes each entry's rank key score_i − i·log γ into its logβ slot when the entry's
-// score is assigned (model/infer/kvpop_state.h).
+// kvpop: with q = seen the next query, after each eviction a head keeps its sinks (positions <
+// sinks), its window (q − i < w: the w − 1 newest; q itself joins at the next forward) and the
+// budget − sinks − (w − 1) eligible keys (i ≤ q − w, DESIGN §5) with the largest ŝ_i(q). As for
+// every policy here the next forward then attends over budget + 1 entries: DESIGN's cache of
+// B = s + w + k plus one more top-k entry. The decoder writes each entry's rank key
+// score_i − i·log γ into its logβ slot when the entry's score is assigned (kvpop_state.h).
 std::unique_ptr<EvictionPolicy> make_policy(const PolicyOptions& opt);
 
 // ---- selections (indices into one head's entries, ascending) --------------------------------
@@ -65,8 +67,8 @@ std::unique_ptr<EvictionPolicy> make_policy(const PolicyOptions& opt);
 std::vector<int32_t> drop_worst(std::span<const float> score, std::span<const int32_t> pos, int64_t m);
 // What trimkv evicts from one head at query q: the m entries with the lowest (q − i)·logβ_i.
 std::vector<int32_t> trimkv_drops(const float* log_beta, const int32_t* pos, int64_t n, int64_t q, int64_t m);
-// What kvpop evicts from one head after `seen` tokens: entries outside the sinks and the
-// `window` newest, lowest rank key first (ties: the older loses), down to `budget`.
+// What kvpop evicts from one head after `seen` tokens: entries outside the sinks and the window
+// (positions > seen − window), lowest rank key first (ties: the older loses), down to `budget`.
 std::vector<int32_t> kvpop_drops(std::span<const float> key, std::span<const int32_t> pos, int64_t budget,
                                  int64_t sinks, int64_t window, int64_t seen);
 // What window and h2o evict (below), as drop sets.

@@ -1,7 +1,8 @@
 // The kvpop policy (DESIGN §5, §8) in the decoder: the running scorers' scores equal the
 // verified chunkwise op kvpop::mlstm_scores (tests/kvpop: mlstm-kernels) on the dense model's
-// k, v, and every eviction keeps exactly what a brute force keeps — sinks, the window, and the
-// top-k others by ŝ_i(q) = score_i + (q − i)·log γ computed in double from those scores.
+// k, v, and every eviction keeps exactly what a brute force keeps — sinks, the window (q − i < w
+// for the next query q), and the best others by ŝ_i(q) = score_i + (q − i)·log γ computed in
+// double from those scores.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -101,7 +102,7 @@ TEST(KvpopPolicy, EveryEvictionKeepsSinksWindowAndTopKByScore) {
           ++evictions;
           std::vector<std::pair<double, int32_t>> ranked;  // (ŝ_i(q), i) of the eligible entries
           for (int32_t p : pos) {
-            if (p < sinks || p >= seen - w) {
+            if (p < sinks || p > seen - w) {  // next query q = seen: window q − i < w, eligible i ≤ q − w
               keep.insert(p);
             } else {
               EXPECT_LT(static_cast<size_t>(p), st.scores(l, h).size()) << "entry " << p << " has no score";
