@@ -22,7 +22,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "model/gates/gates.h"
+#include "model/param_set.h"
 #include "trainer/dist/comm.h"
 
 namespace retain::ckpt {
@@ -36,7 +36,7 @@ struct OptimizerShard {
 
 struct SaveRequest {
   int64_t step = 0;                              // optimizer steps completed
-  const gates::RetentionGates* gates = nullptr;  // rank 0 writes it (all ranks hold the same values)
+  const ParameterSet* gates = nullptr;  // gates or kvpop scorers; rank 0 writes it (all ranks hold the same values)
   nlohmann::json state;                          // rank 0 writes it as state.json (plus step, world_size)
   OptimizerShard optimizer;                      // this rank's
   int keep_last = 3;                             // <= 0 keeps every checkpoint

@@ -60,7 +60,8 @@ TeacherPass teacher_pass(WeightProvider& weights, const Tensor& ids, const Tenso
 }
 
 double scorer_step(const TeacherPass& pass, const std::vector<std::vector<HeadParams>>& params, const StepSettings& s,
-                   double margin_scale, double grad_scale, std::vector<std::vector<HeadParams>>& grads) {
+                   double margin_scale, double grad_scale, std::vector<std::vector<HeadParams>>& grads,
+                   int64_t* agreed) {
   RETAIN_CHECK(params.size() == pass.x.size(), "kvpop::scorer_step: {} layers of parameters for {} layers",
                params.size(), pass.x.size());
   grads.resize(params.size());
@@ -75,9 +76,22 @@ double scorer_step(const TeacherPass& pass, const std::vector<std::vector<HeadPa
       const Projected P = project(pass.x[l][kv], p);
       const Tensor score = mlstm_scores(P, pass.doc, s.window, p.w_o, p.b_o);
       loss += grad_scale * pair_loss(score, p.theta, ds, margin_scale, s.tau);
+      if (agreed) {
+        // ŝ_new(q) − ŝ_b(q) = score[t_new] − score[b] + (b − t_new)·log γ
+        const double lg = log_gamma(p.theta.data<float>()[0]);
+        const float* sc = score.data<float>();
+        for (const Decision& dc : ds) {
+          const double diff = static_cast<double>(sc[dc.t_new]) - sc[dc.b] + static_cast<double>(dc.b - dc.t_new) * lg;
+          if ((dc.y > 0 && diff > 0) || (dc.y < 0 && diff < 0)) ++*agreed;
+        }
+      }
       Tensor dscore, dtheta, dw_o, db_o;
       pair_loss_backward(score, p.theta, ds, margin_scale, s.tau, grad_scale, dscore, dtheta);
       const Projected dP = mlstm_scores_backward(P, pass.doc, s.window, p.w_o, p.b_o, dscore, dw_o, db_o);
+      // b_o is added to every score, so it cancels in each ŝ_new − ŝ_b: its gradient is exactly 0.
+      // The summed ±dscore leaves float rounding (~1e-9), which AdamW would normalize into
+      // lr-sized random steps; the exact value is used instead.
+      db_o.data<float>()[0] = 0.0f;
       HeadParams g;
       project_backward(pass.x[l][kv], p, dP, g);
       HeadParams& acc = grads[l][kv];

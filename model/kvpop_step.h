@@ -41,7 +41,10 @@ TeacherPass teacher_pass(WeightProvider& weights, const Tensor& ids, const Tenso
 // into grads (same [L][K] layout as params). A field that is empty is allocated; one that
 // already has the head's shape (e.g. a view rows(κ, κ + 1).reshape(...) of a stacked [K, …]
 // gradient tensor) is added into in place.
+// With `agreed`, adds the number of decisions the scorer already gets right: sign(ŝ_new(q) − ŝ_b(q))
+// equals y (a tie counts as wrong).
 double scorer_step(const TeacherPass& pass, const std::vector<std::vector<HeadParams>>& params, const StepSettings& s,
-                   double margin_scale, double grad_scale, std::vector<std::vector<HeadParams>>& grads);
+                   double margin_scale, double grad_scale, std::vector<std::vector<HeadParams>>& grads,
+                   int64_t* agreed = nullptr);
 
 }  // namespace retain::kvpop

@@ -73,6 +73,10 @@ std::string config_toml(const nlohmann::json& run_config) {
   std::string out = "# retain-train options of this run; reuse with: retain-train --config config.toml --out NEW_RUN\n";
   for (const auto& [key, value] : run_config.items()) {
     if (key == "capacity") continue;  // derived from the gate kind, not an option
+    if (key == "margin_weight") {     // kvpop runs: the option is the negative switch
+      if (!value.get<bool>()) out += "no_margin_weight = true\n";
+      continue;
+    }
     std::string text;
     if (value.is_string()) {
       if (value.get<std::string>().empty()) continue;

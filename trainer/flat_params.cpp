@@ -6,15 +6,15 @@ namespace retain::trainer {
 
 namespace {
 
-void check_f32(const Tensor& t, const gates::GateParameter& p) {
+void check_f32(const Tensor& t, const Parameter& p) {
   RETAIN_CHECK(t.dtype() == DType::F32 && t.device() == Device::CPU && t.shape() == p.value.shape(),
                "gate parameter {}: expected a CPU F32 {} tensor", p.name(), shape_str(p.value.shape()));
 }
 
 // Copies each parameter's value (or gradient) to out, one after another.
 template <bool kGrad>
-void flatten(const gates::RetentionGates& gates, float* out) {
-  for (const gates::GateParameter& p : gates.parameters()) {
+void flatten(const ParameterSet& gates, float* out) {
+  for (const Parameter& p : gates.parameters()) {
     const Tensor& t = kGrad ? p.grad : p.value;
     check_f32(t, p);
     std::memcpy(out, t.data<float>(), t.nbytes());
@@ -24,8 +24,8 @@ void flatten(const gates::RetentionGates& gates, float* out) {
 
 // The inverse: in, one parameter after another, into each value (or gradient).
 template <bool kGrad>
-void unflatten(gates::RetentionGates& gates, const float* in) {
-  for (gates::GateParameter& p : gates.parameters()) {
+void unflatten(ParameterSet& gates, const float* in) {
+  for (Parameter& p : gates.parameters()) {
     Tensor& t = kGrad ? p.grad : p.value;
     check_f32(t, p);
     std::memcpy(t.data<float>(), in, t.nbytes());
@@ -35,16 +35,16 @@ void unflatten(gates::RetentionGates& gates, const float* in) {
 
 }  // namespace
 
-int64_t flat_size(const gates::RetentionGates& gates) {
+int64_t flat_size(const ParameterSet& gates) {
   int64_t n = 0;
-  for (const gates::GateParameter& p : gates.parameters()) n += p.value.numel();
+  for (const Parameter& p : gates.parameters()) n += p.value.numel();
   return n;
 }
 
-void flatten_values(const gates::RetentionGates& gates, float* out) { flatten<false>(gates, out); }
-void flatten_grads(const gates::RetentionGates& gates, float* out) { flatten<true>(gates, out); }
+void flatten_values(const ParameterSet& gates, float* out) { flatten<false>(gates, out); }
+void flatten_grads(const ParameterSet& gates, float* out) { flatten<true>(gates, out); }
 
-void unflatten_values(gates::RetentionGates& gates, const float* in) { unflatten<false>(gates, in); }
-void unflatten_grads(gates::RetentionGates& gates, const float* in) { unflatten<true>(gates, in); }
+void unflatten_values(ParameterSet& gates, const float* in) { unflatten<false>(gates, in); }
+void unflatten_grads(ParameterSet& gates, const float* in) { unflatten<true>(gates, in); }
 
 }  // namespace retain::trainer

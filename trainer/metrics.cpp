@@ -96,6 +96,20 @@ int64_t line_step(const std::string& path, size_t line_no, const std::string& li
 }  // namespace
 
 json to_json(const StepMetrics& m) {
+  if (m.kvpop)
+    return json{{"step", m.step},
+                {"total_steps", m.total_steps},
+                {"loss", number(m.loss)},
+                {"agreement", number(m.agreement)},
+                {"gamma", number(m.gamma)},
+                {"decisions", m.decisions},
+                {"lr", number(m.lr)},
+                {"grad_norm", number(m.grad_norm)},
+                {"tokens", m.tokens},
+                {"tokens_per_s", number(m.tokens_per_s)},
+                {"step_seconds", number(m.step_seconds)},
+                {"eta_seconds", number(m.eta_seconds)},
+                {"time", utc_now_iso8601()}};
   return json{{"step", m.step},
               {"total_steps", m.total_steps},
               {"loss", number(m.loss)},
@@ -122,6 +136,11 @@ std::string format_duration(double seconds) {
 }
 
 std::string format_step_line(const StepMetrics& m) {
+  if (m.kvpop)
+    return fmt::format(
+        "step {}/{} loss {:.4f} agree {:.3f} γ {:.6f} decisions {} lr {:.2e} |g| {:.4g} {:.0f} tok/s {:.2f} s/step ETA {}",
+        m.step, m.total_steps, m.loss, m.agreement, m.gamma, m.decisions, m.lr, m.grad_norm, m.tokens_per_s,
+        m.step_seconds, format_duration(m.eta_seconds));
   std::string s = fmt::format(
       "step {}/{} loss {:.4f} kl {:.4f} ntp {:.4f} cap {:.4f} lr {:.2e} |g| {:.4g} {:.0f} tok/s {:.2f} s/step ETA {}",
       m.step, m.total_steps, m.loss, m.kl, m.ntp, m.cap, m.lr, m.grad_norm, m.tokens_per_s, m.step_seconds,

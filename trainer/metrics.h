@@ -19,6 +19,11 @@ struct StepMetrics {
   int64_t tokens = 0;                   // tokens in this global batch (non-padding)
   std::vector<double> mean_beta;        // per layer: mean exp(logβ) over tokens and KV heads
   std::vector<double> effective_cache;  // per layer: mean over tokens of S(t)
+  // --gate kvpop (DESIGN §5): loss is L_kvpop, and kl/ntp/cap are not computed.
+  bool kvpop = false;
+  int64_t decisions = 0;  // boundary decisions of the global batch
+  double agreement = 0;   // fraction of them the scorer got right (sign(ŝ_new − ŝ_b) = y)
+  double gamma = 0;       // mean decay γ over layers and KV heads
 };
 
 // One metrics.jsonl line: every field under its name (per-layer lists in full; a non-finite
@@ -29,7 +34,8 @@ nlohmann::json to_json(const StepMetrics& m);
 // The human line, e.g.
 //   step 12/1000 loss 1.2346 kl 0.1235 ntp 2.3457 cap 0.0000 lr 1.00e-04 |g| 0.1234
 //   3512 tok/s 1.23 s/step ETA 20:12 β̄ 0.9981 0.9990 cache 103.2 87.5
-// (one line). Up to 8 layers are listed one by one; more as "min .. mean .. max ..".
+// (one line); for kvpop
+//   step 12/1000 loss 0.6931 agree 0.512 γ 0.999500 decisions 4032 lr 1.00e-04 |g| 0.1234 ... Up to 8 layers are listed one by one; more as "min .. mean .. max ..".
 std::string format_step_line(const StepMetrics& m);
 
 // "1:02:03" (an hour or more), "12:03" (a minute or more), "45s"; rounded to whole seconds;

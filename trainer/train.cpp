@@ -12,6 +12,7 @@
 #include <spdlog/spdlog.h>
 
 #include "checkpoints/export/gate_formats.h"
+#include "checkpoints/export/kvpop_formats.h"
 #include "checkpoints/checkpoint.h"
 #include "data/loader.h"
 #include "data/packed_dataset.h"
@@ -19,11 +20,13 @@
 #include "kernels/base/atomic_file.h"
 #include "kernels/base/error.h"
 #include "kernels/base/fault.h"
+#include "model/kvpop/scorers.h"
 #include "model/safetensors.h"
 #include "model/weights.h"
 #include "trainer/config_file.h"
 #include "trainer/dist/fsdp.h"
 #include "trainer/flat_params.h"
+#include "trainer/kvpop_train.h"
 #include "trainer/metrics.h"
 #include "trainer/optim.h"
 #include "trainer/signals.h"
@@ -111,8 +114,157 @@ std::string nonfinite_loss(const StepLosses& l) {
   return {};
 }
 
-// The first gate parameter whose (global) gradient holds a NaN/Inf, agreed over ranks.
-std::string nonfinite_gradient(const gates::RetentionGates& gates, dist::Comm& comm) {
+// What the loop trains: DESIGN §4 retention gates or §5 kvpop scorers. The loop owns the
+// optimizer, the checkpoints, the metrics and stopping; a trainee owns its parameters and
+// computes one step's gradients on this rank.
+class Trainee {
+ public:
+  virtual ~Trainee() = default;
+  virtual ParameterSet& params() = 0;
+  // Replaces the values with a checkpoint's parameter file (its gates.safetensors).
+  virtual void load(const std::string& path) = 0;
+  // ADDS this rank's part of the global gradient into params() (collective), fills the step's
+  // loss fields of m on every rank; returns "" or names what is not finite.
+  virtual std::string step(WeightProvider& weights, const std::vector<MicroBatch>& mbs, bool log_step, StepMetrics& m,
+                           dist::Comm& comm) = 0;
+  virtual std::string what() const = 0;                                   // for the log
+  virtual std::map<std::string, std::string> final_metadata() const = 0;  // of RUN/gates.safetensors
+  virtual std::string summary(const StepMetrics& first, const StepMetrics& last) const = 0;
+  // --dump-grads: the last step's loss scalars and metadata.
+  virtual void dump_extras(std::vector<std::pair<std::string, Tensor>>& out,
+                           std::map<std::string, std::string>& meta) const = 0;
+};
+
+Tensor scalar_tensor(double x) { return Tensor::from_vector<double>({x}, {}); }
+
+class GateTrainee : public Trainee {
+ public:
+  GateTrainee(const TrainConfig& cfg, const LossConfig& loss, const Qwen3Config& mc)
+      : cfg_(cfg), loss_(loss), mc_(mc), gates_(initial_gates(cfg, mc)) {}
+  ParameterSet& params() override { return gates_; }
+  void load(const std::string& path) override { gates_ = gates::RetentionGates::load(path, mc_, cfg_.gate); }
+  std::string step(WeightProvider& weights, const std::vector<MicroBatch>& mbs, bool log_step, StepMetrics& m,
+                   dist::Comm& comm) override {
+    RetentionStats stats;
+    last_ = compute_gradients(weights, gates_, mbs, loss_, comm, log_step ? &stats : nullptr);
+    m.loss = last_.total(loss_);
+    m.kl = last_.kl();
+    m.ntp = last_.ntp();
+    m.cap = last_.cap();
+    m.tokens = last_.tokens;
+    m.mean_beta = stats.mean_beta;
+    m.effective_cache = stats.effective_cache;
+    return nonfinite_loss(last_);
+  }
+  std::string what() const override {
+    return fmt::format("{} gates, {} parameters", gates::gate_kind_name(cfg_.gate), gates_.num_parameters());
+  }
+  std::map<std::string, std::string> final_metadata() const override {
+    return {{"memory", fmt::format("{}", cfg_.memory)}};
+  }
+  std::string summary(const StepMetrics& a, const StepMetrics& b) const override {
+    return fmt::format("steps {}..{}: loss {:.4f} → {:.4f}, capacity {:.4f} → {:.4f}, KL {:.4f} → {:.4f}, NTP {:.4f} → {:.4f}",
+                       a.step, b.step, a.loss, b.loss, a.cap, b.cap, a.kl, b.kl, a.ntp, b.ntp);
+  }
+  void dump_extras(std::vector<std::pair<std::string, Tensor>>& out,
+                   std::map<std::string, std::string>& meta) const override {
+    out.emplace_back("loss/total", scalar_tensor(last_.total(loss_)));
+    out.emplace_back("loss/kl", scalar_tensor(last_.kl()));
+    out.emplace_back("loss/ntp", scalar_tensor(last_.ntp()));
+    out.emplace_back("loss/cap", scalar_tensor(last_.cap()));
+    meta.insert({{"gate_kind", std::string(gates::gate_kind_name(cfg_.gate))},
+                 {"memory", fmt::format("{}", cfg_.memory)},
+                 {"kl_weight", fmt::format("{}", cfg_.kl_weight)},
+                 {"ntp_weight", fmt::format("{}", cfg_.ntp_weight)},
+                 {"cap_weight", fmt::format("{}", cfg_.cap_weight)},
+                 {"loss_positions", std::to_string(last_.positions)},
+                 {"cap_positive", std::to_string(last_.cap_positive)}});
+    spdlog::info("loss {:.6f} (kl {:.6f}, ntp {:.6f}, cap {:.6f})", last_.total(loss_), last_.kl(), last_.ntp(),
+                 last_.cap());
+  }
+
+ private:
+  const TrainConfig& cfg_;
+  LossConfig loss_;
+  const Qwen3Config& mc_;
+  gates::RetentionGates gates_;
+  StepLosses last_;
+};
+
+class KvpopTrainee : public Trainee {
+ public:
+  KvpopTrainee(const TrainConfig& cfg, const Qwen3Config& mc) : cfg_(cfg), mc_(mc) {
+    settings_.window = cfg.window;
+    settings_.sinks = cfg.sinks;
+    settings_.topk = cfg.topk;
+    const kvpop::PolicyGeometry geometry{cfg.window, cfg.sinks, cfg.topk};
+    if (cfg.init_gates.empty()) {
+      scorers_ = kvpop::Scorers::init(kvpop::Scorers::dims_for(mc), geometry, cfg.seed);
+    } else {  // fine-tuning released scorers: this run's geometry is what they are trained for now
+      scorers_ = gate_export::load_scorers(cfg.init_gates, mc).scorers;  // safetensors or GGUF
+      scorers_.set_geometry(geometry);
+    }
+  }
+  ParameterSet& params() override { return scorers_; }
+  void load(const std::string& path) override {
+    scorers_ = kvpop::Scorers::load(path, mc_);
+    const kvpop::PolicyGeometry want{cfg_.window, cfg_.sinks, cfg_.topk};
+    if (scorers_.geometry() && *scorers_.geometry() != want)
+      fail("{}: scorers for window {} sinks {} topk {}, but this run has window {} sinks {} topk {}", path,
+           scorers_.geometry()->window, scorers_.geometry()->sinks, scorers_.geometry()->topk, want.window, want.sinks,
+           want.topk);
+    scorers_.set_geometry(want);
+  }
+  std::string step(WeightProvider& weights, const std::vector<MicroBatch>& mbs, bool, StepMetrics& m,
+                   dist::Comm& comm) override {
+    m.gamma = mean_gamma(scorers_);  // before this step's update, like the loss and the agreement
+    last_ = compute_kvpop_gradients(weights, scorers_, mbs, settings_, cfg_.margin_weight, comm);
+    m.kvpop = true;
+    m.loss = last_.loss;
+    m.decisions = last_.decisions;
+    m.agreement = last_.agreement();
+    m.tokens = last_.tokens;
+    return std::isfinite(last_.loss) ? std::string() : fmt::format("the kvpop loss is {}", last_.loss);
+  }
+  std::string what() const override {
+    return fmt::format("kvpop scorers (window {}, sinks {}, top-k {}), {} parameters", cfg_.window, cfg_.sinks,
+                       cfg_.topk, scorers_.num_parameters());
+  }
+  std::map<std::string, std::string> final_metadata() const override { return {}; }
+  std::string summary(const StepMetrics& a, const StepMetrics& b) const override {
+    return fmt::format("steps {}..{}: loss {:.4f} → {:.4f}, agreement {:.3f} → {:.3f}, γ {:.6f} → {:.6f}", a.step, b.step,
+                       a.loss, b.loss, a.agreement, b.agreement, a.gamma, b.gamma);
+  }
+  void dump_extras(std::vector<std::pair<std::string, Tensor>>& out,
+                   std::map<std::string, std::string>& meta) const override {
+    out.emplace_back("loss/kvpop", scalar_tensor(last_.loss));
+    meta.insert({{"gate_kind", "kvpop"},
+                 {"window", std::to_string(cfg_.window)},
+                 {"sinks", std::to_string(cfg_.sinks)},
+                 {"topk", std::to_string(cfg_.topk)},
+                 {"margin_weight", cfg_.margin_weight ? "1" : "0"},
+                 {"decisions", std::to_string(last_.decisions)},
+                 {"margin_sum", fmt::format("{}", last_.margin_sum)},
+                 {"agreed", std::to_string(last_.agreed)}});
+    spdlog::info("loss/kvpop {:.6f} over {} decisions (agreement {:.3f})", last_.loss, last_.decisions,
+                 last_.agreement());
+  }
+
+ private:
+  const TrainConfig& cfg_;
+  const Qwen3Config& mc_;
+  kvpop::StepSettings settings_;
+  kvpop::Scorers scorers_;
+  KvpopLosses last_;
+};
+
+std::unique_ptr<Trainee> make_trainee(const TrainConfig& cfg, const Inputs& in) {
+  if (cfg.kvpop) return std::make_unique<KvpopTrainee>(cfg, in.model->config());
+  return std::make_unique<GateTrainee>(cfg, in.loss, in.model->config());
+}
+
+// The first parameter whose (global) gradient holds a NaN/Inf, agreed over ranks.
+std::string nonfinite_gradient(const ParameterSet& gates, dist::Comm& comm) {
   const auto& params = gates.parameters();
   std::vector<double> bad(params.size(), 0.0);
   for (size_t p = 0; p < params.size(); ++p) {
@@ -199,9 +351,10 @@ int run_training(const TrainConfig& cfg, dist::Comm& comm) {
   latest_name = broadcast_string(comm, latest_name);
   if (cfg.resume && !latest_name.empty()) resume_dir = latest_name;
 
-  // Gates, optimizer shard, data cursor: from the latest checkpoint or fresh.
-  gates::RetentionGates gates;
-  collectively(comm, [&] { gates = initial_gates(cfg, mc); });
+  // Parameters, optimizer shard, data cursor: from the latest checkpoint or fresh.
+  std::unique_ptr<Trainee> trainee;
+  collectively(comm, [&] { trainee = make_trainee(cfg, in); });
+  ParameterSet& gates = trainee->params();  // the same object after a load()
   const int64_t n = flat_size(gates);
   const ShardRange range = shard_range(n, comm.rank(), comm.size());
   const int64_t shard = range.end - range.begin;
@@ -216,7 +369,7 @@ int run_training(const TrainConfig& cfg, dist::Comm& comm) {
     const ckpt::Loaded loaded = ckpt::load_checkpoint(*resume_dir, n, range.begin, range.end);
     const std::string diff = trajectory_difference(loaded.state.at("config"), config_json);
     if (!diff.empty()) fail("{}: cannot resume with a different configuration: {}", *resume_dir, diff);
-    gates = gates::RetentionGates::load(loaded.gates_path, mc, cfg.gate);
+    trainee->load(loaded.gates_path);
     adam.set_state(loaded.optimizer.t, loaded.optimizer.m, loaded.optimizer.v);
     cursor = data::Cursor::from_json(loaded.state.at("cursor"), in.global_batch, ds.num_sequences(),
                                      *resume_dir + "/state.json");
@@ -266,9 +419,8 @@ int run_training(const TrainConfig& cfg, dist::Comm& comm) {
   schedule.total_steps = cfg.steps;
 
   if (main_rank) {
-    spdlog::info("model {}: {} layers, hidden {}, {} heads / {} KV heads; {} gates, {} parameters", cfg.model_dir,
-                 mc.num_hidden_layers, mc.hidden_size, mc.num_attention_heads, mc.num_key_value_heads,
-                 gates::gate_kind_name(cfg.gate), gates.num_parameters());
+    spdlog::info("model {}: {} layers, hidden {}, {} heads / {} KV heads; {}", cfg.model_dir, mc.num_hidden_layers,
+                 mc.hidden_size, mc.num_attention_heads, mc.num_key_value_heads, trainee->what());
     const int64_t accumulated = in.global_batch / (comm.size() * cfg.micro_batch);
     auto plural = [](int64_t n, const char* one, const char* many) { return fmt::format("{} {}", n, n == 1 ? one : many); };
     spdlog::info("data {}: {} of {} tokens; global batch {} ({} × {} of {}), {} per epoch", cfg.data_path,
@@ -318,11 +470,10 @@ int run_training(const TrainConfig& cfg, dist::Comm& comm) {
     const data::PackedBatch batch = loader.next();
     gates.zero_grad();
     const bool log_step = (step + 1) % std::max<int64_t>(cfg.log_every, 1) == 0 || step + 1 == cfg.steps;
-    RetentionStats stats;
-    StepLosses losses;
+    StepMetrics m;
+    std::string bad;
     try {
-      losses = compute_gradients(*in.weights, gates, make_micro_batches(batch, cfg.micro_batch), in.loss, comm,
-                                 log_step ? &stats : nullptr);
+      bad = trainee->step(*in.weights, make_micro_batches(batch, cfg.micro_batch), log_step, m, comm);
     } catch (const CollectiveError&) {
       throw;
     } catch (const Error& e) {  // e.g. "layer 3: gated_attention: log_beta[17, 0] = nan ..."
@@ -337,7 +488,6 @@ int run_training(const TrainConfig& cfg, dist::Comm& comm) {
     for (float g : grad_shard) sq += static_cast<double>(g) * g;
     comm.all_reduce(&sq, 1);
     const double grad_norm = std::sqrt(sq);
-    std::string bad = nonfinite_loss(losses);
     if (bad.empty() && !std::isfinite(grad_norm)) bad = nonfinite_gradient(gates, comm);
     if (!bad.empty())  // the losses and the norm are global: every rank stops here together
       throw CollectiveError(fmt::format("step {}: {}; stopping (the last good checkpoint is {})", step + 1, bad,
@@ -355,22 +505,14 @@ int run_training(const TrainConfig& cfg, dist::Comm& comm) {
 
     const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
     if (main_rank) {
-      StepMetrics m;
       m.step = step;
       m.total_steps = cfg.steps;
-      m.loss = losses.total(in.loss);
-      m.kl = losses.kl();
-      m.ntp = losses.ntp();
-      m.cap = losses.cap();
       m.lr = lr;
       m.grad_norm = grad_norm;
-      m.tokens = losses.tokens;
       m.step_seconds = seconds;
-      m.tokens_per_s = seconds > 0 ? static_cast<double>(losses.tokens) / seconds : 0.0;
+      m.tokens_per_s = seconds > 0 ? static_cast<double>(m.tokens) / seconds : 0.0;
       const double elapsed = std::chrono::duration<double>(Clock::now() - run_start).count();
       m.eta_seconds = elapsed / static_cast<double>(step - first_step) * static_cast<double>(cfg.steps - step);
-      m.mean_beta = stats.mean_beta;
-      m.effective_cache = stats.effective_cache;
       if (log_step) metrics_log->write(m);
       progress->update(m);
       if (!first_metrics) first_metrics = m;
@@ -409,10 +551,7 @@ int run_training(const TrainConfig& cfg, dist::Comm& comm) {
   if (main_rank) {
     progress->finish();
     if (first_metrics && last_metrics->step > first_metrics->step)
-      spdlog::info("steps {}..{}: loss {:.4f} → {:.4f}, capacity {:.4f} → {:.4f}, KL {:.4f} → {:.4f}, NTP {:.4f} → {:.4f}",
-                   first_metrics->step, last_metrics->step, first_metrics->loss, last_metrics->loss,
-                   first_metrics->cap, last_metrics->cap, first_metrics->kl, last_metrics->kl, first_metrics->ntp,
-                   last_metrics->ntp);
+      spdlog::info("{}", trainee->summary(*first_metrics, *last_metrics));
     if (stopped)
       spdlog::info("stopped after step {} ({}); continue with --resume", step, stop_reason);
     // launch/mpirun.sh asks through RETAIN_STOP_FILE whether a signal ended the job cleanly
@@ -422,11 +561,11 @@ int run_training(const TrainConfig& cfg, dist::Comm& comm) {
         write_file_atomic(f, fmt::format("stopped {}\n", step));
     if (step >= cfg.steps) {
       // The base model by identity (an absolute directory) and content (its config's hash).
-      gates.save(cfg.run_dir + "/gates.safetensors",
-                 {{"memory", fmt::format("{}", cfg.memory)},
-                  {"base_model", fs::absolute(cfg.model_dir).lexically_normal().string()},
-                  {"base_config_sha256", data::sha256_file(fs::path(cfg.model_dir) / "config.json")},
-                  {"step", std::to_string(step)}});
+      std::map<std::string, std::string> meta = trainee->final_metadata();
+      meta["base_model"] = fs::absolute(cfg.model_dir).lexically_normal().string();
+      meta["base_config_sha256"] = data::sha256_file(fs::path(cfg.model_dir) / "config.json");
+      meta["step"] = std::to_string(step);
+      gates.save(cfg.run_dir + "/gates.safetensors", meta);
       spdlog::info("done: {} steps; gates {}/gates.safetensors, checkpoint {}", step, cfg.run_dir,
                    last_saved.empty() ? std::string("(none new)") : last_saved);
     }
@@ -437,17 +576,19 @@ int run_training(const TrainConfig& cfg, dist::Comm& comm) {
 
 void dump_gradients(const TrainConfig& cfg, dist::Comm& comm) {
   Inputs in;
-  gates::RetentionGates gates;
+  std::unique_ptr<Trainee> trainee;
   collectively(comm, [&] {
     in = open_inputs(cfg, comm);
-    gates = initial_gates(cfg, in.model->config());
+    trainee = make_trainee(cfg, in);
   });
+  ParameterSet& gates = trainee->params();
   make_weight_provider(in, comm);
   const data::PackedDataset& ds = *in.data;
   data::Loader loader(ds, loader_options(cfg, in, comm));
   const data::PackedBatch batch = loader.next();
   gates.zero_grad();
-  const StepLosses losses = compute_gradients(*in.weights, gates, make_micro_batches(batch, cfg.micro_batch), in.loss, comm);
+  StepMetrics m;
+  trainee->step(*in.weights, make_micro_batches(batch, cfg.micro_batch), false, m, comm);
 
   // The global gradient on every rank, then the global batch in rank order.
   const int64_t n = flat_size(gates);
@@ -464,31 +605,19 @@ void dump_gradients(const TrainConfig& cfg, dist::Comm& comm) {
 
   unflatten_grads(gates, grads.data());  // the global gradient
   std::vector<std::pair<std::string, Tensor>> out;
-  for (const gates::GateParameter& p : gates.parameters())
+  for (const Parameter& p : gates.parameters())
     for (const std::string& name : p.file_names) {
       out.emplace_back(name, p.value);
       out.emplace_back("grad/" + name, p.grad);
     }
-  auto scalar = [](double x) { return Tensor::from_vector<double>({x}, {}); };
-  out.emplace_back("loss/total", scalar(losses.total(in.loss)));
-  out.emplace_back("loss/kl", scalar(losses.kl()));
-  out.emplace_back("loss/ntp", scalar(losses.ntp()));
-  out.emplace_back("loss/cap", scalar(losses.cap()));
+  std::map<std::string, std::string> meta = {{"format", "retain-dump-grads"},
+                                              {"world_size", std::to_string(comm.size())}};
+  trainee->dump_extras(out, meta);
   out.emplace_back("batch/input_ids", ids);
   out.emplace_back("batch/doc_ids", docs);
   out.emplace_back("batch/target_mask", mask);
-  write_safetensors(cfg.dump_grads, out,
-                    {{"format", "retain-dump-grads"},
-                     {"gate_kind", std::string(gates::gate_kind_name(cfg.gate))},
-                     {"memory", fmt::format("{}", cfg.memory)},
-                     {"kl_weight", fmt::format("{}", cfg.kl_weight)},
-                     {"ntp_weight", fmt::format("{}", cfg.ntp_weight)},
-                     {"cap_weight", fmt::format("{}", cfg.cap_weight)},
-                     {"loss_positions", std::to_string(losses.positions)},
-                     {"cap_positive", std::to_string(losses.cap_positive)},
-                     {"world_size", std::to_string(comm.size())}});
-  spdlog::info("wrote {}: {} gate tensors, loss {:.6f} (kl {:.6f}, ntp {:.6f}, cap {:.6f})", cfg.dump_grads,
-               gates.parameters().size(), losses.total(in.loss), losses.kl(), losses.ntp(), losses.cap());
+  write_safetensors(cfg.dump_grads, out, meta);
+  spdlog::info("wrote {}: {} parameter tensors", cfg.dump_grads, gates.parameters().size());
 }
 
 }  // namespace retain::trainer

@@ -5,11 +5,11 @@
 namespace retain::trainer {
 
 nlohmann::json to_json(const TrainConfig& c) {
-  return {
+  nlohmann::json j = {
       {"model", c.model_dir},
       {"data", c.data_path},
       {"out", c.run_dir},
-      {"gate", std::string(gates::gate_kind_name(c.gate))},
+      {"gate", c.kvpop ? std::string("kvpop") : std::string(gates::gate_kind_name(c.gate))},
       {"gate_hidden", c.gate_hidden},
       {"bias_init", c.bias_init},
       {"init_gates", c.init_gates},
@@ -35,6 +35,13 @@ nlohmann::json to_json(const TrainConfig& c) {
       {"seq_len", c.seq_len},
       {"timeout", c.timeout},
   };
+  if (c.kvpop) {  // only kvpop runs have them, so gate runs' configs are as before
+    j["window"] = c.window;
+    j["sinks"] = c.sinks;
+    j["topk"] = c.topk;
+    j["margin_weight"] = c.margin_weight;
+  }
+  return j;
 }
 
 std::string trajectory_difference(const nlohmann::json& saved, const nlohmann::json& now) {
@@ -43,7 +50,8 @@ std::string trajectory_difference(const nlohmann::json& saved, const nlohmann::j
   static const char* const kFields[] = {"model",  "data",         "gate",       "gate_hidden", "bias_init",
                                         "init_gates", "memory",   "cap_weight", "kl_weight",   "ntp_weight",
                                         "loss_chunk", "lr",       "min_lr",     "warmup",      "weight_decay",
-                                        "clip",   "global_batch", "micro_batch", "seed",       "seq_len"};
+                                        "clip",   "global_batch", "micro_batch", "seed",       "seq_len",
+                                        "window", "sinks",        "topk",        "margin_weight"};
   for (const char* f : kFields) {
     const bool in_saved = saved.contains(f), in_now = now.contains(f);
     if (!in_saved || !in_now) {

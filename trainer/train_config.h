@@ -22,6 +22,10 @@ struct TrainConfig {
   double bias_init = 18.0;
   std::string init_gates;  // optional: start from this gate file instead of a fresh init
 
+  // KVPOP scorers (DESIGN §5) instead of gates (--gate kvpop); `gate` is then unused.
+  bool kvpop = false;
+  int64_t window = 64, sinks = 4, topk = 0;
+  bool margin_weight = true;  // --no-margin-weight: a = 1
   // Loss (DESIGN §4).
   double memory = 128;  // M
   double cap_weight = 1.0, kl_weight = 0.5, ntp_weight = 0.5;

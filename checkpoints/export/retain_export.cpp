@@ -7,6 +7,7 @@
 
 #include "checkpoints/checkpoint.h"
 #include "checkpoints/export/gate_formats.h"
+#include "checkpoints/export/kvpop_formats.h"
 #include "data/tokenizer/sha256.h"
 #include "kernels/base/atomic_file.h"
 #include "kernels/base/cli.h"
@@ -20,7 +21,8 @@ constexpr const char* kUsage =
     "Usage: retain-export --from RUN_DIR|CHECKPOINT_DIR|GATES --format trimkv|safetensors|gguf\n"
     "                     --out PATH [--dtype bf16|f32] [--base-model DIR_OR_HUB_ID] [--model DIR]\n"
     "                     [--force]\n\n"
-    "Writes trained retention gates for inference engines (docs/formats.md):\n"
+    "Writes trained retention gates (or kvpop scorers: safetensors and gguf only) for inference\n"
+    "engines (docs/formats.md):\n"
     "  trimkv       a directory the TRIM-KV authors' package loads (config.json = the base\n"
     "               model's config + the retention fields, and trimkv_weights.pth, a torch.save\n"
     "               archive): TrimKVQwen3ForCausalLM.from_pretrained(PATH, download_from=\"local\")\n"
@@ -157,9 +159,17 @@ int run(int argc, char** argv) {
     config = gate_export::trimkv_dir_model_config(src.gates_path);
     base_config = nlohmann::ordered_json::parse(read_file((fs::path(src.gates_path) / "config.json").string()));
   }
+  // KVPOP scorers (DESIGN §5) travel as safetensors or GGUF only.
+  const bool kvpop = gate_export::holds_kvpop(src.gates_path);
+  if (kvpop && format_text == "trimkv")
+    fail("--format trimkv: {} holds kvpop scorers, which the TRIM-KV authors' directory cannot carry (use "
+         "--format safetensors or gguf)",
+         src.gates_path);
   std::optional<gate_export::LoadedGates> loaded;
-  loaded = gate_export::load_gates(src.gates_path, config);
-  gate_export::GateInfo info = loaded->info;
+  std::optional<gate_export::LoadedScorers> scorers;
+  if (kvpop) scorers = gate_export::load_scorers(src.gates_path, config);
+  else loaded = gate_export::load_gates(src.gates_path, config);
+  gate_export::GateInfo info = kvpop ? scorers->info : loaded->info;
   if (!identity.empty()) info.base_model = identity;
   if (!sha.empty()) info.base_config_sha256 = sha;
   if (src.step) info.step = src.step;
@@ -171,6 +181,23 @@ int run(int argc, char** argv) {
   if (!info.max_seq_len) info.max_seq_len = config.max_position_embeddings;
   if (info.base_model.empty()) fail("{}: the gates name no base model: pass --base-model DIR_OR_HUB_ID", from);
 
+  if (kvpop) {
+    if (src.run && src.run->contains("window") && src.run->contains("sinks") && src.run->contains("topk"))
+      scorers->scorers.set_geometry({(*src.run)["window"].get<int64_t>(), (*src.run)["sinks"].get<int64_t>(),
+                                     (*src.run)["topk"].get<int64_t>()});
+    if (!scorers->scorers.geometry())
+      fail("{}: the scorers record no window/sinks/topk (the kvpop policy needs them)", src.gates_path);
+    if (format_text == "safetensors") gate_export::write_scorers_safetensors(out, scorers->scorers, info, dtype);
+    else gate_export::write_scorers_gguf(out, scorers->scorers, info, dtype);
+    const kvpop::ScorerDims& d = scorers->scorers.dims();
+    const kvpop::PolicyGeometry& g = *scorers->scorers.geometry();
+    std::cout << fmt::format("retain-export: wrote {} ({}, {}): kvpop scorers, {} layers, {} KV heads, head_dim {}, "
+                             "window {} sinks {} top-k {}, {} parameters; from {}; base model {}\n",
+                             out, format_text, dtype_text, d.layers, d.kv_heads, d.head_dim, g.window, g.sinks, g.topk,
+                             scorers->scorers.num_parameters(), src.described.empty() ? from : src.described,
+                             info.base_model);
+    return 0;
+  }
   if (format_text == "safetensors") gate_export::write_safetensors(out, loaded->gates, info, dtype);
   else if (format_text == "gguf") gate_export::write_gguf(out, loaded->gates, info, dtype);
   else gate_export::write_trimkv_dir(out, loaded->gates, info, dtype, base_config, force);

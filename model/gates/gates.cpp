@@ -180,16 +180,6 @@ RetentionGates RetentionGates::init(const GateDims& dims, double bias_init, uint
   return g;
 }
 
-void RetentionGates::zero_grad() {
-  for (GateParameter& p : params_) std::memset(p.grad.raw(), 0, p.grad.nbytes());
-}
-
-int64_t RetentionGates::num_parameters() const {
-  int64_t n = 0;
-  for (const GateParameter& p : params_) n += p.value.numel();
-  return n;
-}
-
 Tensor RetentionGates::forward(int64_t layer, const Tensor& h, GateActivations* saved) const {
   RETAIN_CHECK(layer >= 0 && layer < dims_.layers, "gate layer {} of {}", layer, dims_.layers);
   RETAIN_CHECK(h.ndim() == 2, "gate input {}", shape_str(h.shape()));

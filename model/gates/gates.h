@@ -14,6 +14,7 @@
 
 #include "kernels/tensor.h"
 #include "model/config.h"
+#include "model/param_set.h"
 
 namespace retain::gates {
 
@@ -33,16 +34,7 @@ struct GateDims {
 // "model.layers.{l}.self_attn.retention_gate.{suffix}"
 std::string gate_tensor_name(int64_t layer, std::string_view suffix);
 
-// One trainable tensor. A tensor shared by all layers (dbtrimkv's linear3.weight and bias)
-// is ONE parameter listed once, with every layer's name in `file_names`; its gradient is
-// the sum of every layer's contribution.
-struct GateParameter {
-  std::vector<std::string> file_names;  // names it is stored under; [0] is layer 0's (or its layer's)
-  Tensor value;                         // F32, CPU
-  Tensor grad;                          // F32, same shape, accumulated by backward(), cleared by zero_grad()
-  const std::string& name() const { return file_names.front(); }
-  bool shared() const { return file_names.size() > 1; }
-};
+using GateParameter = Parameter;  // model/param_set.h
 
 // What backward() needs from forward() besides the input h: the pre-activations.
 struct GateActivations {
@@ -51,7 +43,7 @@ struct GateActivations {
   Tensor z;   // the logit before logsigmoid, F32 [T, K]
 };
 
-class RetentionGates {
+class RetentionGates : public ParameterSet {
  public:
   RetentionGates() = default;
 
@@ -76,7 +68,7 @@ class RetentionGates {
   // Writes F32 tensors under the DESIGN names (a shared tensor under every layer's name),
   // atomically, with __metadata__: format, gate_kind, gate_hidden, num_hidden_layers,
   // num_key_value_heads, hidden_size, bias_init (when known), then `extra` (which wins).
-  void save(const std::string& path, const std::map<std::string, std::string>& extra = {}) const;
+  void save(const std::string& path, const std::map<std::string, std::string>& extra = {}) const override;
 
   // Every tensor under its file name(s), in file order (a shared tensor under every layer's
   // name, sharing one value): what save() writes and what the exporters write.
@@ -97,10 +89,8 @@ class RetentionGates {
                 Tensor* dh = nullptr);
 
   // Every parameter once (shared ones once), in file order: layer by layer, then the shared ones.
-  std::vector<GateParameter>& parameters() { return params_; }
-  const std::vector<GateParameter>& parameters() const { return params_; }
-  void zero_grad();
-  int64_t num_parameters() const;  // scalars, shared ones counted once
+  std::vector<GateParameter>& parameters() override { return params_; }
+  const std::vector<GateParameter>& parameters() const override { return params_; }
 
  private:
   struct LayerSlots {  // indices into params_

@@ -23,9 +23,31 @@ ResidentWeightProvider::ResidentWeightProvider(std::shared_ptr<const Qwen3Checkp
   }
 }
 
-Decoder::Decoder(WeightProvider& weights, const gates::RetentionGates* gates, const PolicyOptions& policy)
-    : w_(weights), gates_(gates), policy_(make_policy(policy)) {
+namespace {
+
+// kvpop's window and sinks are the scorers'.
+PolicyOptions with_scorers(PolicyOptions p, const kvpop::Scorers* scorers) {
+  if (p.kind != PolicyKind::kvpop) return p;
+  if (!scorers) fail("--policy kvpop ranks tokens by KVPOP scorers: give --gates FILE (a kvpop scorer file)");
+  if (!scorers->geometry()) fail("--policy kvpop: the scorers record no window/sinks/topk");
+  p.window = scorers->geometry()->window;
+  p.sinks = scorers->geometry()->sinks;
+  return p;
+}
+
+}  // namespace
+
+Decoder::Decoder(WeightProvider& weights, const gates::RetentionGates* gates, const PolicyOptions& policy,
+                 const kvpop::Scorers* scorers)
+    : w_(weights), gates_(gates), policy_(make_policy(with_scorers(policy, scorers))) {
   const Qwen3Config& c = w_.config();
+  if (policy.kind == PolicyKind::kvpop) {
+    const kvpop::ScorerDims want = kvpop::Scorers::dims_for(c), got = scorers->dims();
+    if (got.layers != want.layers || got.kv_heads != want.kv_heads || got.head_dim != want.head_dim)
+      fail("kvpop scorers for {} layers × {} KV heads × head_dim {}, the model has {} × {} × {}", got.layers,
+           got.kv_heads, got.head_dim, want.layers, want.kv_heads, want.head_dim);
+    kvpop_ = std::make_unique<KvpopState>(*scorers);
+  }
   if (gates_) check_gates_fit(c, gates_->dims());
   if (policy_needs_gates(policy.kind) && !gates_)
     fail("--policy {} ranks tokens by their retention gates: give --gates FILE", policy_name(policy.kind));
@@ -98,8 +120,27 @@ Tensor Decoder::feed(std::span<const int32_t> ids, bool all_logits) {
       const float* lb = log_beta.data<float>();
       lb_hist_[static_cast<size_t>(l)].insert(lb_hist_[static_cast<size_t>(l)].end(), lb, lb + T * K);
     }
-    cache_.append(l, k3, v3, pos, gates_ ? &log_beta : nullptr);
+    if (kvpop_) {  // no rank key until scored
+      log_beta = Tensor::empty({T, K}, DType::F32);
+      std::fill_n(log_beta.data<float>(), T * K, std::nanf(""));
+    }
+    cache_.append(l, k3, v3, pos, gates_ || kvpop_ ? &log_beta : nullptr);
     KVCache::Layer& cl = cache_.layer(l);
+    if (kvpop_) {
+      // Tokens leaving the window get their rank key in their entry's logβ slot.
+      const auto keys = kvpop_->feed(l, k3, v3);
+      for (int64_t hh = 0; hh < K; ++hh) {
+        const int32_t* p = cache_.positions(l, hh);
+        float* slot = cl.log_beta.data<float>() + hh * cl.log_beta.dim(1);
+        for (const auto& [u, key] : keys[static_cast<size_t>(hh)]) {
+          const int64_t n = cache_.size(l, hh);
+          int64_t j = n - 1;  // recent entries sit near the end; eviction moves only survivors into holes
+          while (j >= 0 && p[j] != u) --j;
+          RETAIN_CHECK(j >= 0, "kvpop: position {} left the window after it was evicted", u);
+          slot[j] = key;
+        }
+      }
+    }
     ops::kv_attention(q3, pos, cl.keys, cl.values, cl.pos, cl.lens, scale, attn,
                       policy_->needs_attention_sums() ? &cl.attn_sum : nullptr);
     ops::linear(attn.reshape({T, H * d}), w.o_proj, proj);

@@ -12,6 +12,7 @@
 #include "kernels/tensor.h"
 #include "model/gates/gates.h"
 #include "model/infer/kv_cache.h"
+#include "model/infer/kvpop_state.h"
 #include "model/infer/policy.h"
 #include "model/rope_params.h"
 #include "model/weights.h"
@@ -39,7 +40,10 @@ class Decoder {
  public:
   // `gates` (may be null unless the policy ranks by logβ) must fit the model; they are only
   // used to choose evictions, never as an attention bias. Both must outlive the decoder.
-  Decoder(WeightProvider& weights, const gates::RetentionGates* gates, const PolicyOptions& policy);
+  // `scorers` (kvpop only; window and sinks of the policy come from them, and the budget's
+  // rest is the top-k) run alongside: each entry's rank key is written when it leaves the window.
+  Decoder(WeightProvider& weights, const gates::RetentionGates* gates, const PolicyOptions& policy,
+          const kvpop::Scorers* scorers = nullptr);
 
   // Feeds `ids` (the next tokens of the document) in one forward, then evicts. Returns the
   // logits F32 [T, V] of every fed token, or [1, V] of the last one when !all_logits.
@@ -53,6 +57,8 @@ class Decoder {
   // compare the policy's choice with a brute force from this state).
   void set_before_evict(std::function<void(const KVCache&, int64_t seen)> hook) { before_evict_ = std::move(hook); }
   int64_t seen() const { return seen_; }
+  // The running kvpop scorers (nullptr for other policies).
+  const KvpopState* kvpop_state() const { return kvpop_.get(); }
   // Seconds spent in eviction (the policy's selection and the cache compaction), and in feed() overall.
   double evict_seconds() const { return evict_s_; }
   double feed_seconds() const { return feed_s_; }
@@ -64,6 +70,7 @@ class Decoder {
   const gates::RetentionGates* gates_;
   RopeParams rope_;
   std::unique_ptr<EvictionPolicy> policy_;
+  std::unique_ptr<KvpopState> kvpop_;
   KVCache cache_;
   int64_t seen_ = 0;
   double evict_s_ = 0, feed_s_ = 0;

@@ -61,7 +61,7 @@ double mean_entries(const KVCache& c) {
 
 std::vector<EvalResult> evaluate_data(WeightProvider& weights, const gates::RetentionGates* gates,
                                       const data::PackedDataset& ds, const std::vector<EvalRun>& runs,
-                                      const EvalOptions& opt) {
+                                      const EvalOptions& opt, const kvpop::Scorers* scorers) {
   for (const EvalRun& r : runs) make_policy(policy_options(r, opt));  // every error before any work
   const int64_t n = opt.max_sequences > 0 ? std::min(opt.max_sequences, ds.num_sequences()) : ds.num_sequences();
   const int64_t V = weights.config().vocab_size;
@@ -95,7 +95,7 @@ std::vector<EvalResult> evaluate_data(WeightProvider& weights, const gates::Rete
     const Tensor ids_t = Tensor::from_vector(doc.ids, {T});
     const Tensor hidden = qwen3_hidden(weights, ids_t, Tensor::zeros({T}, DType::I32));
     for (size_t r = 0; r < runs.size(); ++r) {
-      Decoder dec(weights, gates, policy_options(runs[r], opt));
+      Decoder dec(weights, gates, policy_options(runs[r], opt), scorers);
       Totals& tot = totals[r];
       double cache_sum = 0;
       int64_t forwards = 0;
@@ -130,7 +130,7 @@ std::vector<EvalResult> evaluate_data(WeightProvider& weights, const gates::Rete
 
 std::vector<EvalResult> evaluate_recall(WeightProvider& weights, const gates::RetentionGates* gates,
                                         const RecallSpec& spec, const std::vector<EvalRun>& runs,
-                                        const EvalOptions& opt) {
+                                        const EvalOptions& opt, const kvpop::Scorers* scorers) {
   for (const EvalRun& r : runs) make_policy(policy_options(r, opt));
   const std::vector<RecallSample> task = make_recall_task(spec);
   const int64_t V = weights.config().vocab_size;
@@ -140,7 +140,7 @@ std::vector<EvalResult> evaluate_recall(WeightProvider& weights, const gates::Re
   std::vector<double> lq;
   for (const RecallSample& s : task)
     for (size_t r = 0; r < runs.size(); ++r) {
-      Decoder dec(weights, gates, policy_options(runs[r], opt));
+      Decoder dec(weights, gates, policy_options(runs[r], opt), scorers);
       Totals& tot = totals[r];
       double cache_sum = 0;
       int64_t forwards = 0;

@@ -50,9 +50,10 @@ struct EvalOptions {
 
 std::vector<EvalResult> evaluate_data(WeightProvider& weights, const gates::RetentionGates* gates,
                                       const data::PackedDataset& ds, const std::vector<EvalRun>& runs,
-                                      const EvalOptions& opt);
+                                      const EvalOptions& opt, const kvpop::Scorers* scorers = nullptr);
 std::vector<EvalResult> evaluate_recall(WeightProvider& weights, const gates::RetentionGates* gates,
-                                        const RecallSpec& spec, const std::vector<EvalRun>& runs, const EvalOptions& opt);
+                                        const RecallSpec& spec, const std::vector<EvalRun>& runs, const EvalOptions& opt,
+                                        const kvpop::Scorers* scorers = nullptr);
 
 // One results[] entry of metrics.json (DESIGN §7): policy, budget (null for full), nll,
 // perplexity, tokens, samples, and kl + top1_agreement (data) or accuracy (recall), plus the

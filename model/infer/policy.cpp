@@ -1,6 +1,7 @@
 #include "model/infer/policy.h"
 
 #include <algorithm>
+#include <cmath>
 #include <functional>
 #include <limits>
 #include <numeric>
@@ -37,6 +38,7 @@ int64_t min_budget(const PolicyOptions& opt) {
     case PolicyKind::full: return 0;
     case PolicyKind::window: return opt.sinks + 1;
     case PolicyKind::h2o: return 2;
+    case PolicyKind::kvpop: return opt.sinks + opt.window + 1;
     default: return 1;
   }
 }
@@ -140,6 +142,19 @@ std::vector<int32_t> window_drops(std::span<const int32_t> pos, int64_t budget, 
   return drop_worst(score, pos, n - budget);
 }
 
+std::vector<int32_t> kvpop_drops(std::span<const float> key, std::span<const int32_t> pos, int64_t budget,
+                                 int64_t sinks, int64_t window, int64_t seen) {
+  const int64_t n = static_cast<int64_t>(pos.size());
+  if (n <= budget) return {};
+  std::vector<float> score(key.begin(), key.end());
+  for (size_t j = 0; j < pos.size(); ++j) {
+    // The next query is q = seen: the window is q − i < w, the eligible keys are i ≤ q − w.
+    if (pos[j] < sinks || pos[j] > seen - window) score[j] = kProtected;
+    else RETAIN_CHECK(std::isfinite(score[j]), "kvpop: entry at position {} has no score", pos[j]);
+  }
+  return drop_worst(score, pos, n - budget);
+}
+
 std::vector<int32_t> h2o_drops(std::span<const float> attn_sum, std::span<const int32_t> pos, int64_t budget) {
   const int64_t n = static_cast<int64_t>(attn_sum.size());
   if (n <= budget) return {};
@@ -222,6 +237,15 @@ class TrimKVPolicy : public PerHeadPolicy {
   }
 };
 
+class KvpopPolicy : public PerHeadPolicy {
+ public:
+  using PerHeadPolicy::PerHeadPolicy;
+  std::vector<int32_t> drops(const KVCache& c, int64_t l, int64_t h, int64_t seen) const override {
+    const size_t n = static_cast<size_t>(c.size(l, h));
+    return kvpop_drops({c.log_beta(l, h), n}, {c.positions(l, h), n}, opt_.budget, opt_.sinks, opt_.window, seen);
+  }
+};
+
 class DBTrimKVPolicy : public EvictionPolicy {
  public:
   using EvictionPolicy::EvictionPolicy;
@@ -250,13 +274,13 @@ class DBTrimKVPolicy : public EvictionPolicy {
 }  // namespace
 
 std::unique_ptr<EvictionPolicy> make_policy(const PolicyOptions& opt) {
-  if (opt.kind == PolicyKind::kvpop)
-    fail("--policy kvpop: not available yet (KVPOP scorers cannot be trained or loaded in this version of retain)");
   if (opt.buffer < 1) fail("--buffer must be at least 1, got {}", opt.buffer);
   if (opt.kind != PolicyKind::full && opt.budget < min_budget(opt))
     fail("--budget {} is below the minimum {} of policy {}{}", opt.budget, min_budget(opt), policy_name(opt.kind),
          opt.kind == PolicyKind::window ? fmt::format(" ({} sinks + 1 recent token)", opt.sinks)
          : opt.kind == PolicyKind::h2o  ? std::string(" (1 heavy hitter + 1 recent token)")
+         : opt.kind == PolicyKind::kvpop
+             ? fmt::format(" ({} sinks + a window of {} + 1 top-k entry, from the scorers)", opt.sinks, opt.window)
                                         : std::string());
   switch (opt.kind) {
     case PolicyKind::full: return std::make_unique<FullPolicy>(opt);
@@ -264,7 +288,7 @@ std::unique_ptr<EvictionPolicy> make_policy(const PolicyOptions& opt) {
     case PolicyKind::h2o: return std::make_unique<H2OPolicy>(opt);
     case PolicyKind::trimkv: return std::make_unique<TrimKVPolicy>(opt);
     case PolicyKind::dbtrimkv: return std::make_unique<DBTrimKVPolicy>(opt);
-    case PolicyKind::kvpop: break;
+    case PolicyKind::kvpop: return std::make_unique<KvpopPolicy>(opt);
   }
   fail("--policy: unknown policy");
 }

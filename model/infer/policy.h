@@ -14,8 +14,6 @@
 
 namespace retain::infer {
 
-// kvpop is named so the command line can give a clear "not available yet" (DESIGN §5 scorers
-// have no trainer or loader in retain yet); make_policy refuses it.
 enum class PolicyKind { full, window, h2o, trimkv, dbtrimkv, kvpop };
 
 PolicyKind parse_policy(std::string_view s, std::string_view what = "--policy");
@@ -27,11 +25,13 @@ struct PolicyOptions {
   PolicyKind kind = PolicyKind::full;
   int64_t budget = 0;  // B: entries per (layer, KV head); ignored by full
   int64_t buffer = 1;  // evict when a count reaches B + buffer (DESIGN §8 default 1)
-  int64_t sinks = 4;   // window: StreamingLLM's attention sinks
+  int64_t sinks = 4;   // window: StreamingLLM's attention sinks; kvpop: the scorers' sinks
+  int64_t window = 0;  // kvpop: the scorers' protected window w (the rest of B is the top-k)
 };
 
 // The smallest budget a policy can run with: window needs its sinks and one recent token,
-// h2o one heavy hitter and one recent token; the rest one entry. full: 0 (no budget).
+// h2o one heavy hitter and one recent token, kvpop its sinks, window and one top-k entry; the
+// rest one entry. full: 0 (no budget).
 int64_t min_budget(const PolicyOptions& opt);
 
 class EvictionPolicy {
@@ -49,8 +49,13 @@ class EvictionPolicy {
   PolicyOptions opt_;
 };
 
-// Validates the budget (one-line error naming the policy and its minimum) and builds the
-// policy; kvpop fails with "not available yet".
+// Validates the budget (one-line error naming the policy and its minimum) and builds the policy.
+// kvpop: with q = seen the next query, after each eviction a head keeps its sinks (positions <
+// sinks), its window (q − i < w: the w − 1 newest; q itself joins at the next forward) and the
+// budget − sinks − (w − 1) eligible keys (i ≤ q − w, DESIGN §5) with the largest ŝ_i(q). As for
+// every policy here the next forward then attends over budget + 1 entries: DESIGN's cache of
+// B = s + w + k plus one more top-k entry. The decoder writes each entry's rank key
+// score_i − i·log γ into its logβ slot when the entry's score is assigned (kvpop_state.h).
 std::unique_ptr<EvictionPolicy> make_policy(const PolicyOptions& opt);
 
 // ---- selections (indices into one head's entries, ascending) --------------------------------
@@ -62,6 +67,10 @@ std::unique_ptr<EvictionPolicy> make_policy(const PolicyOptions& opt);
 std::vector<int32_t> drop_worst(std::span<const float> score, std::span<const int32_t> pos, int64_t m);
 // What trimkv evicts from one head at query q: the m entries with the lowest (q − i)·logβ_i.
 std::vector<int32_t> trimkv_drops(const float* log_beta, const int32_t* pos, int64_t n, int64_t q, int64_t m);
+// What kvpop evicts from one head after `seen` tokens: entries outside the sinks and the window
+// (positions > seen − window), lowest rank key first (ties: the older loses), down to `budget`.
+std::vector<int32_t> kvpop_drops(std::span<const float> key, std::span<const int32_t> pos, int64_t budget,
+                                 int64_t sinks, int64_t window, int64_t seen);
 // What window and h2o evict (below), as drop sets.
 std::vector<int32_t> window_drops(std::span<const int32_t> pos, int64_t budget, int64_t sinks);
 std::vector<int32_t> h2o_drops(std::span<const float> attn_sum, std::span<const int32_t> pos, int64_t budget);

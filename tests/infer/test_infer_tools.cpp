@@ -112,7 +112,7 @@ TEST_F(InferTools, GenerateJson) {
 TEST_F(InferTools, GenerateErrors) {
   const fs::path js = root() / "bad.json";
   const std::string base = "retain-generate --model " + tiny() + " --prompt-ids \"1 2 3\" --json " + js.string();
-  expect_error(base + " --policy kvpop --budget 64", "not available yet", 1, js);
+  expect_error(base + " --policy kvpop --budget 64", "ranks tokens by KVPOP scorers: give --gates", 2, js);
   // What no file can fix is a usage error (2); what the files or this build decide is 1.
   expect_error(base + " --policy trimkv --budget 8", "--gates", 2, js);
   expect_error(base + " --policy window --budget 4", "below the minimum 5", 2, js);
@@ -166,7 +166,7 @@ TEST_F(InferTools, EvalErrors) {
   expect_error(base + " --policy window --budget 8,4", "below the minimum 5", 2, m);
   expect_error(base + " --policy trimkv --budget 8", "--gates", 2, m);
   expect_error(base + " --policy full --plot " + (root() / "missing" / "q.png").string(), "does not exist", 1, m);
-  expect_error(base + " --policy kvpop --budget 8", "not available yet", 1, m);
+  expect_error(base + " --policy kvpop --budget 8", "ranks tokens by KVPOP scorers: give --gates", 2, m);
   expect_error(base + " --policy window", "needs --budget", 2, m);
   expect_error(base + " --policy full --data x.h5", "exactly one of", 2, m);
   expect_error("retain-eval --model " + tiny() + " --task recall --context 32 --pairs 20 --policy full --out " + m.string(),

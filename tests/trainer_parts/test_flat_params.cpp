@@ -5,6 +5,7 @@
 
 #include <vector>
 
+#include "model/gates/gates.h"
 #include "trainer/flat_params.h"
 
 using namespace retain;

@@ -13,6 +13,7 @@ global batch, so the rows compare how the same work is spread:
 (OMP_WAIT_POLICY=PASSIVE unless set, as launch/mpirun.sh does.)
 
     python3 trainer/bench/bench_train.py --bin-dir build/bin --seq-len 1024 --global-batch 4 --steps 6
+    python3 trainer/bench/bench_train.py ... --gate kvpop --window 64 --topk 64   (KVPOP scorers, DESIGN §5)
 
 Prints a markdown table. Needs only the Python standard library and the built tools.
 """
@@ -52,7 +53,9 @@ def main():
     ap.add_argument("--head-dim", type=int, default=32)
     ap.add_argument("--intermediate", type=int, default=768)
     ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--gate", default="trimkv")
+    ap.add_argument("--gate", default="trimkv", help="trimkv, dbtrimkv or kvpop")
+    ap.add_argument("--window", type=int, default=64, help="kvpop: window w")
+    ap.add_argument("--topk", type=int, default=64, help="kvpop: top-k")
     ap.add_argument("--gate-hidden", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--global-batch", type=int, default=4)
@@ -71,15 +74,19 @@ def main():
         data = os.path.join(work, "data.h5")
         run([os.path.join(a.bin_dir, "retain-pack"), "--tokenizer", model, "--format", "txt", "--txt-mode", "line",
              "--seq-len", str(a.seq_len), "--packing", "bfd", "--quiet", "--out", data] + docs)
-        common = ["--model", model, "--data", data, "--gate", a.gate, "--gate-hidden", str(a.gate_hidden),
-                  "--bias-init", "4", "--memory", "64", "--steps", str(a.steps), "--global-batch",
-                  str(a.global_batch), "--save-every", str(10 ** 9), "--loss-chunk", "256"]
+        common = ["--model", model, "--data", data, "--gate", a.gate, "--steps", str(a.steps), "--global-batch",
+                  str(a.global_batch), "--save-every", str(10 ** 9)]
+        if a.gate == "kvpop":
+            common += ["--window", str(a.window), "--sinks", "4", "--topk", str(a.topk)]
+        else:
+            common += ["--gate-hidden", str(a.gate_hidden), "--bias-init", "4", "--memory", "64", "--loss-chunk", "256"]
         configs = [(1, 1), (1, a.threads)]
         for ranks in (2, 4):
             if ranks <= a.threads and a.global_batch % ranks == 0:
                 configs.append((ranks, 1))
         print(f"model: {a.layers} layers, hidden {a.hidden}, {a.heads}/{a.kv_heads} heads, head_dim {a.head_dim}, "
-              f"intermediate {a.intermediate}, vocab {a.vocab}; {a.gate} G={a.gate_hidden}; "
+              f"intermediate {a.intermediate}, vocab {a.vocab}; "
+              f"{f'kvpop w={a.window} k={a.topk}' if a.gate == 'kvpop' else f'{a.gate} G={a.gate_hidden}'}; "
               f"{a.global_batch} sequences × {a.seq_len} tokens per step; median of steps 2..{a.steps}\n")
         print("| launch | s/step | tokens/s | tokens/s per core |")
         print("|---|---|---|---|")

@@ -25,6 +25,8 @@ import time
 SCALARS = {
     "loss": "loss/total", "kl": "loss/kl", "ntp": "loss/ntp", "cap": "loss/cap", "lr": "optim/lr",
     "grad_norm": "optim/grad_norm", "tokens_per_s": "speed/tokens_per_s", "step_seconds": "speed/step_seconds",
+    # --gate kvpop runs (their "loss" is L_kvpop; they have no kl/ntp/cap)
+    "agreement": "kvpop/agreement", "gamma": "kvpop/gamma", "decisions": "kvpop/decisions",
 }
 PER_LAYER = {"mean_beta": "retention/mean_beta", "effective_cache": "retention/effective_cache"}
 

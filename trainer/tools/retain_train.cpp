@@ -25,7 +25,7 @@ using namespace retain;
 namespace {
 
 constexpr const char* kUsage =
-    "Usage: retain-train --model DIR --data FILE.h5 --out RUN_DIR [--gate trimkv|dbtrimkv]\n"
+    "Usage: retain-train --model DIR --data FILE.h5 --out RUN_DIR [--gate trimkv|dbtrimkv|kvpop]\n"
     "                    [--memory M] [--cap-weight λ] [--kl-weight W] [--ntp-weight W]\n"
     "                    [--bias-init B] [--gate-hidden G] [--lr LR] [--steps N] [--seed S]\n"
     "                    [--resume] [--dump-grads FILE.safetensors] [--config run.toml]\n"
@@ -36,6 +36,9 @@ constexpr const char* kUsage =
     "ntp-weight·NTP + cap-weight·capacity(M) (docs/math.md). RUN_DIR receives config.json,\n"
     "metrics.jsonl, checkpoints/step-XXXXXXXX/ (every --save-every steps, the last --keep-last\n"
     "kept, `checkpoints/latest` naming the newest) and, at the end, gates.safetensors.\n"
+    "--gate kvpop --topk K [--window 64 --sinks 4] [--no-margin-weight] trains KVPOP scorers\n"
+    "instead (DESIGN §5: layer-local pairwise loss on the frozen model's future attention;\n"
+    "gates.safetensors then holds the scorers).\n"
     "SIGTERM/SIGINT save a checkpoint and exit; --resume continues the run exactly.\n"
     "--dump-grads runs one optimizer-free step on the first batch and writes every gate\n"
     "parameter, its gradient (grad/NAME), the losses (loss/*) and the batch (batch/*).\n"
@@ -50,7 +53,12 @@ int run(int argc, char** argv, dist::Comm& comm) {
       ("model", cli::po::value(&c.model_dir)->required(), "frozen Qwen3 (Hugging Face directory)")
       ("data", cli::po::value(&c.data_path)->required(), "packed dataset (.h5 from retain-pack)")
       ("out", cli::po::value(&c.run_dir), "run directory (required unless --dump-grads)")
-      ("gate", cli::po::value(&gate)->default_value("trimkv"), "trimkv (local capacity) or dbtrimkv (global)")
+      ("gate", cli::po::value(&gate)->default_value("trimkv"),
+       "trimkv (local capacity), dbtrimkv (global) or kvpop (mLSTM scorers, DESIGN §5)")
+      ("window", cli::po::value(&c.window)->default_value(64), "kvpop: protected window w")
+      ("sinks", cli::po::value(&c.sinks)->default_value(4), "kvpop: sink tokens s")
+      ("topk", cli::po::value(&c.topk)->default_value(0), "kvpop: top-k eligible keys k (required; budget = s + w + k)")
+      ("no-margin-weight", cli::po::bool_switch(), "kvpop: weight every decision 1 instead of |Δ log m| / its mean")
       ("memory", cli::po::value(&c.memory)->default_value(128), "memory budget M of the capacity loss (tokens)")
       ("cap-weight", cli::po::value(&c.cap_weight)->default_value(1.0), "λ: weight of the capacity loss")
       ("kl-weight", cli::po::value(&c.kl_weight)->default_value(0.5), "weight of KL(teacher‖student)")
@@ -105,10 +113,20 @@ int run(int argc, char** argv, dist::Comm& comm) {
   }
   cli::po::notify(vm);
   if (!stray.empty()) throw cli::UsageError(fmt::format("unexpected argument '{}'", stray.front()));
-  try {
-    c.gate = gates::parse_gate_kind(gate, "--gate");
-  } catch (const Error& e) {
-    throw cli::UsageError(e.what());  // a command-line mistake: exit 2
+  c.kvpop = gate == "kvpop";
+  if (!c.kvpop && gate != "trimkv" && gate != "dbtrimkv")  // a command-line mistake: exit 2
+    throw cli::UsageError(fmt::format("--gate: unknown gate kind '{}' (expected trimkv, dbtrimkv or kvpop)", gate));
+  if (!c.kvpop) c.gate = gates::parse_gate_kind(gate, "--gate");
+  c.margin_weight = !vm["no-margin-weight"].as<bool>();
+  if (c.kvpop) {
+    if (c.topk < 1)
+      throw cli::UsageError(fmt::format("--gate kvpop needs --topk K ≥ 1 (the eligible keys kept besides sinks and "
+                                        "window), got {}", c.topk));
+    if (c.window < 1 || c.sinks < 0)
+      throw cli::UsageError(fmt::format("--window must be ≥ 1 and --sinks ≥ 0, got {} and {}", c.window, c.sinks));
+  } else if (vm["no-margin-weight"].as<bool>() || !vm["topk"].defaulted() || !vm["window"].defaulted() ||
+             !vm["sinks"].defaulted()) {
+    throw cli::UsageError("--window, --sinks, --topk and --no-margin-weight are for --gate kvpop");
   }
   if (c.dump_grads.empty() && c.run_dir.empty()) throw cli::UsageError("--out is required (unless --dump-grads)");
   if (c.steps < 1) throw cli::UsageError(fmt::format("--steps must be ≥ 1, got {}", c.steps));
@@ -124,7 +142,7 @@ int run(int argc, char** argv, dist::Comm& comm) {
   for (const auto& [name, w] : {std::pair{"--kl-weight", c.kl_weight}, std::pair{"--ntp-weight", c.ntp_weight},
                                 std::pair{"--cap-weight", c.cap_weight}})
     if (!(w >= 0) || !std::isfinite(w)) throw cli::UsageError(fmt::format("{} must be a finite number ≥ 0, got {}", name, w));
-  if (c.kl_weight == 0 && c.ntp_weight == 0 && c.cap_weight == 0)
+  if (!c.kvpop && c.kl_weight == 0 && c.ntp_weight == 0 && c.cap_weight == 0)
     throw cli::UsageError("--kl-weight, --ntp-weight and --cap-weight are all 0: the loss would be 0, nothing to train");
   if (c.warmup < 0) throw cli::UsageError(fmt::format("--warmup must be ≥ 0, got {}", c.warmup));
   if (!(c.weight_decay >= 0) || !(c.clip >= 0))

@@ -13,6 +13,7 @@
 
 #include "data/packed_dataset.h"
 #include "kernels/base/atomic_file.h"
+#include "checkpoints/export/kvpop_formats.h"
 #include "kernels/base/cli.h"
 #include "model/infer/eval.h"
 #include "model/infer/figures.h"
@@ -71,7 +72,7 @@ int run(int argc, char** argv) {
   RecallSpec spec;
   opts.add_options()
       ("model", cli::po::value(&model)->required(), "Hugging Face model directory")
-      ("gates", cli::po::value(&gates_path), "retention gates (.safetensors); needed by trimkv and dbtrimkv")
+      ("gates", cli::po::value(&gates_path), "retention gates (trimkv, dbtrimkv) or kvpop scorers (kvpop): .safetensors or .gguf")
       ("data", cli::po::value(&data_path), "packed dataset (.h5) to score")
       ("task", cli::po::value(&task), "built-in task: recall")
       ("policy", cli::po::value(&policies_text)->required(), "policies, comma-separated")
@@ -124,7 +125,11 @@ int run(int argc, char** argv) {
 
   auto ckpt = std::make_shared<const Qwen3Checkpoint>(Qwen3Checkpoint::open(model));
   std::optional<gates::RetentionGates> gates;
-  if (vm.count("gates")) gates = gates::RetentionGates::load(gates_path, ckpt->config());
+  std::optional<kvpop::Scorers> scorers;  // --gates FILE holds one or the other
+  if (vm.count("gates")) {
+    if (gate_export::holds_kvpop(gates_path)) scorers = gate_export::load_scorers(gates_path, ckpt->config()).scorers;
+    else gates = gates::RetentionGates::load(gates_path, ckpt->config());
+  }
   ResidentWeightProvider weights(ckpt);
   spec.vocab = ckpt->config().vocab_size;
 
@@ -163,7 +168,7 @@ int run(int argc, char** argv) {
       write_file_atomic(dump, lines);
     }
     std::cerr << fmt::format("retain-eval: {} on {} ({} runs)\n", describe(spec), model, runs.size());
-    results = evaluate_recall(weights, gates ? &*gates : nullptr, spec, runs, eopt);
+    results = evaluate_recall(weights, gates ? &*gates : nullptr, spec, runs, eopt, scorers ? &*scorers : nullptr);
     m["task"] = {{"name", "recall"}, {"samples", spec.samples}, {"context", spec.context}, {"pairs", spec.pairs},
                  {"key_len", spec.key_len}, {"value_len", spec.value_len}, {"seed", spec.seed}};
   } else {
@@ -173,7 +178,7 @@ int run(int argc, char** argv) {
                              data_path, ds.num_sequences(), ds.seq_len(),
                              eopt.max_sequences ? std::min(eopt.max_sequences, ds.num_sequences()) : ds.num_sequences(),
                              model, runs.size());
-    results = evaluate_data(weights, gates ? &*gates : nullptr, ds, runs, eopt);
+    results = evaluate_data(weights, gates ? &*gates : nullptr, ds, runs, eopt, scorers ? &*scorers : nullptr);
     m["data"] = data_path;
     m["sequences"] = eopt.max_sequences;
   }

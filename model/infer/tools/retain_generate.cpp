@@ -12,6 +12,7 @@
 
 #include "data/tokenizer/tokenizer.h"
 #include "kernels/base/atomic_file.h"
+#include "checkpoints/export/kvpop_formats.h"
 #include "kernels/base/cli.h"
 #include "model/infer/generate.h"
 #include "model/infer/tools/tool_args.h"
@@ -32,6 +33,8 @@ constexpr const char* kUsage =
     "per layer and KV head (DESIGN §8): the policy decides which entries stay. trimkv and\n"
     "dbtrimkv rank tokens by the retention gates in --gates (retain-train's gates.safetensors or\n"
     "any gate file); β only chooses evictions, attention over the kept entries is plain softmax.\n"
+    "kvpop keeps the sinks, the window and the top B − sinks − window others by KVPOP score, with\n"
+    "--gates a kvpop scorer file (retain-train --gate kvpop, or its safetensors/GGUF export).\n"
     "Text prompts are tokenized with DIR/tokenizer.json; the output is decoded with it. Prints the\n"
     "text, tokens/s of prefill and decoding, and the cache size. --json FILE writes prompt_ids,\n"
     "generated_ids, cache_sizes (entries per layer, summed over KV heads) and kept_positions (per\n"
@@ -72,8 +75,8 @@ int run(int argc, char** argv) {
   uint64_t seed = 0;
   opts.add_options()
       ("model", cli::po::value(&model)->required(), "Hugging Face model directory")
-      ("gates", cli::po::value(&gates_path), "retention gates (.safetensors); needed by trimkv and dbtrimkv")
-      ("policy", cli::po::value(&policy_text)->required(), "full, window, h2o, trimkv, dbtrimkv (kvpop: not yet)")
+      ("gates", cli::po::value(&gates_path), "retention gates (trimkv, dbtrimkv) or kvpop scorers (kvpop): .safetensors or .gguf")
+      ("policy", cli::po::value(&policy_text)->required(), "full, window, h2o, trimkv, dbtrimkv, kvpop")
       ("budget", cli::po::value(&budget), "entries per layer and KV head (not needed for full)")
       ("prompt", cli::po::value(&prompt), "prompt text")
       ("prompt-file", cli::po::value(&prompt_file), "file holding the prompt text")
@@ -99,7 +102,7 @@ int run(int argc, char** argv) {
   PolicyOptions popt;
   popt.kind = policy_arg(policy_text, "--policy");
   popt.buffer = buffer;
-  if (popt.kind != PolicyKind::full && popt.kind != PolicyKind::kvpop && !vm.count("budget"))
+  if (popt.kind != PolicyKind::full && !vm.count("budget"))
     throw cli::UsageError(fmt::format("--policy {} needs --budget", policy_text));
   if (vm.count("budget") && budget < 0) throw cli::UsageError("--budget must be >= 0");
   popt.budget = std::max<int64_t>(budget, 0);
@@ -126,9 +129,13 @@ int run(int argc, char** argv) {
   if (ids.empty()) fail("the prompt is empty");
 
   std::optional<gates::RetentionGates> gates;
-  if (vm.count("gates")) gates = gates::RetentionGates::load(gates_path, cfg);
+  std::optional<kvpop::Scorers> scorers;  // --gates FILE holds one or the other
+  if (vm.count("gates")) {
+    if (gate_export::holds_kvpop(gates_path)) scorers = gate_export::load_scorers(gates_path, cfg).scorers;
+    else gates = gates::RetentionGates::load(gates_path, cfg);
+  }
   ResidentWeightProvider weights(ckpt);
-  Decoder dec(weights, gates ? &*gates : nullptr, popt);
+  Decoder dec(weights, gates ? &*gates : nullptr, popt, scorers ? &*scorers : nullptr);
 
   GenerateOptions gopt;
   gopt.max_new = max_new, gopt.prefill_chunk = chunk, gopt.seed = seed;

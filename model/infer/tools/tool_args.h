@@ -20,10 +20,11 @@ inline PolicyKind policy_arg(const std::string& text, const char* option) {
   }
 }
 
-// Budget/buffer range, gates present for the policies that rank by logβ. kvpop stays exit 1:
-// the command line is right, this build lacks the policy.
+// Budget/buffer range, gates present for the policies that rank by logβ or by KVPOP scorers.
+// (kvpop's exact minimum budget needs the scorers' window and sinks: checked once they are loaded.)
 inline void check_policy_args(const PolicyOptions& p, bool have_gates) {
-  if (p.kind == PolicyKind::kvpop) make_policy(p);
+  if (p.kind == PolicyKind::kvpop && !have_gates)
+    throw cli::UsageError("--policy kvpop ranks tokens by KVPOP scorers: give --gates FILE (retain-train --gate kvpop)");
   try {
     make_policy(p);
   } catch (const Error& e) {

@@ -1,0 +1,177 @@
+// KVPOP scorer containers (docs/formats.md, "KVPOP scorers").
+#include "checkpoints/export/kvpop_formats.h"
+
+#include <fmt/format.h>
+
+#include "checkpoints/export/gguf.h"
+#include "model/safetensors.h"
+
+namespace retain::gate_export {
+
+namespace {
+
+constexpr uint32_t kKvpopScoreVersion = 1;  // ŝ_i(q) = score_i + (q − i)·log γ (DESIGN §5)
+constexpr std::string_view kOurs = "model.layers.", kOursMid = ".self_attn.kvpop.", kGguf = "blk.", kGgufMid = ".kvpop.";
+
+// "<prefix><digits><middle><rest>" → "<to_prefix><digits><to_middle><rest>" when rest is a scorer suffix.
+std::optional<std::string> rename(const std::string& name, std::string_view prefix, std::string_view middle,
+                                  std::string_view to_prefix, std::string_view to_middle) {
+  if (!name.starts_with(prefix)) return std::nullopt;
+  const size_t digits = prefix.size(), dot = name.find('.', digits);
+  if (dot == std::string::npos || dot == digits) return std::nullopt;
+  for (size_t i = digits; i < dot; ++i)
+    if (name[i] < '0' || name[i] > '9') return std::nullopt;
+  if (name.compare(dot, middle.size(), middle) != 0) return std::nullopt;
+  const std::string rest = name.substr(dot + middle.size());
+  for (const std::string& s : kvpop::scorer_suffixes())
+    if (rest == s)
+      return std::string(to_prefix) + name.substr(digits, dot - digits) + std::string(to_middle) + rest;
+  return std::nullopt;
+}
+
+std::vector<std::pair<std::string, Tensor>> converted(const kvpop::Scorers& s, DType dtype) {
+  RETAIN_CHECK(dtype == DType::F32 || dtype == DType::BF16, "export dtype {}", dtype_name(dtype));
+  std::vector<std::pair<std::string, Tensor>> out;
+  for (auto& [n, t] : s.named_tensors()) out.emplace_back(n, dtype == DType::F32 ? t : t.to_dtype(dtype));
+  return out;
+}
+
+std::optional<int64_t> parse_int(const std::map<std::string, std::string>& m, const char* key) {
+  auto it = m.find(key);
+  if (it == m.end()) return std::nullopt;
+  try {
+    size_t used = 0;
+    const long long v = std::stoll(it->second, &used);
+    if (used == it->second.size()) return v;
+  } catch (const std::exception&) {
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+std::optional<std::string> kvpop_gguf_name(const std::string& name) {
+  return rename(name, kOurs, kOursMid, kGguf, kGgufMid);
+}
+std::optional<std::string> kvpop_name_from_gguf(const std::string& name) {
+  return rename(name, kGguf, kGgufMid, kOurs, kOursMid);
+}
+
+bool holds_kvpop(const std::string& path) {
+  switch (detect_format(path)) {
+    case Format::safetensors: {
+      const SafetensorsFile f = SafetensorsFile::open(path);
+      if (auto it = f.metadata().find("gate_kind"); it != f.metadata().end()) return it->second == "kvpop";
+      for (const std::string& n : f.names())
+        if (n.find(kOursMid) != std::string::npos) return true;
+      return false;
+    }
+    case Format::gguf: {
+      const gguf::File f = gguf::read_file(path);
+      const gguf::Value* v = f.find("adapter.type");
+      return v && v->type == gguf::Type::STRING && std::get<std::string>(v->v) == "kvpop";
+    }
+    default: return false;
+  }
+}
+
+LoadedScorers load_scorers(const std::string& path, const Qwen3Config& config) {
+  const Format format = detect_format(path);
+  std::map<std::string, Tensor> tensors;
+  std::map<std::string, std::string> meta;
+  if (format == Format::safetensors) {
+    const SafetensorsFile f = SafetensorsFile::open(path);
+    for (const std::string& n : f.names()) tensors.emplace(n, f.tensor(n));
+    meta = f.metadata();
+  } else if (format == Format::gguf) {
+    const gguf::File f = gguf::read_file(path);
+    auto str = [&](const char* key) -> std::optional<std::string> {
+      const gguf::Value* v = f.find(key);
+      if (!v) return std::nullopt;
+      if (v->type != gguf::Type::STRING) fail("{}: metadata '{}' is not a string", path, key);
+      return std::get<std::string>(v->v);
+    };
+    if (str("general.type") != "adapter" || str("adapter.type") != "kvpop")
+      fail("{}: not a kvpop GGUF adapter (general.type '{}', adapter.type '{}')", path,
+           str("general.type").value_or(""), str("adapter.type").value_or(""));
+    for (const auto& [n, t] : f.tensors) {
+      const auto name = kvpop_name_from_gguf(n);
+      if (!name) fail("{}: unexpected tensor '{}' (not a blk.N.kvpop.* tensor)", path, n);
+      tensors.emplace(*name, t);
+    }
+    meta["gate_kind"] = str("retention.kind").value_or("kvpop");
+    for (const char* k : {"window", "sinks", "topk", "step", "max_seq_len"})
+      if (const gguf::Value* v = f.find(std::string("retention.") + k)) {
+        if (auto* u = std::get_if<uint64_t>(&v->v)) meta[k] = std::to_string(*u);
+        else if (auto* i = std::get_if<int64_t>(&v->v)) meta[k] = std::to_string(*i);
+        else fail("{}: metadata 'retention.{}' is not an integer", path, k);
+      }
+    if (auto s = str("retention.base_model")) meta["base_model"] = *s;
+    if (auto s = str("retention.base_config_sha256")) meta["base_config_sha256"] = *s;
+  } else {
+    fail("{}: a {} container holds retention gates, not kvpop scorers (kvpop scorers are safetensors or GGUF)", path,
+         format_name(format));
+  }
+  LoadedScorers out{kvpop::Scorers::from_tensors(path, tensors, meta, config), {}, format};
+  out.info.step = parse_int(meta, "step");
+  out.info.max_seq_len = parse_int(meta, "max_seq_len");
+  if (auto it = meta.find("base_model"); it != meta.end()) out.info.base_model = it->second;
+  if (auto it = meta.find("base_config_sha256"); it != meta.end()) out.info.base_config_sha256 = it->second;
+  return out;
+}
+
+void write_scorers_safetensors(const std::string& out, const kvpop::Scorers& s, const GateInfo& info, DType dtype) {
+  const kvpop::ScorerDims& d = s.dims();
+  std::map<std::string, std::string> meta = {
+      {"format", "retain-gates"},
+      {"gate_kind", "kvpop"},
+      {"num_hidden_layers", std::to_string(d.layers)},
+      {"num_key_value_heads", std::to_string(d.kv_heads)},
+      {"head_dim", std::to_string(d.head_dim)},
+      {"base_model", info.base_model},
+      {"base_config_sha256", info.base_config_sha256},
+  };
+  if (s.geometry()) {
+    meta["window"] = std::to_string(s.geometry()->window);
+    meta["sinks"] = std::to_string(s.geometry()->sinks);
+    meta["topk"] = std::to_string(s.geometry()->topk);
+  }
+  if (info.step) meta["step"] = std::to_string(*info.step);
+  if (info.max_seq_len) meta["max_seq_len"] = std::to_string(*info.max_seq_len);
+  retain::write_safetensors(out, converted(s, dtype), meta);
+}
+
+void write_scorers_gguf(const std::string& out, const kvpop::Scorers& s, const GateInfo& info, DType dtype) {
+  const kvpop::ScorerDims& d = s.dims();
+  using gguf::Value;
+  auto u64 = [](int64_t x) { return Value{gguf::Type::U64, static_cast<uint64_t>(x)}; };
+  gguf::Metadata meta = {
+      {"general.architecture", Value::str("qwen3")},
+      {"general.type", Value::str("adapter")},
+      {"general.alignment", Value::u32(32)},
+      {"adapter.type", Value::str("kvpop")},
+      {"retention.kind", Value::str("kvpop")},
+      {"retention.score_version", Value::u32(kKvpopScoreVersion)},
+      {"retention.layer_count", Value::u32(static_cast<uint32_t>(d.layers))},
+      {"retention.head_count_kv", Value::u32(static_cast<uint32_t>(d.kv_heads))},
+      {"retention.key_length", Value::u32(static_cast<uint32_t>(d.head_dim))},
+      {"retention.base_model", Value::str(info.base_model)},
+      {"retention.base_config_sha256", Value::str(info.base_config_sha256)},
+  };
+  if (s.geometry()) {
+    meta.emplace_back("retention.window", u64(s.geometry()->window));
+    meta.emplace_back("retention.sinks", u64(s.geometry()->sinks));
+    meta.emplace_back("retention.topk", u64(s.geometry()->topk));
+  }
+  if (info.step) meta.emplace_back("retention.step", u64(*info.step));
+  if (info.max_seq_len) meta.emplace_back("retention.max_seq_len", u64(*info.max_seq_len));
+  std::vector<std::pair<std::string, Tensor>> tensors;
+  for (auto& [n, t] : converted(s, dtype)) {
+    const auto name = kvpop_gguf_name(n);
+    RETAIN_CHECK(name.has_value(), "scorer tensor {}", n);
+    tensors.emplace_back(*name, t);
+  }
+  gguf::write_file(out, meta, tensors, 32);
+}
+
+}  // namespace retain::gate_export

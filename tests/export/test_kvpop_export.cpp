@@ -1,0 +1,122 @@
+// KVPOP scorers out of and into retain (checkpoints/export/kvpop_formats.h, retain-export):
+// exports byte-identical to golden files that gguf.GGUFReader and safetensors read back
+// (tests/fixtures/kvpop/make_export_fixture.py), re-exports identical, a GGUF written by
+// llama.cpp's gguf.GGUFWriter read to the same values, --init-gates from a GGUF giving the
+// same step as from safetensors, --format trimkv refused, wrong containers one-line errors.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+
+#include "checkpoints/export/kvpop_formats.h"
+#include "kernels/base/atomic_file.h"
+#include "model/safetensors.h"
+#include "tests/trainer/train_helpers.h"
+
+namespace retain {
+namespace {
+
+using trainer::test::bin;
+using trainer::test::bytes_equal;
+using trainer::test::Result;
+using trainer::test::run;
+using trainer::test::TempDir;
+
+const std::string kFix = RETAIN_FIXTURES_DIR;
+const std::string kScorers = kFix + "/kvpop/step/scorers.safetensors";
+const std::string kGolden = kFix + "/kvpop/export";
+const std::string kIdentity = "retain-tests/kvpop-trainer-model";
+
+Qwen3Config model_config() { return Qwen3Config::load(trainer::test::kModel + "/config.json"); }
+
+Result export_(const std::string& args, const TempDir& dir) { return run(bin("retain-export") + " " + args, dir); }
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+TEST(KvpopExport, GoldenBytesAndRoundTrip) {
+  TempDir dir;
+  struct C {
+    const char* format;
+    const char* dtype;
+    const char* file;
+  };
+  for (const C c : {C{"gguf", "f32", "kvpop_f32.gguf"}, C{"gguf", "bf16", "kvpop_bf16.gguf"},
+                    C{"safetensors", "bf16", "kvpop_bf16.safetensors"}}) {
+    SCOPED_TRACE(c.file);
+    const std::string first = dir / (std::string("1_") + c.file), second = dir / (std::string("2_") + c.file);
+    Result r = export_("--from " + kScorers + " --model " + trainer::test::kModel + " --base-model " + kIdentity +
+                           " --format " + c.format + " --dtype " + c.dtype + " --out " + first,
+                       dir);
+    ASSERT_EQ(r.code, 0) << r.err;
+    EXPECT_TRUE(read_file(first) == read_file(kGolden + "/" + c.file)) << first << " differs from the golden file";
+    // An export exported again (→ import → export) is the same file; the identity travels with it.
+    r = export_("--from " + first + " --model " + trainer::test::kModel + " --format " + c.format + " --dtype " +
+                    c.dtype + " --out " + second,
+                dir);
+    ASSERT_EQ(r.code, 0) << r.err;
+    EXPECT_TRUE(read_file(second) == read_file(first)) << second << " differs from " << first;
+  }
+}
+
+TEST(KvpopExport, F32ExportsAndLlamaCppsGgufReadToTheSameValues) {
+  const SafetensorsFile want = SafetensorsFile::open(kScorers);
+  for (const char* f : {"reference_kvpop.gguf", "kvpop_f32.gguf"}) {
+    SCOPED_TRACE(f);
+    const gate_export::LoadedScorers got = gate_export::load_scorers(kGolden + "/" + f, model_config());
+    EXPECT_EQ(got.format, gate_export::Format::gguf);
+    ASSERT_TRUE(got.scorers.geometry().has_value());
+    EXPECT_EQ(*got.scorers.geometry(), (kvpop::PolicyGeometry{6, 2, 3}));
+    EXPECT_EQ(got.info.base_model, kIdentity);
+    const auto named = got.scorers.named_tensors();
+    ASSERT_EQ(named.size(), want.names().size());
+    for (const auto& [n, t] : named) EXPECT_TRUE(bytes_equal(t, want.tensor(n))) << n;
+  }
+  // BF16: the same values rounded to BF16.
+  const auto bf = gate_export::load_scorers(kGolden + "/kvpop_bf16.safetensors", model_config());
+  for (const auto& [n, t] : bf.scorers.named_tensors())
+    EXPECT_TRUE(bytes_equal(t, want.tensor(n).to_dtype(DType::BF16).to_dtype(DType::F32))) << n;
+}
+
+TEST(KvpopExport, InitGatesFromGgufTrainsAsFromSafetensors) {
+  TempDir dir;
+  const std::string data = trainer::test::pack_fixture_corpus(dir);
+  auto dump = [&](const std::string& init, const std::string& out) {
+    const Result r = run(bin("retain-train") + " --model " + trainer::test::kModel + " --data " + data +
+                             " --gate kvpop --window 6 --sinks 2 --topk 3 --global-batch 2 --seed 3 --init-gates " +
+                             init + " --dump-grads " + out,
+                         dir);
+    EXPECT_EQ(r.code, 0) << r.err;
+    return read_file(out);
+  };
+  const std::string want = dump(kScorers, dir / "want.safetensors");
+  EXPECT_TRUE(dump(kGolden + "/kvpop_f32.gguf", dir / "got.safetensors") == want);
+}
+
+TEST(KvpopExport, RefusalsAreOneLineErrors) {
+  TempDir dir;
+  Result r = export_("--from " + kScorers + " --model " + trainer::test::kModel + " --format trimkv --out " +
+                         (dir / "tk"),
+                     dir);
+  EXPECT_EQ(r.code, 1);
+  EXPECT_NE(r.err.find("--format trimkv: " + kScorers + " holds kvpop scorers"), std::string::npos) << r.err;
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+  EXPECT_FALSE(std::filesystem::exists(dir / "tk"));
+  // A retention-gate GGUF or a .pth is not a scorer container.
+  const std::string gates_gguf = kFix + "/export/golden/trimkv_tied_gqa2.gguf";
+  EXPECT_EQ(error_of([&] { gate_export::load_scorers(gates_gguf, model_config()); }),
+            gates_gguf + ": not a kvpop GGUF adapter (general.type 'adapter', adapter.type 'retention_gate')");
+  const std::string pth = kFix + "/export/torch/plain.pth";
+  EXPECT_NE(error_of([&] { gate_export::load_scorers(pth, model_config()); }).find("not kvpop scorers"),
+            std::string::npos);
+  EXPECT_FALSE(gate_export::holds_kvpop(gates_gguf));
+  EXPECT_TRUE(gate_export::holds_kvpop(kGolden + "/reference_kvpop.gguf"));
+}
+
+}  // namespace
+}  // namespace retain

@@ -1,0 +1,156 @@
+// retain-train --gate kvpop (DESIGN §5): --dump-grads against the float64 reference of the
+// whole step (tests/fixtures/kvpop/make_step_fixture.py: transformers' Qwen3 for k, v and the
+// attention probabilities, brute-force selection, mlstm-kernels, autograd) on one rank, with
+// gradient accumulation and on 2 ranks; 2 ranks train as 1; --stop-after + --resume is exact;
+// kvpop options are checked on the command line.
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "model/safetensors.h"
+#include "tests/trainer/train_helpers.h"
+
+namespace retain::trainer::test {
+namespace {
+
+const std::string kStep = std::string(RETAIN_FIXTURES_DIR) + "/kvpop/step";
+const std::string kKvpopArgs = " --gate kvpop --window 6 --sinks 2 --topk 3 --global-batch 4 --seed 3";
+
+// ‖a − b‖ / max(‖b‖, 1e-3): out.bias cancels in ŝ_new − ŝ_b, so its true gradient is 0.
+double grad_error(const Tensor& got, const Tensor& want) {
+  const Tensor x = got.to_dtype(DType::F64), y = want.to_dtype(DType::F64);
+  double num = 0, den = 0;
+  for (int64_t i = 0; i < y.numel(); ++i) {
+    num += (x.data<double>()[i] - y.data<double>()[i]) * (x.data<double>()[i] - y.data<double>()[i]);
+    den += y.data<double>()[i] * y.data<double>()[i];
+  }
+  return std::sqrt(num) / std::max(std::sqrt(den), 1e-3);
+}
+
+struct Launch {
+  const char* name;
+  int ranks;
+  int micro_batch;
+  bool plain;  // --no-margin-weight
+};
+
+class KvpopDumpGrads : public ::testing::TestWithParam<Launch> {};
+
+TEST_P(KvpopDumpGrads, MatchesFloat64Reference) {
+  const Launch launch = GetParam();
+  TempDir dir;
+  const std::string data = pack_fixture_corpus(dir), dump = dir / "dump.safetensors";
+  const std::string cmd = (launch.ranks > 1 ? mpirun(launch.ranks) : std::string()) + bin("retain-train") +
+                          " --model " + kModel + " --data " + data + kKvpopArgs + " --init-gates " + kStep +
+                          "/scorers.safetensors --dump-grads " + dump + " --micro-batch " +
+                          std::to_string(launch.micro_batch) + (launch.plain ? " --no-margin-weight" : "");
+  const Result r = run(cmd, dir);
+  ASSERT_EQ(r.code, 0) << cmd << "\n" << r.err;
+
+  const SafetensorsFile got = SafetensorsFile::open(dump);
+  const SafetensorsFile want =
+      SafetensorsFile::open(kStep + (launch.plain ? "/expected-plain.safetensors" : "/expected.safetensors"));
+  const SafetensorsFile init = SafetensorsFile::open(kStep + "/scorers.safetensors");
+  for (const char* b : {"batch/input_ids", "batch/doc_ids", "batch/target_mask"})
+    EXPECT_TRUE(bytes_equal(got.tensor(b), want.tensor(b))) << b;
+  EXPECT_EQ(got.metadata().at("decisions"), want.metadata().at("decisions"));
+  int grads = 0;
+  double worst = 0;
+  for (const std::string& param : init.names()) {
+    ++grads;
+    ASSERT_TRUE(got.contains("grad/" + param)) << param;
+    EXPECT_TRUE(bytes_equal(got.tensor(param), init.tensor(param))) << param << " is not the --init-gates value";
+    const double e = grad_error(got.tensor("grad/" + param), want.tensor("grad/" + param));
+    EXPECT_LE(e, 1e-4) << param;
+    worst = std::max(worst, e);
+  }
+  EXPECT_EQ(grads, 20);  // 2 layers × 10 tensors
+  RecordProperty("worst_grad_error", std::to_string(worst));
+  EXPECT_LE(rel_diff(got.tensor("loss/kvpop"), want.tensor("loss/kvpop")), 1e-6);
+}
+
+INSTANTIATE_TEST_SUITE_P(Launches, KvpopDumpGrads,
+                         ::testing::Values(Launch{"one_rank", 1, 4, false}, Launch{"accumulate", 1, 1, false},
+                                           Launch{"plain", 1, 2, true}, Launch{"two_ranks", 2, 2, false},
+                                           Launch{"two_ranks_accumulate", 2, 1, true}),
+                         [](const auto& info) { return std::string(info.param.name); });
+
+class KvpopRuns : public ::testing::Test {
+ protected:
+  void SetUp() override { data_ = pack_fixture_corpus(dir_); }
+  Result train(const std::string& out, int steps, const std::string& extra, int ranks = 1,
+               const std::string& kvpop = kKvpopArgs) {
+    const std::string cmd = "timeout 120 " + (ranks > 1 ? mpirun(ranks) : std::string()) + bin("retain-train") +
+                            " --model " + kModel + " --data " + data_ + " --out " + out + kvpop +
+                            " --init-gates " + kStep + "/scorers.safetensors --warmup 2 --lr 0.01 --steps " +
+                            std::to_string(steps) + " " + extra;
+    return run(cmd, dir_);
+  }
+  // The per-step metrics of two runs: equal (tol = 0) or within tol relative (scale ≥ 1e-2).
+  static void expect_same_metrics(const std::string& a_dir, const std::string& b_dir, double tol) {
+    const auto a = metrics(a_dir), b = metrics(b_dir);
+    ASSERT_EQ(a.size(), b.size());
+    for (size_t i = 0; i < a.size(); ++i)
+      for (const char* f : {"step", "loss", "agreement", "gamma", "decisions", "grad_norm", "lr"}) {
+        const double x = a[i].at(f).get<double>(), y = b[i].at(f).get<double>();
+        EXPECT_LE(std::abs(x - y), tol * std::max(std::abs(y), 1e-2)) << "step " << i + 1 << " " << f;
+      }
+  }
+  TempDir dir_;
+  std::string data_;
+};
+
+TEST_F(KvpopRuns, TwoRanksEqualOneRankAndScorersMove) {
+  const std::string one = dir_ / "one", two = dir_ / "two";
+  Result r = train(one, 4, "--micro-batch 2");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE((r.out + r.err).find(" agree "), std::string::npos) << r.out << r.err;  // the per-step line
+  r = train(two, 4, "--micro-batch 1", 2);
+  ASSERT_EQ(r.code, 0) << r.err;
+  expect_same_gates(one, two, 1e-5);
+  expect_same_metrics(one, two, 1e-5);
+  const SafetensorsFile init = SafetensorsFile::open(kStep + "/scorers.safetensors");
+  const SafetensorsFile end = SafetensorsFile::open(one + "/gates.safetensors");
+  EXPECT_EQ(end.metadata().at("gate_kind"), "kvpop");
+  EXPECT_EQ(end.metadata().at("topk"), "3");
+  for (const std::string& n : init.names())
+    if (n.find("out.bias") == std::string::npos) {  // no gradient (it cancels), only weight decay
+      EXPECT_GT(rel_diff(end.tensor(n), init.tensor(n)), 1e-4) << n;
+    } else {
+      EXPECT_LT(rel_diff(end.tensor(n), init.tensor(n)), 1e-6) << n;
+    }
+}
+
+TEST_F(KvpopRuns, ResumeAfterStopAfterIsExact) {
+  const std::string full = dir_ / "full", parts = dir_ / "parts";
+  Result r = train(full, 5, "--save-every 2");
+  ASSERT_EQ(r.code, 0) << r.err;
+  r = train(parts, 5, "--save-every 2 --stop-after 3");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(latest_step(parts), 3);
+  EXPECT_FALSE(fs::exists(parts + "/gates.safetensors"));
+  r = train(parts, 5, "--save-every 2 --resume");
+  ASSERT_EQ(r.code, 0) << r.err;
+  expect_same_gates(full, parts, 0);
+  expect_same_metrics(full, parts, 0);
+  // Another geometry is another run.
+  r = train(parts, 5, "--resume", 1, " --gate kvpop --window 6 --sinks 2 --topk 4 --global-batch 4 --seed 3");
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.err.find("topk: 3 in the checkpoint, 4 now"), std::string::npos) << r.err;
+}
+
+TEST_F(KvpopRuns, KvpopOptionsAreCheckedOnTheCommandLine) {
+  const std::string base = bin("retain-train") + " --model " + kModel + " --data " + data_ + " --out " + (dir_ / "x");
+  Result r = run(base + " --gate kvpop", dir_);
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("--gate kvpop needs --topk K"), std::string::npos) << r.err;
+  r = run(base + " --gate trimkv --topk 3", dir_);
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("are for --gate kvpop"), std::string::npos) << r.err;
+  r = run(base + " --gate kvpop --topk 3 --window 0", dir_);
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("--window must be ≥ 1"), std::string::npos) << r.err;
+}
+
+}  // namespace
+}  // namespace retain::trainer::test
