@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/tensor.h"
@@ -28,6 +29,9 @@ class ParameterSet {
   // Every parameter once, in file order: the flat optimizer vector follows this order.
   virtual std::vector<Parameter>& parameters() = 0;
   virtual const std::vector<Parameter>& parameters() const = 0;
+  // Every tensor under its file name(s), in file order (a shared tensor under every layer's
+  // name, sharing one value): what save() writes and what the exporters write.
+  virtual std::vector<std::pair<std::string, Tensor>> named_tensors() const = 0;
   // Writes the set as a safetensors file atomically, its own __metadata__ overridden by `extra`.
   virtual void save(const std::string& path, const std::map<std::string, std::string>& extra = {}) const = 0;
 

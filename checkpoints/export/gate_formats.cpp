@@ -14,6 +14,7 @@
 #include "checkpoints/export/gguf.h"
 #include "checkpoints/export/torch_file.h"
 #include "kernels/base/atomic_file.h"
+#include "model/layer_names.h"
 #include "model/safetensors.h"
 
 namespace retain::gate_export {
@@ -31,18 +32,6 @@ const std::pair<const char*, const char*> kSuffixes[] = {
     {"linear2.bias", "fc2.bias"},     {"linear3.weight", "fc3.weight"}, {"bias", "bias"},
 };
 
-// "<prefix><digits><middle><suffix>" → (layer, suffix)
-std::optional<std::pair<std::string, std::string>> split(const std::string& name, std::string_view prefix,
-                                                         std::string_view middle) {
-  if (!name.starts_with(prefix)) return std::nullopt;
-  const size_t digits = prefix.size(), dot = name.find('.', digits);
-  if (dot == std::string::npos || dot == digits) return std::nullopt;
-  for (size_t i = digits; i < dot; ++i)
-    if (name[i] < '0' || name[i] > '9') return std::nullopt;
-  if (name.compare(dot, middle.size(), middle) != 0) return std::nullopt;
-  return std::make_pair(name.substr(digits, dot - digits), name.substr(dot + middle.size()));
-}
-
 std::string fmt_number(double x) { return fmt::format("{}", x); }
 
 std::optional<double> parse_double(const std::string& s) {
@@ -57,13 +46,6 @@ std::map<std::string, Tensor> to_map(const std::vector<std::pair<std::string, Te
   for (const auto& [n, t] : v)
     if (!m.emplace(n, t).second) fail("{}: tensor '{}' appears twice", path, printable(n));
   return m;
-}
-
-std::vector<std::pair<std::string, Tensor>> converted(const gates::RetentionGates& g, DType dtype) {
-  RETAIN_CHECK(dtype == DType::F32 || dtype == DType::BF16, "export dtype {}", dtype_name(dtype));
-  std::vector<std::pair<std::string, Tensor>> out;
-  for (auto& [n, t] : g.named_tensors()) out.emplace_back(n, dtype == DType::F32 ? t : t.to_dtype(dtype));
-  return out;
 }
 
 nlohmann::ordered_json read_json(const std::string& path) {
@@ -163,6 +145,13 @@ LoadedGates load_trimkv_dir(const std::string& dir, const Qwen3Config& config, s
 
 }  // namespace
 
+std::vector<std::pair<std::string, Tensor>> export_tensors(const ParameterSet& set, DType dtype) {
+  RETAIN_CHECK(dtype == DType::F32 || dtype == DType::BF16, "export dtype {}", dtype_name(dtype));
+  std::vector<std::pair<std::string, Tensor>> out;
+  for (auto& [n, t] : set.named_tensors()) out.emplace_back(n, dtype == DType::F32 ? t : t.to_dtype(dtype));
+  return out;
+}
+
 std::string_view format_name(Format f) {
   switch (f) {
     case Format::safetensors: return "safetensors";
@@ -229,18 +218,18 @@ Qwen3Config trimkv_dir_model_config(const std::string& dir) {
 }
 
 std::optional<std::string> gguf_name(const std::string& gate_name) {
-  const auto parts = split(gate_name, "model.layers.", ".self_attn.retention_gate.");
-  if (!parts) return std::nullopt;
+  const auto parts = split_layer_name(gate_name, "model.layers.", ".self_attn.retention_gate.");
+  if (!parts || !all_digits(parts->first)) return std::nullopt;
   for (const auto& [ours, theirs] : kSuffixes)
-    if (parts->second == ours) return "blk." + parts->first + ".retention_gate." + theirs;
+    if (parts->second == ours) return fmt::format("blk.{}.retention_gate.{}", parts->first, theirs);
   return std::nullopt;
 }
 
 std::optional<std::string> gate_name_from_gguf(const std::string& name) {
-  const auto parts = split(name, "blk.", ".retention_gate.");
-  if (!parts) return std::nullopt;
+  const auto parts = split_layer_name(name, "blk.", ".retention_gate.");
+  if (!parts || !all_digits(parts->first)) return std::nullopt;
   for (const auto& [ours, theirs] : kSuffixes)
-    if (parts->second == theirs) return "model.layers." + parts->first + ".self_attn.retention_gate." + ours;
+    if (parts->second == theirs) return fmt::format("model.layers.{}.self_attn.retention_gate.{}", parts->first, ours);
   return std::nullopt;
 }
 
@@ -260,7 +249,7 @@ void write_safetensors(const std::string& out, const gates::RetentionGates& g, c
   if (info.memory) meta["memory"] = fmt_number(*info.memory);
   if (info.step) meta["step"] = std::to_string(*info.step);
   if (info.max_seq_len) meta["max_seq_len"] = std::to_string(*info.max_seq_len);
-  retain::write_safetensors(out, converted(g, dtype), meta);
+  retain::write_safetensors(out, export_tensors(g, dtype), meta);
 }
 
 void write_gguf(const std::string& out, const gates::RetentionGates& g, const GateInfo& info, DType dtype) {
@@ -286,7 +275,7 @@ void write_gguf(const std::string& out, const gates::RetentionGates& g, const Ga
   if (info.max_seq_len)
     meta.emplace_back("retention.max_seq_len", gguf::Value{gguf::Type::U64, static_cast<uint64_t>(*info.max_seq_len)});
   std::vector<std::pair<std::string, Tensor>> tensors;
-  for (auto& [n, t] : converted(g, dtype)) {
+  for (auto& [n, t] : export_tensors(g, dtype)) {
     const auto name = gguf_name(n);
     RETAIN_CHECK(name.has_value(), "gate tensor {}", n);
     tensors.emplace_back(*name, t);
@@ -332,7 +321,7 @@ void write_trimkv_dir(const std::string& out, const gates::RetentionGates& g, co
   } cleanup{tmp};
   if (!fs::create_directory(tmp, ec)) fail("{}: cannot create {}: {}", out, tmp.string(), ec.message());
   write_file_atomic((tmp / "config.json").string(), cfg.dump(2) + "\n");
-  torchfile::write_torch_file((tmp / kTrimkvWeights).string(), converted(g, dtype));
+  torchfile::write_torch_file((tmp / kTrimkvWeights).string(), export_tensors(g, dtype));
   if (fs::exists(target, ec)) {
     const fs::path old = target.string() + ".old." + std::to_string(::getpid());
     fs::rename(target, old, ec);

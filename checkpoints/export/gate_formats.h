@@ -53,6 +53,10 @@ std::string recorded_base_model(const std::string& path);
 // retention fields), for sources with no base model directory at hand.
 Qwen3Config trimkv_dir_model_config(const std::string& dir);
 
+// Every tensor of a gate or scorer set under its file names, its values as `dtype` (BF16 or
+// F32): what each writer below (and the KVPOP scorers' writers) stores.
+std::vector<std::pair<std::string, Tensor>> export_tensors(const ParameterSet& set, DType dtype);
+
 // Writers (atomic; values converted to `dtype`, BF16 or F32):
 //   safetensors: the DESIGN names, __metadata__ format "retain-gates", gate_kind, memory,
 //                gate_hidden, bias_init, base_model, base_config_sha256, step (+ the dims);

@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include "checkpoints/export/gguf.h"
+#include "model/layer_names.h"
 #include "model/safetensors.h"
 
 namespace retain::gate_export {
@@ -16,24 +17,11 @@ constexpr std::string_view kOurs = "model.layers.", kOursMid = ".self_attn.kvpop
 // "<prefix><digits><middle><rest>" → "<to_prefix><digits><to_middle><rest>" when rest is a scorer suffix.
 std::optional<std::string> rename(const std::string& name, std::string_view prefix, std::string_view middle,
                                   std::string_view to_prefix, std::string_view to_middle) {
-  if (!name.starts_with(prefix)) return std::nullopt;
-  const size_t digits = prefix.size(), dot = name.find('.', digits);
-  if (dot == std::string::npos || dot == digits) return std::nullopt;
-  for (size_t i = digits; i < dot; ++i)
-    if (name[i] < '0' || name[i] > '9') return std::nullopt;
-  if (name.compare(dot, middle.size(), middle) != 0) return std::nullopt;
-  const std::string rest = name.substr(dot + middle.size());
+  const auto parts = split_layer_name(name, prefix, middle);
+  if (!parts || !all_digits(parts->first)) return std::nullopt;
   for (const std::string& s : kvpop::scorer_suffixes())
-    if (rest == s)
-      return std::string(to_prefix) + name.substr(digits, dot - digits) + std::string(to_middle) + rest;
+    if (parts->second == s) return fmt::format("{}{}{}{}", to_prefix, parts->first, to_middle, parts->second);
   return std::nullopt;
-}
-
-std::vector<std::pair<std::string, Tensor>> converted(const kvpop::Scorers& s, DType dtype) {
-  RETAIN_CHECK(dtype == DType::F32 || dtype == DType::BF16, "export dtype {}", dtype_name(dtype));
-  std::vector<std::pair<std::string, Tensor>> out;
-  for (auto& [n, t] : s.named_tensors()) out.emplace_back(n, dtype == DType::F32 ? t : t.to_dtype(dtype));
-  return out;
 }
 
 std::optional<int64_t> parse_int(const std::map<std::string, std::string>& m, const char* key) {
@@ -138,7 +126,7 @@ void write_scorers_safetensors(const std::string& out, const kvpop::Scorers& s, 
   }
   if (info.step) meta["step"] = std::to_string(*info.step);
   if (info.max_seq_len) meta["max_seq_len"] = std::to_string(*info.max_seq_len);
-  retain::write_safetensors(out, converted(s, dtype), meta);
+  retain::write_safetensors(out, export_tensors(s, dtype), meta);
 }
 
 void write_scorers_gguf(const std::string& out, const kvpop::Scorers& s, const GateInfo& info, DType dtype) {
@@ -166,7 +154,7 @@ void write_scorers_gguf(const std::string& out, const kvpop::Scorers& s, const G
   if (info.step) meta.emplace_back("retention.step", u64(*info.step));
   if (info.max_seq_len) meta.emplace_back("retention.max_seq_len", u64(*info.max_seq_len));
   std::vector<std::pair<std::string, Tensor>> tensors;
-  for (auto& [n, t] : converted(s, dtype)) {
+  for (auto& [n, t] : export_tensors(s, dtype)) {
     const auto name = kvpop_gguf_name(n);
     RETAIN_CHECK(name.has_value(), "scorer tensor {}", n);
     tensors.emplace_back(*name, t);

@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 
 #include "model/gates/gates.h"
+#include "model/layer_names.h"
 #include "model/safetensors.h"
 
 namespace retain::gates {
@@ -19,13 +20,14 @@ constexpr std::string_view kGate = ".self_attn.retention_gate.";
 
 // "model.layers.{l}.self_attn.retention_gate.{suffix}" -> (l, suffix); nullopt for other names.
 std::optional<std::pair<int64_t, std::string>> split_gate_name(const std::string& name) {
-  if (!name.starts_with(kPrefix)) return std::nullopt;
-  const size_t digits = kPrefix.size(), dot = name.find('.', digits);
-  if (dot == std::string::npos || dot == digits || name.compare(dot, kGate.size(), kGate) != 0) return std::nullopt;
+  const auto parts = split_layer_name(name, kPrefix, kGate);
+  if (!parts) return std::nullopt;
+  const std::string_view digits = parts->first;
   int64_t l = 0;
-  const auto [end, ec] = std::from_chars(name.data() + digits, name.data() + dot, l);
-  if (ec != std::errc() || end != name.data() + dot || (name[digits] == '0' && dot - digits > 1)) return std::nullopt;
-  return std::make_pair(l, name.substr(dot + kGate.size()));
+  const auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), l);
+  if (ec != std::errc() || end != digits.data() + digits.size() || (digits[0] == '0' && digits.size() > 1))
+    return std::nullopt;
+  return std::make_pair(l, std::string(parts->second));
 }
 
 Tensor as_f32(const std::string& source, const std::string& name, const Tensor& t) {

@@ -72,7 +72,7 @@ class RetentionGates : public ParameterSet {
 
   // Every tensor under its file name(s), in file order (a shared tensor under every layer's
   // name, sharing one value): what save() writes and what the exporters write.
-  std::vector<std::pair<std::string, Tensor>> named_tensors() const;
+  std::vector<std::pair<std::string, Tensor>> named_tensors() const override;
 
   const GateDims& dims() const { return dims_; }
   GateKind kind() const { return dims_.kind; }

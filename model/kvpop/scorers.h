@@ -55,7 +55,7 @@ class Scorers : public ParameterSet {
   // F32 tensors in file order, atomically; __metadata__: format, gate_kind "kvpop",
   // num_hidden_layers, num_key_value_heads, head_dim, window, sinks, topk (when known), then `extra`.
   void save(const std::string& path, const std::map<std::string, std::string>& extra = {}) const override;
-  std::vector<std::pair<std::string, Tensor>> named_tensors() const;
+  std::vector<std::pair<std::string, Tensor>> named_tensors() const override;
 
   std::vector<Parameter>& parameters() override { return params_; }
   const std::vector<Parameter>& parameters() const override { return params_; }
