@@ -7,6 +7,8 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include "tests/cuda/cuda_test.h"
+
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -26,12 +28,6 @@ using namespace retain::test;
 namespace {
 
 using Mode = ops::CapacityMode;
-
-#define SKIP_WITHOUT_GPU()                                                               \
-  do {                                                                                   \
-    if (!cuda_built()) GTEST_SKIP() << "built without CUDA";                             \
-    if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";                      \
-  } while (0)
 
 Tensor poisoned_cuda(const Shape& shape) {
   Tensor t = Tensor::empty(shape, DType::F32);

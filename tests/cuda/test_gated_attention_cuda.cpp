@@ -8,6 +8,8 @@
 // results; bad inputs as one-line errors. Skips (visibly) without a CUDA build or device.
 #include <gtest/gtest.h>
 
+#include "tests/cuda/cuda_test.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -27,16 +29,7 @@ using namespace retain;
 
 namespace {
 
-#define SKIP_WITHOUT_GPU()                                          \
-  do {                                                              \
-    if (!cuda_built()) GTEST_SKIP() << "built without CUDA";        \
-    if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device"; \
-  } while (0)
-
-uint32_t fresh_seed() {
-  if (const char* s = std::getenv("RETAIN_TEST_SEED")) return static_cast<uint32_t>(std::strtoul(s, nullptr, 10));
-  return std::random_device{}();
-}
+using cuda_test::fresh_seed;
 
 enum class Docs { one, contiguous, interleaved };
 

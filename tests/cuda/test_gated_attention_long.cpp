@@ -12,6 +12,8 @@
 // entries, lse within 1e-3·(1 + |lse|). Skips (visibly) without a CUDA build or device.
 #include <gtest/gtest.h>
 
+#include "tests/cuda/cuda_test.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -28,10 +30,7 @@ using namespace retain;
 
 namespace {
 
-uint32_t fresh_seed() {
-  if (const char* s = std::getenv("RETAIN_TEST_SEED")) return static_cast<uint32_t>(std::strtoul(s, nullptr, 10));
-  return std::random_device{}();
-}
+using cuda_test::fresh_seed;
 
 // splitmix64 normals, filled in parallel chunks (mt19937 would take seconds per 100M values).
 std::vector<float> bf16_normals(int64_t n, float std, uint64_t seed) {
@@ -254,12 +253,6 @@ void check_long(const Long& c, uint32_t seed) {
   EXPECT_LE(total(e_dlb), 1e-2);
   EXPECT_LE(worst_lse, 1e-3);
 }
-
-#define SKIP_WITHOUT_GPU()                                          \
-  do {                                                              \
-    if (!cuda_built()) GTEST_SKIP() << "built without CUDA";        \
-    if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device"; \
-  } while (0)
 
 }  // namespace
 
