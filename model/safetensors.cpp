@@ -29,15 +29,6 @@ namespace {
 // parse (or allocate for) gigabytes of "header".
 constexpr uint64_t kMaxHeaderBytes = 100'000'000;
 
-// Names come from untrusted files; keep error messages on one readable line.
-std::string show(std::string_view name) {
-  std::string s(name.substr(0, 200));
-  for (char& c : s)
-    if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) c = '?';
-  if (name.size() > 200) s += "...";
-  return s;
-}
-
 // Explicit little-endian (de)coding, whatever the host byte order.
 uint64_t load_le64(const char* p) {
   uint64_t v = 0;
@@ -54,7 +45,7 @@ std::string store_le64(uint64_t v) {
 uint64_t get_u64(const json& v) { return v.get<uint64_t>(); }
 
 [[noreturn]] void bad_entry(const std::string& path, const std::string& name, std::string_view what) {
-  fail("{}: tensor '{}': {}", path, show(name), what);
+  fail("{}: tensor '{}': {}", path, printable(name), what);
 }
 
 // Validates one header entry on its own (bounds against the data section included);
@@ -68,7 +59,7 @@ SafetensorsEntry parse_entry(const std::string& path, const std::string& name, c
   auto dt = v.find("dtype");
   if (dt == v.end() || !dt->is_string()) bad("missing or non-string 'dtype'");
   auto dtype = dtype_from_name(dt->get_ref<const std::string&>());
-  if (!dtype) bad(fmt::format("unknown dtype '{}'", show(dt->get_ref<const std::string&>())));
+  if (!dtype) bad(fmt::format("unknown dtype '{}'", printable(dt->get_ref<const std::string&>())));
   e.dtype = *dtype;
 
   auto sh = v.find("shape");
@@ -164,7 +155,7 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
       if (key == "__metadata__") {
         if (!v.is_object()) fail("{}: __metadata__ is not a JSON object", path);
         for (const auto& [mk, mv] : v.items()) {
-          if (!mv.is_string()) fail("{}: __metadata__ value for '{}' is not a string", path, show(mk));
+          if (!mv.is_string()) fail("{}: __metadata__ value for '{}' is not a string", path, printable(mk));
           f.metadata_[mk] = mv.get<std::string>();
         }
         continue;
@@ -185,11 +176,11 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
   const SafetensorsEntry* prev = nullptr;
   for (const SafetensorsEntry* e : order) {
     if (e->begin < pos)
-      fail("{}: tensor '{}' [{}, {}) overlaps tensor '{}' [{}, {})", path, show(e->name), e->begin, e->end,
-           show(prev->name), prev->begin, prev->end);
+      fail("{}: tensor '{}' [{}, {}) overlaps tensor '{}' [{}, {})", path, printable(e->name), e->begin, e->end,
+           printable(prev->name), prev->begin, prev->end);
     if (e->begin > pos)
       fail("{}: gap of {} unused bytes at data offset {} before tensor '{}'", path, e->begin - pos, pos,
-           show(e->name));
+           printable(e->name));
     pos = e->end;
     prev = e;
   }
@@ -205,7 +196,7 @@ std::vector<std::string> SafetensorsFile::names() const {
 
 const SafetensorsEntry& SafetensorsFile::entry(const std::string& name) const {
   auto it = entries_.find(name);
-  if (it == entries_.end()) fail("{}: no tensor '{}'", path_, show(name));
+  if (it == entries_.end()) fail("{}: no tensor '{}'", path_, printable(name));
   return it->second;
 }
 
@@ -227,11 +218,11 @@ void write_safetensors(const std::string& path, const std::vector<std::pair<std:
   uint64_t offset = 0;
   for (const auto& [name, t] : tensors) {
     if (name == "__metadata__") fail("{}: '__metadata__' cannot be a tensor name", path);
-    if (!seen.insert(name).second) fail("{}: duplicate tensor name '{}'", path, show(name));
+    if (!seen.insert(name).second) fail("{}: duplicate tensor name '{}'", path, printable(name));
     if (t.device() != Device::CPU)
-      fail("{}: tensor '{}' is on {}; only CPU tensors can be written", path, show(name), device_name(t.device()));
+      fail("{}: tensor '{}' is on {}; only CPU tensors can be written", path, printable(name), device_name(t.device()));
     if (t.numel() != shape_numel(t.shape()) || (t.raw() == nullptr && t.nbytes() != 0))
-      fail("{}: tensor '{}' is undefined", path, show(name));
+      fail("{}: tensor '{}' is undefined", path, printable(name));
     header[name] = {{"dtype", dtype_name(t.dtype())},
                     {"shape", t.shape()},
                     {"data_offsets", {offset, offset + t.nbytes()}}};
@@ -281,35 +272,35 @@ SafetensorsSet SafetensorsSet::open_dir(const std::string& dir) {
   std::map<std::string, std::string> listed;  // tensor -> shard file name
   std::map<std::string, size_t> shards;       // shard file name -> index into files_
   for (const auto& [name, shard] : wm->items()) {
-    if (!shard.is_string()) fail("{}: weight_map entry for '{}' is not a string", index, show(name));
+    if (!shard.is_string()) fail("{}: weight_map entry for '{}' is not a string", index, printable(name));
     const std::string& s = shard.get_ref<const std::string&>();
     // Shards must be plain file names inside the directory: an index must not make us
     // read files elsewhere.
     if (s.empty() || s == "." || s.find_first_of(std::string_view("/\\\0", 3)) != std::string::npos ||
         s.find("..") != std::string::npos)
-      fail("{}: shard name '{}' for tensor '{}' is not a plain file name", index, show(s), show(name));
+      fail("{}: shard name '{}' for tensor '{}' is not a plain file name", index, printable(s), printable(name));
     listed[name] = s;
     shards.emplace(s, 0);
   }
   for (auto& [s, i] : shards) {
     std::string p = (fs::path(dir) / s).string();
-    if (!fs::exists(p, ec)) fail("{}: shard {} does not exist", index, p);
+    if (!fs::exists(p, ec)) fail("{}: shard {} does not exist", index, printable(p));
     i = set.files_.size();
     set.files_.push_back(SafetensorsFile::open(p));
   }
   for (const auto& [name, s] : listed) {
     size_t i = shards.at(s);
     if (!set.files_[i].contains(name))
-      fail("{}: tensor '{}' is listed in weight_map but missing from {}", index, show(name), set.files_[i].path());
+      fail("{}: tensor '{}' is listed in weight_map but missing from {}", index, printable(name), set.files_[i].path());
     set.owner_[name] = i;
   }
   for (size_t i = 0; i < set.files_.size(); ++i)
     for (const std::string& name : set.files_[i].names()) {
       auto it = set.owner_.find(name);
       if (it == set.owner_.end())
-        fail("{}: tensor '{}' in {} is not listed in weight_map", index, show(name), set.files_[i].path());
+        fail("{}: tensor '{}' in {} is not listed in weight_map", index, printable(name), set.files_[i].path());
       if (it->second != i)
-        fail("{}: tensor '{}' is in two shards: {} and {}", index, show(name), set.files_[it->second].path(),
+        fail("{}: tensor '{}' is in two shards: {} and {}", index, printable(name), set.files_[it->second].path(),
              set.files_[i].path());
     }
   return set;
@@ -328,7 +319,7 @@ const std::map<std::string, std::string>& SafetensorsSet::metadata() const {
 
 const SafetensorsFile& SafetensorsSet::file(const std::string& name) const {
   auto it = owner_.find(name);
-  if (it == owner_.end()) fail("{}: no tensor '{}'", dir_, show(name));
+  if (it == owner_.end()) fail("{}: no tensor '{}'", dir_, printable(name));
   return files_[it->second];
 }
 

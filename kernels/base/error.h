@@ -20,19 +20,13 @@ template <typename... Args>
   throw Error(fmt::format(f, std::forward<Args>(args)...));
 }
 
-// A string from an untrusted file, fit for a one-line message: control bytes and bytes ≥ 0x7f
-// as \xNN (valid UTF-8 is not decoded: a message stays ASCII), at most `max` bytes shown.
-inline std::string printable(std::string_view s, size_t max = 96) {
-  std::string out;
-  for (size_t i = 0; i < s.size() && i < max; ++i) {
-    const auto c = static_cast<unsigned char>(s[i]);
-    if (c >= 0x20 && c < 0x7f && c != '\\') {
-      out.push_back(static_cast<char>(c));
-    } else {
-      out += fmt::format("\\x{:02x}", c);
-    }
-  }
-  if (s.size() > max) out += fmt::format("… ({} bytes)", s.size());
+// A string from an untrusted file (a tensor name, a key, a path it names), fit for a
+// one-line message: control characters become '?', at most 200 bytes are shown ("..." after).
+inline std::string printable(std::string_view s) {
+  std::string out(s.substr(0, 200));
+  for (char& c : out)
+    if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) c = '?';
+  if (s.size() > 200) out += "...";
   return out;
 }
 
