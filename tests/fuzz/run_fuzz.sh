@@ -21,5 +21,7 @@ export ASAN_OPTIONS="allocator_may_return_null=1${ASAN_OPTIONS:+:$ASAN_OPTIONS}"
 # -timeout: one input taking longer is a hang (a finding). -rss_limit_mb: an input that makes a
 # parser use gigabytes is a finding too; single mallocs are not limited (-malloc_limit_mb
 # 1 TiB), for the reason above. -print_final_stats: execs/s for docs/reliability.md.
-exec "$fuzzer" -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 -malloc_limit_mb=1048576 \
+# RETAIN_FUZZ_SEED (CI sets it): the same mutation sequence on every run, so a finding in CI
+# recurs rather than appearing at random.
+exec "$fuzzer" ${RETAIN_FUZZ_SEED:+-seed="$RETAIN_FUZZ_SEED"} -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 -malloc_limit_mb=1048576 \
   -print_final_stats=1 -artifact_prefix="$work/" "$work/corpus" "$work/seeds"
