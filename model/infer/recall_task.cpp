@@ -20,15 +20,19 @@ int64_t uniform(std::mt19937_64& rng, int64_t lo, int64_t hi) { return lo + stat
 }  // namespace
 
 std::string describe(const RecallSpec& s) {
-  return fmt::format("recall: {} samples, context {}, {} pairs, key {}, value {}, seed {}", s.samples, s.context,
-                     s.pairs, s.key_len, s.value_len, s.seed);
+  std::string d = fmt::format("recall: {} samples, context {}, {} pairs, key {}, value {}", s.samples, s.context,
+                              s.pairs, s.key_len, s.value_len);
+  if (s.queries != 1) d += fmt::format(", {} queries", s.queries);
+  if (s.content_limit < s.vocab) d += fmt::format(", content ids [{}, {})", kRecallFirstContent, s.content_limit);
+  return d + fmt::format(", seed {}", s.seed);
 }
 
 std::vector<RecallSample> make_recall_task(const RecallSpec& s) {
   const int64_t hi = std::min(s.vocab, s.content_limit);
   if (hi < 64) fail("--task recall: the vocabulary ({} ids usable) is too small; need at least 64", hi);
-  if (s.samples < 1 || s.pairs < 1 || s.key_len < 1 || s.value_len < 1)
-    fail("--task recall: samples, pairs, key and value lengths must be >= 1");
+  if (s.samples < 1 || s.pairs < 1 || s.key_len < 1 || s.value_len < 1 || s.queries < 1)
+    fail("--task recall: samples, pairs, queries, key and value lengths must be >= 1");
+  if (s.queries > s.pairs) fail("--task recall: {} queries ask more keys than the {} pairs hold", s.queries, s.pairs);
   const int64_t record = 2 + s.key_len + s.value_len;
   if (s.pairs * record > s.context)
     fail("--task recall: {} records of {} tokens do not fit a context of {}", s.pairs, record, s.context);
@@ -74,13 +78,26 @@ std::vector<RecallSample> make_recall_task(const RecallSpec& s) {
       smp.prompt.insert(smp.prompt.end(), values[p].begin(), values[p].end());
       record_end[p] = static_cast<int64_t>(smp.prompt.size());
     }
-    // 4. the query.
-    const int64_t q = uniform(rng, 0, s.pairs);
-    smp.prompt.push_back(kRecallQuery);
-    smp.prompt.insert(smp.prompt.end(), keys[q].begin(), keys[q].end());
-    smp.prompt.push_back(kRecallArrow);
-    smp.answer = values[q];
-    smp.depth = static_cast<int64_t>(smp.prompt.size()) - record_end[q];
+    // 4. the queries: distinct records (the first drawn as a one-query task draws it, so
+    //    --queries 1 gives the tasks it always gave); all but the last answered in the prompt.
+    std::vector<int64_t> asked{uniform(rng, 0, s.pairs)};
+    while (static_cast<int64_t>(asked.size()) < s.queries) {
+      const int64_t q = uniform(rng, 0, s.pairs);
+      if (std::find(asked.begin(), asked.end(), q) == asked.end()) asked.push_back(q);
+    }
+    std::reverse(asked.begin(), asked.end());  // the first drawn is asked last and scored
+    for (size_t i = 0; i < asked.size(); ++i) {
+      const int64_t q = asked[i];
+      smp.prompt.push_back(kRecallQuery);
+      smp.prompt.insert(smp.prompt.end(), keys[q].begin(), keys[q].end());
+      smp.prompt.push_back(kRecallArrow);
+      if (i + 1 < asked.size()) {
+        smp.answer_starts.push_back(static_cast<int64_t>(smp.prompt.size()));
+        smp.prompt.insert(smp.prompt.end(), values[q].begin(), values[q].end());
+      }
+    }
+    smp.answer = values[asked.back()];
+    smp.depth = static_cast<int64_t>(smp.prompt.size()) - record_end[asked.back()];
     out.push_back(std::move(smp));
   }
   return out;

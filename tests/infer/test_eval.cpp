@@ -113,6 +113,52 @@ TEST(RecallTask, StructureAndDeterminism) {
   EXPECT_THROW(make_recall_task(bad), Error);
 }
 
+TEST(RecallTask, SeveralQueriesAndContentLimit) {
+  RecallSpec one;
+  one.vocab = 512, one.content_limit = 256, one.samples = 10, one.context = 200, one.pairs = 6, one.seed = 9;
+  RecallSpec three = one;
+  three.queries = 3;
+  const auto a = make_recall_task(one), c = make_recall_task(three);
+  const int64_t R = (256 - kRecallFirstContent) / 2;
+  for (size_t n = 0; n < a.size(); ++n) {
+    const auto& p = c[n].prompt;
+    ASSERT_EQ(p.size(), 200u + 2 * 6 + 4);  // two answered queries, then the scored one
+    if (n == 0) {  // later samples differ: the extra queries draw from the same stream
+      EXPECT_TRUE(std::equal(p.begin(), p.begin() + 200, a[n].prompt.begin())) << "the same context";
+      EXPECT_EQ(c[n].answer, a[n].answer) << "the scored query is the one a one-query task asks";
+    }
+    std::map<std::vector<int32_t>, std::vector<int32_t>> records;
+    for (size_t i = 0; i < 200;) {
+      if (p[i] == kRecallPair) {
+        records[{p[i + 1], p[i + 2]}] = {p[i + 4], p[i + 5]};
+        i += 6;
+      } else {
+        EXPECT_TRUE(p[i] >= kRecallFirstContent + R && p[i] < 256) << "filler below the content limit";
+        ++i;
+      }
+    }
+    ASSERT_EQ(c[n].answer_starts.size(), 2u);
+    std::set<std::vector<int32_t>> asked;
+    for (size_t q = 0; q < 3; ++q) {
+      const size_t at = 200 + 6 * q;
+      EXPECT_EQ(p[at], kRecallQuery);
+      EXPECT_EQ(p[at + 3], kRecallArrow);
+      const std::vector<int32_t> key{p[at + 1], p[at + 2]};
+      ASSERT_TRUE(records.count(key));
+      EXPECT_TRUE(asked.insert(key).second) << "queries ask distinct keys";
+      if (q < 2) {
+        EXPECT_EQ(c[n].answer_starts[q], static_cast<int64_t>(at + 4));
+        EXPECT_EQ(std::vector<int32_t>(p.begin() + at + 4, p.begin() + at + 6), records[key]);
+      } else {
+        EXPECT_EQ(records[key], c[n].answer);
+      }
+    }
+  }
+  RecallSpec bad = three;
+  bad.queries = 7;
+  EXPECT_THROW(make_recall_task(bad), Error);
+}
+
 TEST(Eval, RecallFullEqualsIndependentForward) {
   const Model& m = model();
   ResidentWeightProvider w(m.ckpt);

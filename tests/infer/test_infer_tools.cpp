@@ -154,6 +154,22 @@ TEST_F(InferTools, EvalRecallMetricsAndPlot) {
     ++n;
   }
   EXPECT_EQ(n, 2);
+  EXPECT_EQ(j["task"]["content_ids"][1].get<int>(), 256) << "the tiny model's <|endoftext|> = 256 ends the content ids";
+  // --queries 3: every query's value is a target; no id is a special token.
+  const fs::path task3 = root() / "task3.jsonl";
+  const fs::path no_metrics = root() / "not-written.json";
+  ASSERT_EQ(run("retain-eval --model " + tiny() + " --task recall --samples 2 --context 48 --pairs 3 --queries 3 --out " +
+                no_metrics.string() + " --dump-task " + task3.string()).code, 0);
+  EXPECT_FALSE(fs::exists(no_metrics)) << "without --policy only the task is written";
+  std::ifstream f3(task3);
+  while (std::getline(f3, line)) {
+    const nlohmann::json s = nlohmann::json::parse(line);
+    EXPECT_EQ(s["input_ids"].size(), 48u + 2 * 6 + 4u + 2u);
+    int targets = 0;
+    for (const auto& t : s["target_mask"]) targets += t.get<int>();
+    EXPECT_EQ(targets, 6);
+    for (const auto& id : s["input_ids"]) EXPECT_LT(id.get<int>(), 256);
+  }
   // Re-plot from the file.
   const fs::path png2 = root() / "replot.png";
   ASSERT_EQ(run("retain-plot eval --metrics " + m.string() + " --out " + png2.string()).code, 0);
@@ -169,6 +185,7 @@ TEST_F(InferTools, EvalErrors) {
   expect_error(base + " --policy kvpop --budget 8", "ranks tokens by KVPOP scorers: give --gates", 2, m);
   expect_error(base + " --policy window", "needs --budget", 2, m);
   expect_error(base + " --policy full --data x.h5", "exactly one of", 2, m);
+  expect_error(base, "give --policy", 2, m);
   expect_error("retain-eval --model " + tiny() + " --task recall --context 32 --pairs 20 --policy full --out " + m.string(),
                "do not fit", 1, m);
   expect_error("retain-eval --model " + tiny() + " --data " + (root() / "missing.h5").string() + " --policy full --out " + m.string(),

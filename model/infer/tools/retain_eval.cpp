@@ -30,9 +30,10 @@ constexpr const char* kUsage =
     "Usage: retain-eval --model DIR [--gates FILE] --data FILE.h5|--task recall\n"
     "                   --policy P,... --budget B,... [--out metrics.json] [--plot PNG]\n"
     "                   [--sequences N] [--prefill-chunk C] [--buffer N]\n"
-    "                   [--samples N --context N --pairs N --key-len N --value-len N --seed S]\n"
+    "                   [--samples N --context N --pairs N --queries N --key-len N --value-len N\n"
+    "                    --seed S]\n"
     "                   [--dump-task FILE.jsonl]\n\n"
-    "For each policy (full, window, h2o, trimkv, dbtrimkv) and budget (entries per layer and KV\n"
+    "For each policy (full, window, h2o, trimkv, dbtrimkv, kvpop) and budget (entries per layer and KV\n"
     "head), feeds text through the bounded-KV decoder one token per forward (--prefill-chunk to\n"
     "feed more), evicting as generation would, and scores its predictions:\n"
     "  --data FILE.h5   a packed dataset (retain-pack): NLL and perplexity of the target tokens,\n"
@@ -40,7 +41,10 @@ constexpr const char* kUsage =
     "                   over the documents of the first --sequences sequences;\n"
     "  --task recall    the synthetic key-value recall task (model/infer/recall_task.h): exact-\n"
     "                   match accuracy and NLL of the answers. --dump-task writes its samples as\n"
-    "                   JSON lines {input_ids, target_mask} that retain-pack reads (pretraining).\n"
+    "                   JSON lines {input_ids, target_mask} that retain-pack reads (training data;\n"
+    "                   without --policy it only writes them). --queries N asks N keys at the end,\n"
+    "                   every answer a target; the last is scored. Task ids stop at the model's\n"
+    "                   first special token (bos/eos id >= 16).\n"
     "full runs once (no budget). Writes metrics.json (`results`: policy, budget, nll, perplexity,\n"
     "kl + top1_agreement or accuracy, tokens, mean cache, tokens/s, eviction share) atomically,\n"
     "and with --plot a PNG of quality vs budget per policy.";
@@ -75,7 +79,7 @@ int run(int argc, char** argv) {
       ("gates", cli::po::value(&gates_path), "retention gates (trimkv, dbtrimkv) or kvpop scorers (kvpop): .safetensors or .gguf")
       ("data", cli::po::value(&data_path), "packed dataset (.h5) to score")
       ("task", cli::po::value(&task), "built-in task: recall")
-      ("policy", cli::po::value(&policies_text)->required(), "policies, comma-separated")
+      ("policy", cli::po::value(&policies_text), "policies, comma-separated (none: only --dump-task)")
       ("budget", cli::po::value(&budgets_text), "budgets, comma-separated (not needed for full alone)")
       ("out", cli::po::value(&out)->default_value("metrics.json"), "metrics file (JSON, written atomically)")
       ("plot", cli::po::value(&plot), "PNG of quality vs budget per policy")
@@ -85,6 +89,8 @@ int run(int argc, char** argv) {
       ("samples", cli::po::value(&spec.samples)->default_value(32), "recall: samples")
       ("context", cli::po::value(&spec.context)->default_value(512), "recall: tokens before the query")
       ("pairs", cli::po::value(&spec.pairs)->default_value(8), "recall: key-value records")
+      ("queries", cli::po::value(&spec.queries)->default_value(1),
+       "recall: keys asked at the end; the last is scored, the others are answered in the prompt")
       ("key-len", cli::po::value(&spec.key_len)->default_value(2), "recall: tokens per key")
       ("value-len", cli::po::value(&spec.value_len)->default_value(2), "recall: tokens per value")
       ("seed", cli::po::value(&spec.seed)->default_value(0), "recall: task seed")
@@ -95,10 +101,15 @@ int run(int argc, char** argv) {
   if (vm.count("data") == vm.count("task")) throw cli::UsageError("give exactly one of --data FILE.h5, --task recall");
   const bool recall = vm.count("task");
   if (recall && task != "recall") throw cli::UsageError(fmt::format("--task: unknown task '{}' (recall)", task));
+  const bool dump_only = !vm.count("policy");
+  if (dump_only && !(recall && vm.count("dump-task")))
+    throw cli::UsageError("give --policy (only --task recall --dump-task FILE may go without)");
   if (eopt.prefill_chunk < 1) throw cli::UsageError("--prefill-chunk must be >= 1");
   if (eopt.max_sequences < 0) throw cli::UsageError("--sequences must be >= 0");
-  const std::vector<PolicyKind> policies = parse_list<PolicyKind>(
-      policies_text, "--policy", [](const std::string& s, const char* o) { return policy_arg(s, o); });
+  const std::vector<PolicyKind> policies =
+      dump_only ? std::vector<PolicyKind>{}
+                : parse_list<PolicyKind>(policies_text, "--policy",
+                                         [](const std::string& s, const char* o) { return policy_arg(s, o); });
   std::vector<int64_t> budgets;
   if (vm.count("budget"))
     budgets = parse_list<int64_t>(budgets_text, "--budget", [](const std::string& s, const char* o) {
@@ -119,7 +130,7 @@ int run(int argc, char** argv) {
     po.kind = r.policy, po.budget = r.budget, po.buffer = eopt.buffer;
     check_policy_args(po, vm.count("gates") > 0);
   }
-  check_output_dir(out, "--out");
+  if (!dump_only) check_output_dir(out, "--out");
   if (vm.count("plot")) check_output_dir(plot, "--plot");
   if (vm.count("dump-task")) check_output_dir(dump, "--dump-task");
 
@@ -132,6 +143,9 @@ int run(int argc, char** argv) {
   }
   ResidentWeightProvider weights(ckpt);
   spec.vocab = ckpt->config().vocab_size;
+  // No special token may be content: the task's ids stop at the model's first bos/eos id ≥ 16.
+  for (const auto& id : {ckpt->config().bos_token_id, ckpt->config().eos_token_id})
+    if (id && *id >= kRecallFirstContent) spec.content_limit = std::min(spec.content_limit, *id);
 
   const auto start = std::chrono::steady_clock::now();
   const bool tty = ::isatty(STDERR_FILENO);
@@ -160,17 +174,24 @@ int run(int argc, char** argv) {
         nlohmann::json j;
         std::vector<int32_t> ids = s.prompt;
         ids.insert(ids.end(), s.answer.begin(), s.answer.end());
-        std::vector<int> mask(ids.size(), 0);
+        std::vector<int> mask(ids.size(), 0);  // 1 on every query's value
         std::fill(mask.end() - static_cast<std::ptrdiff_t>(s.answer.size()), mask.end(), 1);
+        for (int64_t at : s.answer_starts)
+          std::fill_n(mask.begin() + at, static_cast<std::ptrdiff_t>(s.answer.size()), 1);
         j["input_ids"] = ids, j["target_mask"] = mask;
         lines += j.dump() + "\n";
       }
       write_file_atomic(dump, lines);
+      if (dump_only) {
+        std::cerr << fmt::format("retain-eval: wrote {} ({})\n", dump, describe(spec));
+        return 0;
+      }
     }
     std::cerr << fmt::format("retain-eval: {} on {} ({} runs)\n", describe(spec), model, runs.size());
     results = evaluate_recall(weights, gates ? &*gates : nullptr, spec, runs, eopt, scorers ? &*scorers : nullptr);
     m["task"] = {{"name", "recall"}, {"samples", spec.samples}, {"context", spec.context}, {"pairs", spec.pairs},
-                 {"key_len", spec.key_len}, {"value_len", spec.value_len}, {"seed", spec.seed}};
+                 {"queries", spec.queries}, {"key_len", spec.key_len}, {"value_len", spec.value_len},
+                 {"content_ids", {kRecallFirstContent, std::min(spec.vocab, spec.content_limit)}}, {"seed", spec.seed}};
   } else {
     const data::PackedDataset ds = data::PackedDataset::open(data_path);
     data::check_dataset_matches_model(ds, model, ckpt->config());
