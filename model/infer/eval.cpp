@@ -95,7 +95,8 @@ std::vector<EvalResult> evaluate_data(WeightProvider& weights, const gates::Rete
     const Tensor ids_t = Tensor::from_vector(doc.ids, {T});
     const Tensor hidden = qwen3_hidden(weights, ids_t, Tensor::zeros({T}, DType::I32));
     for (size_t r = 0; r < runs.size(); ++r) {
-      Decoder dec(weights, gates, policy_options(runs[r], opt), scorers);
+      Decoder dec(weights, runs[r].gates ? runs[r].gates : gates, policy_options(runs[r], opt),
+                  runs[r].scorers ? runs[r].scorers : scorers);
       Totals& tot = totals[r];
       double cache_sum = 0;
       int64_t forwards = 0;
@@ -140,7 +141,8 @@ std::vector<EvalResult> evaluate_recall(WeightProvider& weights, const gates::Re
   std::vector<double> lq;
   for (const RecallSample& s : task)
     for (size_t r = 0; r < runs.size(); ++r) {
-      Decoder dec(weights, gates, policy_options(runs[r], opt), scorers);
+      Decoder dec(weights, runs[r].gates ? runs[r].gates : gates, policy_options(runs[r], opt),
+                  runs[r].scorers ? runs[r].scorers : scorers);
       Totals& tot = totals[r];
       double cache_sum = 0;
       int64_t forwards = 0;

@@ -25,6 +25,9 @@ namespace retain::infer {
 struct EvalRun {
   PolicyKind policy;
   int64_t budget = 0;  // 0 for full
+  // This run's own gates or scorers (retain-eval --gates POLICY=FILE); null: the call's.
+  const gates::RetentionGates* gates = nullptr;
+  const kvpop::Scorers* scorers = nullptr;
 };
 
 struct EvalResult {

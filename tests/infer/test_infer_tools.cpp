@@ -170,6 +170,17 @@ TEST_F(InferTools, EvalRecallMetricsAndPlot) {
     EXPECT_EQ(targets, 6);
     for (const auto& id : s["input_ids"]) EXPECT_LT(id.get<int>(), 256);
   }
+  // Per-policy gates: trimkv=FILE gives what --gates FILE gave; window needs none.
+  const fs::path m2 = root() / "per_policy.json";
+  ASSERT_EQ(run("retain-eval --model " + tiny() + " --gates trimkv=" + gates() +
+                " --task recall --policy full,window,trimkv --budget 8,16 --samples 2 --context 48 --pairs 3 --out " + m2.string()).code, 0);
+  const nlohmann::json j2 = nlohmann::json::parse(read_file(m2.string()));
+  EXPECT_EQ(j2["gates"]["trimkv"].get<std::string>(), gates());
+  for (const auto& e : j2["results"])
+    for (const auto& e1 : j["results"])
+      if (e1["policy"] == e["policy"] && e1["budget"] == e["budget"]) {
+        EXPECT_EQ(e1["nll"], e["nll"]) << e.dump();
+      }
   // Re-plot from the file.
   const fs::path png2 = root() / "replot.png";
   ASSERT_EQ(run("retain-plot eval --metrics " + m.string() + " --out " + png2.string()).code, 0);
@@ -186,6 +197,9 @@ TEST_F(InferTools, EvalErrors) {
   expect_error(base + " --policy window", "needs --budget", 2, m);
   expect_error(base + " --policy full --data x.h5", "exactly one of", 2, m);
   expect_error(base, "give --policy", 2, m);
+  expect_error(base + " --policy dbtrimkv --budget 8 --gates trimkv=" + gates(), "--policy dbtrimkv ranks tokens", 2, m);
+  expect_error(base + " --policy trimkv --budget 8 --gates " + gates() + " --gates " + gates(), "two files for every policy", 2, m);
+  expect_error(base + " --policy trimkv --budget 8 --gates trimkv=", "no file after", 2, m);
   expect_error("retain-eval --model " + tiny() + " --task recall --context 32 --pairs 20 --policy full --out " + m.string(),
                "do not fit", 1, m);
   expect_error("retain-eval --model " + tiny() + " --data " + (root() / "missing.h5").string() + " --policy full --out " + m.string(),

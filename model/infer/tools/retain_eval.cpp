@@ -5,6 +5,7 @@
 #include <cmath>
 #include <filesystem>
 #include <iostream>
+#include <map>
 #include <optional>
 #include <sstream>
 
@@ -27,7 +28,7 @@ namespace fs = std::filesystem;
 namespace {
 
 constexpr const char* kUsage =
-    "Usage: retain-eval --model DIR [--gates FILE] --data FILE.h5|--task recall\n"
+    "Usage: retain-eval --model DIR [--gates [POLICY=]FILE ...] --data FILE.h5|--task recall\n"
     "                   --policy P,... --budget B,... [--out metrics.json] [--plot PNG]\n"
     "                   [--sequences N] [--prefill-chunk C] [--buffer N]\n"
     "                   [--samples N --context N --pairs N --queries N --key-len N --value-len N\n"
@@ -71,12 +72,15 @@ std::vector<T> parse_list(const std::string& text, const char* option, T (*one)(
 
 int run(int argc, char** argv) {
   cli::po::options_description opts("Options");
-  std::string model, gates_path, data_path, task, policies_text, budgets_text, out = "metrics.json", plot, dump;
+  std::vector<std::string> gate_args;
+  std::string model, data_path, task, policies_text, budgets_text, out = "metrics.json", plot, dump;
   EvalOptions eopt;
   RecallSpec spec;
   opts.add_options()
       ("model", cli::po::value(&model)->required(), "Hugging Face model directory")
-      ("gates", cli::po::value(&gates_path), "retention gates (trimkv, dbtrimkv) or kvpop scorers (kvpop): .safetensors or .gguf")
+      ("gates", cli::po::value(&gate_args)->composing(),
+       "retention gates (trimkv, dbtrimkv) or kvpop scorers (kvpop): .safetensors or .gguf; FILE for every "
+       "gated policy, or POLICY=FILE for one (repeat the option)")
       ("data", cli::po::value(&data_path), "packed dataset (.h5) to score")
       ("task", cli::po::value(&task), "built-in task: recall")
       ("policy", cli::po::value(&policies_text), "policies, comma-separated (none: only --dump-task)")
@@ -106,6 +110,18 @@ int run(int argc, char** argv) {
     throw cli::UsageError("give --policy (only --task recall --dump-task FILE may go without)");
   if (eopt.prefill_chunk < 1) throw cli::UsageError("--prefill-chunk must be >= 1");
   if (eopt.max_sequences < 0) throw cli::UsageError("--sequences must be >= 0");
+  // --gates FILE (every gated policy) or POLICY=FILE (that one), repeatable.
+  std::map<std::optional<PolicyKind>, std::string> gate_files;
+  for (const std::string& g : gate_args) {
+    std::optional<PolicyKind> kind;
+    std::string file = g;
+    for (PolicyKind k : {PolicyKind::trimkv, PolicyKind::dbtrimkv, PolicyKind::kvpop})
+      if (g.starts_with(std::string(policy_name(k)) + "=")) kind = k, file = g.substr(policy_name(k).size() + 1);
+    if (file.empty()) throw cli::UsageError(fmt::format("--gates {}: no file after '='", g));
+    if (!gate_files.emplace(kind, file).second)
+      throw cli::UsageError(kind ? fmt::format("--gates: two files for policy {}", policy_name(*kind))
+                                 : std::string("--gates: two files for every policy (name one with POLICY=FILE)"));
+  }
   const std::vector<PolicyKind> policies =
       dump_only ? std::vector<PolicyKind>{}
                 : parse_list<PolicyKind>(policies_text, "--policy",
@@ -128,18 +144,27 @@ int run(int argc, char** argv) {
   for (const EvalRun& r : runs) {  // every policy/budget error before any loading
     PolicyOptions po;
     po.kind = r.policy, po.budget = r.budget, po.buffer = eopt.buffer;
-    check_policy_args(po, vm.count("gates") > 0);
+    check_policy_args(po, gate_files.count(r.policy) || gate_files.count(std::nullopt));
   }
   if (!dump_only) check_output_dir(out, "--out");
   if (vm.count("plot")) check_output_dir(plot, "--plot");
   if (vm.count("dump-task")) check_output_dir(dump, "--dump-task");
 
   auto ckpt = std::make_shared<const Qwen3Checkpoint>(Qwen3Checkpoint::open(model));
-  std::optional<gates::RetentionGates> gates;
-  std::optional<kvpop::Scorers> scorers;  // --gates FILE holds one or the other
-  if (vm.count("gates")) {
-    if (gate_export::holds_kvpop(gates_path)) scorers = gate_export::load_scorers(gates_path, ckpt->config()).scorers;
-    else gates = gates::RetentionGates::load(gates_path, ckpt->config());
+  // Each file once; a file holds retention gates or kvpop scorers. (std::map: stable addresses.)
+  std::map<std::string, gates::RetentionGates> loaded_gates;
+  std::map<std::string, kvpop::Scorers> loaded_scorers;
+  for (const auto& [kind, file] : gate_files) {
+    if (loaded_gates.count(file) || loaded_scorers.count(file)) continue;
+    if (gate_export::holds_kvpop(file)) loaded_scorers.emplace(file, gate_export::load_scorers(file, ckpt->config()).scorers);
+    else loaded_gates.emplace(file, gates::RetentionGates::load(file, ckpt->config()));
+  }
+  for (EvalRun& r : runs) {
+    auto f = gate_files.find(r.policy);
+    if (f == gate_files.end()) f = gate_files.find(std::nullopt);
+    if (f == gate_files.end()) continue;
+    if (auto g = loaded_gates.find(f->second); g != loaded_gates.end()) r.gates = &g->second;
+    if (auto c = loaded_scorers.find(f->second); c != loaded_scorers.end()) r.scorers = &c->second;
   }
   ResidentWeightProvider weights(ckpt);
   spec.vocab = ckpt->config().vocab_size;
@@ -162,7 +187,11 @@ int run(int argc, char** argv) {
 
   nlohmann::json m;
   m["model"] = model;
-  if (gates) m["gates"] = gates_path;
+  if (gate_files.size() == 1 && gate_files.count(std::nullopt)) {
+    m["gates"] = gate_files.at(std::nullopt);
+  } else if (!gate_files.empty()) {  // {"trimkv": FILE, ..., "*": FILE}
+    for (const auto& [kind, file] : gate_files) m["gates"][kind ? std::string(policy_name(*kind)) : "*"] = file;
+  }
   m["prefill_chunk"] = eopt.prefill_chunk;
   m["buffer"] = eopt.buffer;
   std::vector<EvalResult> results;
@@ -188,7 +217,7 @@ int run(int argc, char** argv) {
       }
     }
     std::cerr << fmt::format("retain-eval: {} on {} ({} runs)\n", describe(spec), model, runs.size());
-    results = evaluate_recall(weights, gates ? &*gates : nullptr, spec, runs, eopt, scorers ? &*scorers : nullptr);
+    results = evaluate_recall(weights, nullptr, spec, runs, eopt);
     m["task"] = {{"name", "recall"}, {"samples", spec.samples}, {"context", spec.context}, {"pairs", spec.pairs},
                  {"queries", spec.queries}, {"key_len", spec.key_len}, {"value_len", spec.value_len},
                  {"content_ids", {kRecallFirstContent, std::min(spec.vocab, spec.content_limit)}}, {"seed", spec.seed}};
@@ -199,7 +228,7 @@ int run(int argc, char** argv) {
                              data_path, ds.num_sequences(), ds.seq_len(),
                              eopt.max_sequences ? std::min(eopt.max_sequences, ds.num_sequences()) : ds.num_sequences(),
                              model, runs.size());
-    results = evaluate_data(weights, gates ? &*gates : nullptr, ds, runs, eopt, scorers ? &*scorers : nullptr);
+    results = evaluate_data(weights, nullptr, ds, runs, eopt);
     m["data"] = data_path;
     m["sequences"] = eopt.max_sequences;
   }
