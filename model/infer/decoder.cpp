@@ -21,6 +21,7 @@ ResidentWeightProvider::ResidentWeightProvider(std::shared_ptr<const Qwen3Checkp
     for (Tensor* t : layer_fields(w)) *t = t->clone();  // own a copy: the next layer() call replaces the local one
     layers_.push_back(std::move(w));
   }
+  local_.lm_head();  // converted now, not on first use: after construction every read is const (threads share it)
 }
 
 namespace {

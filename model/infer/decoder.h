@@ -21,6 +21,7 @@ namespace retain::infer {
 
 // Every layer converted to F32 once and kept: decoding asks for each layer at every token,
 // and LocalWeightProvider would convert a BF16 layer again on each request.
+// Every weight in F32 from construction on; reads change nothing, so threads may share one.
 class ResidentWeightProvider : public WeightProvider {
  public:
   explicit ResidentWeightProvider(std::shared_ptr<const Qwen3Checkpoint> ckpt);

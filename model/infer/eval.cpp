@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <exception>
 
 #include <nlohmann/json.hpp>
 
@@ -39,6 +40,10 @@ struct Totals {
   void add_decoder(const Decoder& d, double cache_sum, int64_t forwards_) {
     feed_s += d.feed_seconds(), evict_s += d.evict_seconds(), fed += d.seen();
     cache += cache_sum, forwards += forwards_;
+  }
+  void add(const Totals& o) {
+    nll += o.nll, kl += o.kl, top1 += o.top1, correct += o.correct, cache += o.cache, feed_s += o.feed_s;
+    evict_s += o.evict_s, tokens += o.tokens, samples += o.samples, forwards += o.forwards, fed += o.fed;
   }
   EvalResult result(const EvalRun& run) const {
     EvalResult r;
@@ -135,15 +140,23 @@ std::vector<EvalResult> evaluate_recall(WeightProvider& weights, const gates::Re
   for (const EvalRun& r : runs) make_policy(policy_options(r, opt));
   const std::vector<RecallSample> task = make_recall_task(spec);
   const int64_t V = weights.config().vocab_size;
-  std::vector<Totals> totals(runs.size());
-  const int64_t units = static_cast<int64_t>(task.size() * runs.size());
+  // One unit = one sample under one run, each with its own decoder: units run on OpenMP's
+  // threads (the weights are read-only), and their totals are summed in a fixed order after, so
+  // the numbers do not depend on the thread count.
+  const int64_t R = static_cast<int64_t>(runs.size());
+  const int64_t units = static_cast<int64_t>(task.size()) * R;
+  std::vector<Totals> parts(static_cast<size_t>(units));
   int64_t done = 0;
-  std::vector<double> lq;
-  for (const RecallSample& s : task)
-    for (size_t r = 0; r < runs.size(); ++r) {
-      Decoder dec(weights, runs[r].gates ? runs[r].gates : gates, policy_options(runs[r], opt),
-                  runs[r].scorers ? runs[r].scorers : scorers);
-      Totals& tot = totals[r];
+  std::exception_ptr error;
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t u = 0; u < units; ++u) {
+    if (error) continue;  // a racy read is fine: it only skips work after a failure
+    try {
+      const RecallSample& s = task[static_cast<size_t>(u / R)];
+      const EvalRun& run = runs[static_cast<size_t>(u % R)];
+      Decoder dec(weights, run.gates ? run.gates : gates, policy_options(run, opt), run.scorers ? run.scorers : scorers);
+      Totals& tot = parts[static_cast<size_t>(u)];
+      std::vector<double> lq;
       double cache_sum = 0;
       int64_t forwards = 0;
       Tensor logits;
@@ -168,8 +181,16 @@ std::vector<EvalResult> evaluate_recall(WeightProvider& weights, const gates::Re
       tot.correct += exact;
       tot.add_decoder(dec, cache_sum, forwards);
       ++tot.samples;
+#pragma omp critical(retain_eval_progress)
       if (opt.progress) opt.progress(++done, units);
+    } catch (...) {
+#pragma omp critical(retain_eval_error)
+      if (!error) error = std::current_exception();
     }
+  }
+  if (error) std::rethrow_exception(error);
+  std::vector<Totals> totals(runs.size());
+  for (int64_t u = 0; u < units; ++u) totals[static_cast<size_t>(u % R)].add(parts[static_cast<size_t>(u)]);
   std::vector<EvalResult> out;
   for (size_t r = 0; r < runs.size(); ++r) out.push_back(totals[r].result(runs[r]));
   return out;
