@@ -166,7 +166,6 @@ int run(int argc, char** argv) {
     if (auto g = loaded_gates.find(f->second); g != loaded_gates.end()) r.gates = &g->second;
     if (auto c = loaded_scorers.find(f->second); c != loaded_scorers.end()) r.scorers = &c->second;
   }
-  ResidentWeightProvider weights(ckpt);
   spec.vocab = ckpt->config().vocab_size;
   // No special token may be content: the task's ids stop at the model's first bos/eos id ≥ 16.
   for (const auto& id : {ckpt->config().bos_token_id, ckpt->config().eos_token_id})
@@ -216,6 +215,7 @@ int run(int argc, char** argv) {
         return 0;
       }
     }
+    ResidentWeightProvider weights(ckpt);  // every layer in F32: not for a dump alone
     std::cerr << fmt::format("retain-eval: {} on {} ({} runs)\n", describe(spec), model, runs.size());
     results = evaluate_recall(weights, nullptr, spec, runs, eopt);
     m["task"] = {{"name", "recall"}, {"samples", spec.samples}, {"context", spec.context}, {"pairs", spec.pairs},
@@ -228,6 +228,7 @@ int run(int argc, char** argv) {
                              data_path, ds.num_sequences(), ds.seq_len(),
                              eopt.max_sequences ? std::min(eopt.max_sequences, ds.num_sequences()) : ds.num_sequences(),
                              model, runs.size());
+    ResidentWeightProvider weights(ckpt);
     results = evaluate_data(weights, nullptr, ds, runs, eopt);
     m["data"] = data_path;
     m["sequences"] = eopt.max_sequences;
