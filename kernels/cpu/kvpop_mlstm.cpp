@@ -65,6 +65,22 @@ bool same_run(const Scan& s, const int32_t* doc, int64_t a, int64_t b) {
   return doc[a] >= 0 && s.start[static_cast<size_t>(a)] == s.start[static_cast<size_t>(b)];
 }
 
+// What token t inherits from the chunks before its own: the previous chunk's state C, n (null
+// when t's run starts inside its chunk) and the factor exp(F_t − F_ep + m_ep − m_t) that carries
+// it, stabilized, from that chunk's last token ep to t.
+struct Carried {
+  double g = 0;
+  const double* C = nullptr;
+  const double* n = nullptr;
+};
+Carried carried(const Scan& s, const int32_t* doc, const std::vector<double>& C, const std::vector<double>& n,
+                int64_t t) {
+  const int64_t c = t / kChunk, ep = c * kChunk - 1;
+  if (c == 0 || !same_run(s, doc, ep, t)) return {};
+  const auto ti = static_cast<size_t>(t), ei = static_cast<size_t>(ep);
+  return {std::exp(s.F[ti] - s.F[ei] + s.m[ei] - s.m[ti]), C.data() + (c - 1) * s.d * s.r, n.data() + (c - 1) * s.d};
+}
+
 double a_weight(const Scan& s, const float* ig, int64_t t, int64_t j) {
   const auto ti = static_cast<size_t>(t), ji = static_cast<size_t>(j);
   return std::exp(s.F[ti] - s.F[ji] + ig[j] - s.m[ti]);
@@ -83,14 +99,9 @@ void chunk_states(const Scan& s, const Projected& P, const int32_t* doc, std::ve
     if (doc[e] < 0) continue;
     double* Ce = C.data() + c * d * r;
     double* ne = n.data() + c * d;
-    if (c > 0 && same_run(s, doc, c0 - 1, e)) {
-      const int64_t ep = c0 - 1;
-      const double g = std::exp(s.F[static_cast<size_t>(e)] - s.F[static_cast<size_t>(ep)] +
-                                s.m[static_cast<size_t>(ep)] - s.m[static_cast<size_t>(e)]);
-      const double* Cp = C.data() + (c - 1) * d * r;
-      const double* np = n.data() + (c - 1) * d;
-      for (int64_t x = 0; x < d * r; ++x) Ce[x] = g * Cp[x];
-      for (int64_t x = 0; x < d; ++x) ne[x] = g * np[x];
+    if (const Carried prev = carried(s, doc, C, n, e); prev.C) {
+      for (int64_t x = 0; x < d * r; ++x) Ce[x] = prev.g * prev.C[x];
+      for (int64_t x = 0; x < d; ++x) ne[x] = prev.g * prev.n[x];
     }
     for (int64_t j = std::max(c0, s.start[static_cast<size_t>(e)]); j <= e; ++j) {
       const double a = a_weight(s, ig, e, j);
@@ -113,16 +124,11 @@ void readout_sums(const Scan& s, const Projected& P, const int32_t* doc, const s
   const float* ig = P.igate.data<float>();
   std::fill(num, num + r, 0.0);
   den = 0;
-  if (c > 0 && same_run(s, doc, c0 - 1, t)) {
-    const int64_t ep = c0 - 1;
-    const double g = std::exp(s.F[static_cast<size_t>(t)] - s.F[static_cast<size_t>(ep)] +
-                              s.m[static_cast<size_t>(ep)] - s.m[static_cast<size_t>(t)]);
-    const double* Cp = C.data() + (c - 1) * d * r;
-    const double* np = n.data() + (c - 1) * d;
+  if (const Carried prev = carried(s, doc, C, n, t); prev.C) {
     for (int64_t x = 0; x < d; ++x) {
-      const double gq = g * Q[x];
-      den += gq * np[x];
-      for (int64_t y = 0; y < r; ++y) num[y] += gq * Cp[x * r + y];
+      const double gq = prev.g * Q[x];
+      den += gq * prev.n[x];
+      for (int64_t y = 0; y < r; ++y) num[y] += gq * prev.C[x * r + y];
     }
   }
   for (int64_t j = std::max(c0, s.start[static_cast<size_t>(t)]); j <= t; ++j) {
@@ -228,16 +234,11 @@ Projected mlstm_scores_backward(const Projected& P, const int32_t* doc, int64_t 
       const int64_t c = t / kChunk, c0 = c * kChunk;
       double* dq = dQ.data() + t * d;
       const double gd = gden[static_cast<size_t>(t)];
-      if (c > 0 && same_run(s, doc, c0 - 1, t)) {
-        const int64_t ep = c0 - 1;
-        const double g = std::exp(s.F[static_cast<size_t>(t)] - s.F[static_cast<size_t>(ep)] +
-                                  s.m[static_cast<size_t>(ep)] - s.m[static_cast<size_t>(t)]);
-        const double* Cp = C.data() + (c - 1) * d * r;
-        const double* np = n.data() + (c - 1) * d;
+      if (const Carried prev = carried(s, doc, C, n, t); prev.C) {
         for (int64_t x = 0; x < d; ++x) {
-          double acc = np[x] * gd;
-          for (int64_t y = 0; y < r; ++y) acc += Cp[x * r + y] * gn[y];
-          dq[x] += g * acc;
+          double acc = prev.n[x] * gd;
+          for (int64_t y = 0; y < r; ++y) acc += prev.C[x * r + y] * gn[y];
+          dq[x] += prev.g * acc;
         }
       }
       for (int64_t j = std::max(c0, s.start[static_cast<size_t>(t)]); j <= t; ++j) {
