@@ -96,35 +96,24 @@ int64_t line_step(const std::string& path, size_t line_no, const std::string& li
 }  // namespace
 
 json to_json(const StepMetrics& m) {
-  if (m.kvpop)
-    return json{{"step", m.step},
-                {"total_steps", m.total_steps},
-                {"loss", number(m.loss)},
-                {"agreement", number(m.agreement)},
-                {"gamma", number(m.gamma)},
-                {"decisions", m.decisions},
-                {"lr", number(m.lr)},
-                {"grad_norm", number(m.grad_norm)},
-                {"tokens", m.tokens},
-                {"tokens_per_s", number(m.tokens_per_s)},
-                {"step_seconds", number(m.step_seconds)},
-                {"eta_seconds", number(m.eta_seconds)},
-                {"time", utc_now_iso8601()}};
-  return json{{"step", m.step},
-              {"total_steps", m.total_steps},
-              {"loss", number(m.loss)},
-              {"kl", number(m.kl)},
-              {"ntp", number(m.ntp)},
-              {"cap", number(m.cap)},
-              {"lr", number(m.lr)},
-              {"grad_norm", number(m.grad_norm)},
-              {"tokens", m.tokens},
-              {"tokens_per_s", number(m.tokens_per_s)},
-              {"step_seconds", number(m.step_seconds)},
-              {"eta_seconds", number(m.eta_seconds)},
-              {"mean_beta", numbers(m.mean_beta)},
-              {"effective_cache", numbers(m.effective_cache)},
-              {"time", utc_now_iso8601()}};
+  // nlohmann::json keeps keys sorted, so the line reads the same however it is built.
+  json j{{"step", m.step},
+         {"total_steps", m.total_steps},
+         {"loss", number(m.loss)},
+         {"lr", number(m.lr)},
+         {"grad_norm", number(m.grad_norm)},
+         {"tokens", m.tokens},
+         {"tokens_per_s", number(m.tokens_per_s)},
+         {"step_seconds", number(m.step_seconds)},
+         {"eta_seconds", number(m.eta_seconds)},
+         {"time", utc_now_iso8601()}};
+  if (m.kvpop) {
+    j["agreement"] = number(m.agreement), j["gamma"] = number(m.gamma), j["decisions"] = m.decisions;
+  } else {
+    j["kl"] = number(m.kl), j["ntp"] = number(m.ntp), j["cap"] = number(m.cap);
+    j["mean_beta"] = numbers(m.mean_beta), j["effective_cache"] = numbers(m.effective_cache);
+  }
+  return j;
 }
 
 std::string format_duration(double seconds) {
