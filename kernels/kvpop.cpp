@@ -1,13 +1,19 @@
 // Shape/dtype checks and device dispatch for kernels/kvpop.h. Failures are one line naming the
-// op, the argument and what was expected. Only CPU implementations exist so far.
+// op, the argument and what was expected. future_attention_target and mlstm_scores[_backward]
+// run CUDA tensors on the kernels of kernels/cuda/kvpop.cu (CUDA builds); the other ops are
+// CPU-only so far.
 #include "kernels/kvpop.h"
 
 #include <cmath>
+#include <initializer_list>
 #include <tuple>
 #include <unordered_set>
 
 #include "kernels/cpu/kvpop_cpu.h"
 #include "kernels/require_cpu.h"
+#ifdef RETAIN_CUDA_KERNELS
+#include "kernels/cuda/kvpop_cuda.h"
+#endif
 
 namespace retain::kvpop {
 
@@ -20,9 +26,13 @@ void expect(const char* op, const char* what, const Tensor& t, const Shape& shap
 }
 
 // doc I32 [T]; every document id forms one contiguous run (the recurrent state and the
-// target's same-document ranges assume it).
+// target's same-document ranges assume it). A CUDA doc is checked on a host copy (T int32).
 const int32_t* check_doc(const char* op, const Tensor& doc, int64_t T) {
   expect(op, "doc", doc, {T}, DType::I32);
+  if (doc.device() != Device::CPU) {
+    check_doc(op, doc.to(Device::CPU), T);
+    return nullptr;
+  }
   const int32_t* p = doc.data<int32_t>();
   std::unordered_set<int32_t> finished;
   for (int64_t t = 0; t < T; ++t) {
@@ -30,6 +40,21 @@ const int32_t* check_doc(const char* op, const Tensor& doc, int64_t T) {
     if (!finished.insert(p[t]).second) fail("{}: document {} reappears at token {} (documents must be contiguous runs)", op, p[t], t);
   }
   return p;
+}
+
+// Every tensor of a call on `device` (its leading tensor's): ops with CUDA kernels run
+// where their inputs are, never with a silent copy.
+void require_device(const char* op, Device device, std::initializer_list<const Tensor*> ts) {
+  for (const Tensor* t : ts)
+    if (t->device() != device)
+      fail("{}: all tensors must be on one device (one is on {}, another on {})", op, device_name(device),
+           device_name(t->device()));
+}
+
+// The CUDA branch of an op that has kernels: in builds without them a CUDA tensor cannot exist,
+// but the error stays explicit.
+[[noreturn, maybe_unused]] void no_cuda_kernels(const char* op) {
+  fail("{}: this build of retain has no CUDA kernels", op);
 }
 
 void check_window(const char* op, int64_t w) {
@@ -52,6 +77,7 @@ int64_t check_params(const char* op, const HeadParams& p, int64_t n) {
 }
 
 // Projected of T tokens with d = 2r; `optional` lets undefined fields through (zero gradient).
+// Devices are the caller's to check.
 void check_projected(const char* op, const Projected& P, int64_t T, int64_t r, bool optional) {
   const int64_t d = 2 * r;
   for (auto [t, name, shape] : {std::tuple{&P.q, "q", Shape{T, d}}, std::tuple{&P.k, "k", Shape{T, d}},
@@ -59,7 +85,6 @@ void check_projected(const char* op, const Projected& P, int64_t T, int64_t r, b
                                 std::tuple{&P.log_f, "log_f", Shape{T}}}) {
     if (optional && t->numel() == 0 && t->shape().empty()) continue;
     expect(op, name, *t, shape);
-    ops::require_cpu(op, {t});
   }
 }
 
@@ -92,10 +117,12 @@ void project_backward(const Tensor& x, const HeadParams& p, const Projected& dP,
   ops::require_cpu(op, {&x});
   const int64_t r = check_params(op, p, x.dim(1));
   check_projected(op, dP, x.dim(0), r, true);
+  ops::require_cpu(op, {&dP.q, &dP.k, &dP.v, &dP.igate, &dP.log_f});
   cpu::kvpop::project_backward(x, p, dP, g);
 }
 
 namespace {
+// Shapes, devices (every tensor on P.v's), window and documents of an mLSTM call; returns T.
 int64_t check_mlstm(const char* op, const Projected& P, const Tensor& doc, int64_t w, const Tensor& w_o,
                     const Tensor& b_o) {
   if (P.v.ndim() != 2) fail("{}: v must be F32 [T, r], got {}", op, shape_str(P.v.shape()));
@@ -103,7 +130,7 @@ int64_t check_mlstm(const char* op, const Projected& P, const Tensor& doc, int64
   check_projected(op, P, T, r, false);
   expect(op, "w_o", w_o, {r});
   expect(op, "b_o", b_o, {1});
-  ops::require_cpu(op, {&doc, &w_o, &b_o});
+  require_device(op, P.v.device(), {&P.q, &P.k, &P.igate, &P.log_f, &doc, &w_o, &b_o});
   check_window(op, w);
   check_doc(op, doc, T);
   return T;
@@ -111,7 +138,15 @@ int64_t check_mlstm(const char* op, const Projected& P, const Tensor& doc, int64
 }  // namespace
 
 Tensor mlstm_scores(const Projected& P, const Tensor& doc, int64_t w, const Tensor& w_o, const Tensor& b_o) {
-  check_mlstm("kvpop::mlstm_scores", P, doc, w, w_o, b_o);
+  const char* op = "kvpop::mlstm_scores";
+  check_mlstm(op, P, doc, w, w_o, b_o);
+  if (P.v.device() == Device::CUDA) {
+#ifdef RETAIN_CUDA_KERNELS
+    return cuda::kvpop_mlstm_scores(P, doc, w, w_o, b_o);
+#else
+    no_cuda_kernels(op);
+#endif
+  }
   return cpu::kvpop::mlstm_scores(P, doc.data<int32_t>(), w, w_o, b_o.data<float>()[0]);
 }
 
@@ -120,7 +155,14 @@ Projected mlstm_scores_backward(const Projected& P, const Tensor& doc, int64_t w
   const char* op = "kvpop::mlstm_scores_backward";
   const int64_t T = check_mlstm(op, P, doc, w, w_o, b_o);
   expect(op, "dscore", dscore, {T});
-  ops::require_cpu(op, {&dscore});
+  require_device(op, P.v.device(), {&dscore});
+  if (P.v.device() == Device::CUDA) {
+#ifdef RETAIN_CUDA_KERNELS
+    return cuda::kvpop_mlstm_scores_backward(P, doc, w, w_o, dscore, dw_o, db_o);
+#else
+    no_cuda_kernels(op);
+#endif
+  }
   return cpu::kvpop::mlstm_scores_backward(P, doc.data<int32_t>(), w, w_o, b_o.data<float>()[0], dscore, dw_o, db_o);
 }
 
@@ -134,9 +176,17 @@ Tensor future_attention_target(const Tensor& q, const Tensor& k, const Tensor& l
   if (K < 1 || H % K != 0) fail("{}: {} query heads are not a multiple of {} KV heads", op, H, K);
   expect(op, "k", k, {T, K, hd});
   expect(op, "lse", lse, {T, H});
-  ops::require_cpu(op, {&q, &k, &lse, &doc});
+  require_device(op, q.device(), {&k, &lse, &doc});
   check_window(op, w);
-  return cpu::kvpop::future_attention_target(q, k, lse, check_doc(op, doc, T), w, scale);
+  const int32_t* dp = check_doc(op, doc, T);
+  if (q.device() == Device::CUDA) {
+#ifdef RETAIN_CUDA_KERNELS
+    return cuda::kvpop_future_attention_target(q, k, lse, doc, w, scale);
+#else
+    no_cuda_kernels(op);
+#endif
+  }
+  return cpu::kvpop::future_attention_target(q, k, lse, dp, w, scale);
 }
 
 std::vector<Decision> select_decisions(const Tensor& log_m, const Tensor& doc, int64_t w, int64_t sinks,

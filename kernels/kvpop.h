@@ -2,8 +2,10 @@
 // caller loops over layers and heads; parameters are stored stacked [K, ...], and
 // Tensor::rows(κ, κ + 1) gives one head's slice). Like kernels/retention.h each function
 // checks shapes and dtypes and dispatches on the device; kernels/cpu/kvpop_*.cpp hold the
-// float32 references (float64 accumulation). No CUDA kernels yet: a CUDA tensor is a
-// retain::Error ("no CUDA implementation of this op yet").
+// float32 references (float64 accumulation). future_attention_target and mlstm_scores[_backward]
+// run CUDA tensors on kernels/cuda/kvpop.cu (all of a call's tensors on one device; checked
+// against these references by host emulation, not yet run on a GPU); for the other ops a CUDA
+// tensor is a retain::Error ("no CUDA implementation of this op yet").
 //
 // Shapes: T tokens of one packed sequence, d head_dim, r = d / 2, H query heads and K KV heads
 // of the frozen model (H % K == 0). doc I32 [T]: document id per token, −1 = padding. A
