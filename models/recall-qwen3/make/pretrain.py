@@ -1,14 +1,15 @@
 #!/usr/bin/env python3
 """Pretrains retain's built-in recall model (models/recall-qwen3) with PyTorch + transformers on
-the CPU: a 2-layer Qwen3 (hidden 128, 4 query / 2 KV heads) on the mixture of recall_data.py,
-with a context curriculum: dense records, then 128 → 256 → 512 → 1024 → 1536 tokens. Writes the Hugging Face layout: config.json,
-BF16 model.safetensors (tied embeddings), and tokenizer.json copied from --tokenizer-from (the
-byte-level tokenizer of `retain-make-tiny`, whose <|endoftext|> is 256).
+the CPU: a 2-layer Qwen3 (hidden 128, 4 query / 2 KV heads of head_dim 64, RoPE θ = 1e6) on
+the mixture of recall_data.py, with a context curriculum: dense records, then 128 → 256 → 512 →
+1024 → 1536 tokens. Writes the Hugging Face layout: config.json, BF16 model.safetensors (tied
+embeddings), and tokenizer.json copied from --tokenizer-from (the byte-level tokenizer of
+`retain-make-tiny`, whose <|endoftext|> is 256; the committed model's own is that one).
 
-    python3 models/recall-qwen3/make/pretrain.py --tokenizer-from build/quickstart/tiny-qwen3 \
-        --out models/recall-qwen3
+    python3 models/recall-qwen3/make/pretrain.py --tokenizer-from models/recall-qwen3 --out /tmp/recall-qwen3
 
-One run is one seed (--seed, default 1) and takes about 25 minutes on 2 CPU cores.
+The defaults are the committed model's recipe (seed 1, 5000 steps; models/recall-qwen3/README.md
+gives its runtime on 2 CPU cores).
 """
 import argparse, json, math, os, shutil, sys, time
 
@@ -21,8 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import recall_data as rd
 
 CONFIG = dict(vocab_size=272, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True,
-              rope_theta=10000.0, max_position_embeddings=4096, rms_norm_eps=1e-6)
+              num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True,
+              rope_theta=1e6, max_position_embeddings=4096, rms_norm_eps=1e-6)
 # (first step, context, rows per step): the curriculum.
 # Context 0: dense records (2-10 of them, at most 16 filler tokens) — the short attention spans
 # that make the recall circuit form quickly; then filler grows.
@@ -86,14 +87,15 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--tokenizer-from", required=True, help="a directory with tokenizer.json (retain-make-tiny's)")
-    ap.add_argument("--steps", type=int, default=4000)
+    ap.add_argument("--steps", type=int, default=5000)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=CONFIG["hidden_size"])
     ap.add_argument("--head-dim", type=int, default=CONFIG["head_dim"])
     ap.add_argument("--intermediate", type=int, default=CONFIG["intermediate_size"])
-    ap.add_argument("--weight-decay", type=float, default=0.05)
+    ap.add_argument("--weight-decay", type=float, default=0.01)
+    ap.add_argument("--rope-theta", type=float, default=CONFIG["rope_theta"])
     ap.add_argument("--init", help="continue from this model directory (its weights; fresh optimizer)")
     ap.add_argument("--first-step", type=int, default=0, help="curriculum step to start at (with --init)")
     a = ap.parse_args()
@@ -101,7 +103,7 @@ def main():
     torch.manual_seed(a.seed)
     rng = np.random.Generator(np.random.PCG64(a.seed))
     text = rd.BigramText()
-    CONFIG.update(hidden_size=a.hidden, head_dim=a.head_dim, intermediate_size=a.intermediate)
+    CONFIG.update(hidden_size=a.hidden, head_dim=a.head_dim, intermediate_size=a.intermediate, rope_theta=a.rope_theta)
     cfg = transformers.Qwen3Config(**CONFIG, bos_token_id=rd.EOT, eos_token_id=rd.EOT)
     cfg._attn_implementation = "sdpa"
     model = transformers.Qwen3ForCausalLM(cfg)
