@@ -3,6 +3,9 @@
 
 #include "kernels/cpu/ops_cpu.h"
 #include "kernels/require_cpu.h"
+#ifdef RETAIN_CUDA_KERNELS
+#include "kernels/cuda/ops_cuda.h"
+#endif
 
 namespace retain::ops {
 
@@ -13,7 +16,30 @@ void expect(const Tensor& t, DType dtype, int64_t ndim, const char* op, const ch
                ndim, dtype_name(dtype), dtype_name(t.dtype()), shape_str(t.shape()));
 }
 
+// Every tensor of a call on one device (the first one's); returns it. Ops with CUDA kernels
+// (kernels/cuda/ops.cu) run there when it is CUDA.
+Device one_device(const char* op, std::initializer_list<const Tensor*> ts) {
+  const Device device = (*ts.begin())->device();
+  for (const Tensor* t : ts)
+    if (t->device() != device)
+      fail("{}: all tensors must be on one device (one is on {}, another on {})", op, device_name(device),
+           device_name(t->device()));
+  return device;
+}
+
 }  // namespace
+
+// CUDA tensors go to kernels/cuda/ops.cu; a build without those kernels (CPU-only, or the ASan
+// test build of this file) says so in one line, as require_cpu does.
+#ifdef RETAIN_CUDA_KERNELS
+#define RETAIN_CUDA_OP(op, call) \
+  do {                           \
+    cuda::call;                  \
+    return;                      \
+  } while (0)
+#else
+#define RETAIN_CUDA_OP(op, call) fail("{}: no CUDA implementation of this op yet", op)
+#endif
 
 void embedding(const Tensor& table, const Tensor& ids, Tensor& out) {
   RETAIN_CHECK(table.ndim() == 2, "embedding: table must be 2-d, got {}", shape_str(table.shape()));
@@ -21,7 +47,8 @@ void embedding(const Tensor& table, const Tensor& ids, Tensor& out) {
   expect(out, DType::F32, 2, "embedding", "out");
   RETAIN_CHECK(out.dim(0) == ids.dim(0) && out.dim(1) == table.dim(1), "embedding: out {} for ids {} table {}",
                shape_str(out.shape()), shape_str(ids.shape()), shape_str(table.shape()));
-  require_cpu("embedding", {&table, &ids, &out});
+  if (one_device("embedding", {&table, &ids, &out}) == Device::CUDA)
+    RETAIN_CUDA_OP("embedding", embedding(table, ids, out));
   cpu::embedding(table, ids, out);
 }
 
@@ -40,7 +67,8 @@ void rmsnorm(const Tensor& x, const Tensor& w, float eps, Tensor& out) {
   RETAIN_CHECK(x.dtype() == DType::F32 && x.ndim() >= 1 && x.dim(-1) == w.dim(0) && out.shape() == x.shape() &&
                    out.dtype() == DType::F32,
                "rmsnorm: x {} w {} out {}", shape_str(x.shape()), shape_str(w.shape()), shape_str(out.shape()));
-  require_cpu("rmsnorm", {&x, &w, &out});
+  if (one_device("rmsnorm", {&x, &w, &out}) == Device::CUDA)
+    RETAIN_CUDA_OP("rmsnorm", rmsnorm(x, w, eps, out));
   cpu::rmsnorm(x, w, eps, out);
 }
 
@@ -51,7 +79,8 @@ void rope(Tensor& x, const Tensor& positions, const Tensor& inv_freq, float atte
   RETAIN_CHECK(x.dim(0) == positions.dim(0) && x.dim(2) % 2 == 0 && inv_freq.dim(0) * 2 == x.dim(2),
                "rope: x {} positions {} inv_freq {}", shape_str(x.shape()), shape_str(positions.shape()),
                shape_str(inv_freq.shape()));
-  require_cpu("rope", {&x, &positions, &inv_freq});
+  if (one_device("rope", {&x, &positions, &inv_freq}) == Device::CUDA)
+    RETAIN_CUDA_OP("rope", rope(x, positions, inv_freq, attention_factor));
   cpu::rope(x, positions, inv_freq, attention_factor);
 }
 
@@ -59,14 +88,16 @@ void swiglu(const Tensor& gate, const Tensor& up, Tensor& out) {
   RETAIN_CHECK(gate.dtype() == DType::F32 && gate.shape() == up.shape() && up.dtype() == DType::F32 &&
                    out.shape() == gate.shape() && out.dtype() == DType::F32,
                "swiglu: gate {} up {} out {}", shape_str(gate.shape()), shape_str(up.shape()), shape_str(out.shape()));
-  require_cpu("swiglu", {&gate, &up, &out});
+  if (one_device("swiglu", {&gate, &up, &out}) == Device::CUDA)
+    RETAIN_CUDA_OP("swiglu", swiglu(gate, up, out));
   cpu::swiglu(gate, up, out);
 }
 
 void add_inplace(Tensor& x, const Tensor& y) {
   RETAIN_CHECK(x.dtype() == DType::F32 && y.dtype() == DType::F32 && x.shape() == y.shape(), "add: x {} y {}",
                shape_str(x.shape()), shape_str(y.shape()));
-  require_cpu("add_inplace", {&x, &y});
+  if (one_device("add_inplace", {&x, &y}) == Device::CUDA)
+    RETAIN_CUDA_OP("add_inplace", add_inplace(x, y));
   cpu::add_inplace(x, y);
 }
 
@@ -119,7 +150,8 @@ void rmsnorm_backward(const Tensor& x, const Tensor& w, float eps, const Tensor&
                "rmsnorm_backward: x {} w {} dy {} dx {}", shape_str(x.shape()), shape_str(w.shape()),
                shape_str(dy.shape()), shape_str(dx.shape()));
   RETAIN_CHECK(x.numel() == 0 || dx.raw() != x.raw(), "rmsnorm_backward: dx must not alias x");
-  require_cpu("rmsnorm_backward", {&x, &w, &dy, &dx});
+  if (one_device("rmsnorm_backward", {&x, &w, &dy, &dx}) == Device::CUDA)
+    RETAIN_CUDA_OP("rmsnorm_backward", rmsnorm_backward(x, w, eps, dy, dx));
   cpu::rmsnorm_backward(x, w, eps, dy, dx);
 }
 
@@ -130,7 +162,8 @@ void rope_backward(Tensor& dx, const Tensor& positions, const Tensor& inv_freq, 
   RETAIN_CHECK(dx.dim(0) == positions.dim(0) && dx.dim(2) % 2 == 0 && inv_freq.dim(0) * 2 == dx.dim(2),
                "rope_backward: dx {} positions {} inv_freq {}", shape_str(dx.shape()), shape_str(positions.shape()),
                shape_str(inv_freq.shape()));
-  require_cpu("rope_backward", {&dx, &positions, &inv_freq});
+  if (one_device("rope_backward", {&dx, &positions, &inv_freq}) == Device::CUDA)
+    RETAIN_CUDA_OP("rope_backward", rope_backward(dx, positions, inv_freq, attention_factor));
   cpu::rope_backward(dx, positions, inv_freq, attention_factor);
 }
 
@@ -142,7 +175,8 @@ void swiglu_backward(const Tensor& gate, const Tensor& up, const Tensor& dout, T
                "swiglu_backward: gate {} up {} dout {} dgate {} dup {}", shape_str(s), shape_str(up.shape()),
                shape_str(dout.shape()), shape_str(dgate.shape()), shape_str(dup.shape()));
   RETAIN_CHECK(gate.numel() == 0 || dgate.raw() != dup.raw(), "swiglu_backward: dgate and dup must not alias");
-  require_cpu("swiglu_backward", {&gate, &up, &dout, &dgate, &dup});
+  if (one_device("swiglu_backward", {&gate, &up, &dout, &dgate, &dup}) == Device::CUDA)
+    RETAIN_CUDA_OP("swiglu_backward", swiglu_backward(gate, up, dout, dgate, dup));
   cpu::swiglu_backward(gate, up, dout, dgate, dup);
 }
 

@@ -2,6 +2,9 @@
 // dispatches on the tensor's device to the CPU reference (kernels/cpu/) or, where one
 // exists, a CUDA kernel (kernels/cuda/). Activations are F32; weights are F32 unless an
 // op says otherwise. Shapes: T tokens, H query heads, K KV heads, d head_dim.
+// CUDA kernels (kernels/cuda/ops.cu, same contracts, every tensor of a call on one device):
+// embedding, rmsnorm(_backward), rope(_backward), swiglu(_backward), add_inplace; the others
+// are CPU-only for now (a one-line error on CUDA tensors).
 #pragma once
 #include <cstdint>
 

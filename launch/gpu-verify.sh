@@ -66,6 +66,7 @@ if phase tests; then
   step "test_gated_attention_cuda" "$log" 600 "$bin/test_gated_attention_cuda" --gtest_color=no
   step "test_capacity_cuda" "$log" 600 "$bin/test_capacity_cuda" --gtest_color=no
   step "test_kvpop_cuda (target, mLSTM fwd/bwd vs CPU)" "$log" 600 "$bin/test_kvpop_cuda" --gtest_color=no
+  step "test_ops_cuda (embedding, RMSNorm, RoPE, SwiGLU fwd/bwd, add vs CPU)" "$log" 600 "$bin/test_ops_cuda" --gtest_color=no
   step "test_gated_attention_long (32K, 128K vs float64)" "$log" 600 "$bin/test_gated_attention_long" --gtest_color=no
   grep -q "SKIPPED" "$log" && { echo "gpu-verify: some GPU tests skipped (see tests.log)" | tee -a "$summary"; status=1; }
 fi
@@ -79,6 +80,8 @@ if phase sanitizers; then
       "$bin/test_capacity_cuda" --gtest_filter='Shapes/CapacityCuda.*:CapacityCuda.BadInputs*'
     step "compute-sanitizer $tool kvpop (small)" "$log" "${SANITIZER_TIMEOUT:-600}" "$sanitizer" --tool "$tool" --error-exitcode 1 \
       "$bin/test_kvpop_cuda" --gtest_filter='Small/*:KvpopCuda.BadInputs*'
+    step "compute-sanitizer $tool ops (small)" "$log" "${SANITIZER_TIMEOUT:-600}" "$sanitizer" --tool "$tool" --error-exitcode 1 \
+      "$bin/test_ops_cuda" --gtest_filter='OpsCuda.*'
   done
 fi
 
