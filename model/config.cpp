@@ -1,5 +1,8 @@
 #include "model/config.h"
 
+#include <cmath>
+#include <cstdint>
+
 #include <nlohmann/json.hpp>
 
 #include "kernels/base/atomic_file.h"
@@ -18,10 +21,17 @@ struct Reader {
 
   bool has(const char* key) const { return j.contains(key) && !j.at(key).is_null(); }
 
+  // A JSON integer, or a float with an integral value (8.0), in int64 range: anything else,
+  // 1e30 or 2^64 − 1 included, is an error rather than an out-of-range conversion.
   int64_t integer(const json& v, const std::string& key) const {
+    if (v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX))
+      fail("{}: '{}' is too large, got {}", src, key, v.dump());
     if (v.is_number_integer()) return v.get<int64_t>();
-    if (v.is_number_float() && v.get<double>() == static_cast<double>(static_cast<int64_t>(v.get<double>())))
-      return static_cast<int64_t>(v.get<double>());
+    if (v.is_number_float()) {
+      const double d = v.get<double>();
+      // [−2^63, 2^63): both bounds are exact doubles, and every integral double inside converts.
+      if (d >= -9223372036854775808.0 && d < 9223372036854775808.0 && std::trunc(d) == d) return static_cast<int64_t>(d);
+    }
     fail("{}: '{}' must be an integer, got {}", src, key, v.dump());
   }
   double number(const json& v, const std::string& key) const {

@@ -113,6 +113,17 @@ TEST(Config, ErrorsNameTheFileAndTheProblem) {
   j = base_config();
   j["hidden_size"] = "64";
   expect_error(j, "integer");
+  // Out of int64's range, as a float or as an unsigned integer: an error, never a conversion
+  // (2.5e19 was a fuzzer's finding: undefined behaviour before).
+  j = base_config();
+  j["num_hidden_layers"] = 2.5e19;
+  expect_error(j, "integer");
+  j = base_config();
+  j["num_hidden_layers"] = uint64_t{18446744073709551615u};
+  expect_error(j, "too large");
+  j = base_config();
+  j["num_hidden_layers"] = 2.5;
+  expect_error(j, "integer");
   j = base_config();
   j["use_sliding_window"] = true;
   expect_error(j, "sliding");
