@@ -242,13 +242,30 @@ class Machine {
     v->s = name;
     return v;
   }
+  // Whether `target` is `from` or inside it. Containers hold shared_ptrs, so putting a
+  // container into itself (a memo lookup makes that possible) would be a reference cycle that
+  // is never freed; no state dict has one, so it is an error.
+  static bool contains(const ValuePtr& from, const Value* target, std::set<const Value*>& seen) {
+    if (from.get() == target) return true;
+    if (!seen.insert(from.get()).second) return false;
+    for (const ValuePtr& x : from->items)
+      if (contains(x, target, seen)) return true;
+    return false;
+  }
+  void check_no_cycle(const ValuePtr& container, const std::vector<ValuePtr>& vs, size_t at) {
+    std::set<const Value*> seen;
+    for (const ValuePtr& x : vs)
+      if (contains(x, container.get(), seen)) err(at, fmt::format("a {} that contains itself", kind_name(container->kind)));
+  }
   void set_items(const ValuePtr& dict, const std::vector<ValuePtr>& kv, size_t at) {
     if (dict->kind != Value::Dict) err(at, fmt::format("SETITEM on a {}", kind_name(dict->kind)));
     for (const ValuePtr& x : kv) check_not_mark(x, at);
+    check_no_cycle(dict, kv, at);
     dict->items.insert(dict->items.end(), kv.begin(), kv.end());
   }
   void append(const ValuePtr& list, const std::vector<ValuePtr>& vs, size_t at) {
     if (list->kind != Value::List) err(at, fmt::format("APPEND on a {}", kind_name(list->kind)));
+    check_no_cycle(list, vs, at);
     list->items.insert(list->items.end(), vs.begin(), vs.end());
   }
   // A tuple or list of ints (a size or stride).

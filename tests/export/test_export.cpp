@@ -146,6 +146,11 @@ std::string binunicode(const std::string& s) {
 // Nothing in a pickle is executed: any global beyond the tensor-rebuild allow-list, any other
 // opcode, and any non-tensor value is refused with one line.
 TEST(TorchFile, RefusesAnythingButAStateDict) {
+  // A list or dict put into itself through the memo (a fuzzer's finding: the shared_ptr cycle
+  // leaked): EMPTY_LIST BINPUT 0 BINGET 0 APPEND; EMPTY_DICT BINPUT 0 BINUNICODE BINGET 0 SETITEM.
+  EXPECT_NE(pickle_error(pk(std::string("]q\x00h\x00" "a.", 6))).find("a list that contains itself"), std::string::npos);
+  EXPECT_NE(pickle_error(pk(std::string("}q\x00", 3).append(binunicode("k")).append(std::string("h\x00s.", 4)))).find("a dict that contains itself"),
+            std::string::npos);
   EXPECT_NE(pickle_error(pk(std::string("cos\nsystem\n").append(binunicode("ls")).append("\x85R."))).find("global 'os.system' is not allowed"),
             std::string::npos);
   EXPECT_NE(pickle_error(pk("cbuiltins\neval\n.")).find("not allowed"), std::string::npos);
