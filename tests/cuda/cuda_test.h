@@ -22,4 +22,15 @@ inline uint32_t fresh_seed() {
   return std::random_device{}();
 }
 
+// A test fixture with a generator seeded by fresh_seed() (seed_ for the failure trace).
+class SeededTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    seed_ = fresh_seed();
+    rng_.seed(seed_);
+  }
+  uint32_t seed_ = 0;
+  std::mt19937 rng_;
+};
+
 }  // namespace retain::cuda_test

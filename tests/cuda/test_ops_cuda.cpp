@@ -19,15 +19,7 @@ namespace {
 Tensor gpu(const Tensor& t) { return t.to(Device::CUDA); }
 Tensor gpu_empty(const Shape& s) { return Tensor::empty(s, DType::F32, Device::CUDA); }
 
-class OpsCuda : public ::testing::Test {
- protected:
-  void SetUp() override {
-    seed_ = cuda_test::fresh_seed();
-    rng_.seed(seed_);
-  }
-  uint32_t seed_ = 0;
-  std::mt19937 rng_;
-};
+class OpsCuda : public cuda_test::SeededTest {};
 
 // Fails without a device: run_sanitizer.sh uses it to skip (exit 77) on machines without one.
 TEST_F(OpsCuda, DISABLED_DevicePresent) { ASSERT_GT(cuda_device_count(), 0); }

@@ -53,15 +53,7 @@ Vec embedding_emulated(const Tensor& table, const std::vector<int32_t>& ids, int
   return out;
 }
 
-class OpsRows : public ::testing::Test {
- protected:
-  void SetUp() override {
-    seed_ = cuda_test::fresh_seed();
-    rng_.seed(seed_);
-  }
-  uint32_t seed_ = 0;
-  std::mt19937 rng_;
-};
+class OpsRows : public cuda_test::SeededTest {};
 
 #define TRACE_SEED() SCOPED_TRACE(::testing::Message() << "seed " << seed_)
 
