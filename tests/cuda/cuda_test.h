@@ -34,3 +34,6 @@ class SeededTest : public ::testing::Test {
 };
 
 }  // namespace retain::cuda_test
+
+// In a SeededTest: the seed in every failure message of the scope (RETAIN_TEST_SEED replays it).
+#define TRACE_SEED() SCOPED_TRACE(::testing::Message() << "seed " << seed_)

@@ -66,6 +66,14 @@ inline Vec random_elems(int64_t n, std::mt19937& rng) {
   return v;
 }
 
+// T token ids uniform over [0, V).
+inline std::vector<int32_t> random_ids(int64_t V, int64_t T, std::mt19937& rng) {
+  std::uniform_int_distribution<int32_t> id(0, static_cast<int32_t>(V - 1));
+  std::vector<int32_t> ids(static_cast<size_t>(T));
+  for (auto& i : ids) i = id(rng);
+  return ids;
+}
+
 // A [V, D] table of `dtype` (values rounded to it), with subnormal, inf and NaN halves in F16.
 inline Tensor random_table(int64_t V, int64_t D, DType dtype, std::mt19937& rng) {
   const Vec v = random_rows(V, D, rng);

@@ -24,7 +24,6 @@ class OpsCuda : public cuda_test::SeededTest {};
 // Fails without a device: run_sanitizer.sh uses it to skip (exit 77) on machines without one.
 TEST_F(OpsCuda, DISABLED_DevicePresent) { ASSERT_GT(cuda_device_count(), 0); }
 
-#define TRACE_SEED() SCOPED_TRACE(::testing::Message() << "seed " << seed_)
 
 TEST_F(OpsCuda, Embedding) {
   SKIP_WITHOUT_GPU();
@@ -33,9 +32,7 @@ TEST_F(OpsCuda, Embedding) {
     for (int64_t D : {1, 7, 130}) {
       const int64_t V = 37, T = 300;
       const Tensor table = random_table(V, D, dt, rng_);
-      std::uniform_int_distribution<int32_t> id(0, V - 1);
-      std::vector<int32_t> ids(T);
-      for (auto& i : ids) i = id(rng_);
+      const std::vector<int32_t> ids = random_ids(V, T, rng_);
       Tensor want = Tensor::empty({T, D}, DType::F32), got = gpu_empty({T, D});
       ops::embedding(table, i32(ids), want);
       ops::embedding(gpu(table), gpu(i32(ids)), got);

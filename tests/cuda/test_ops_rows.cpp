@@ -55,17 +55,13 @@ Vec embedding_emulated(const Tensor& table, const std::vector<int32_t>& ids, int
 
 class OpsRows : public cuda_test::SeededTest {};
 
-#define TRACE_SEED() SCOPED_TRACE(::testing::Message() << "seed " << seed_)
-
 TEST_F(OpsRows, EmbeddingIsExactForEveryTableType) {
   TRACE_SEED();
   for (DType dt : {DType::F32, DType::BF16, DType::F16})
     for (int64_t D : {1, 7, 130}) {
       const int64_t V = 37, T = 300;
       const Tensor table = random_table(V, D, dt, rng_);
-      std::uniform_int_distribution<int32_t> id(0, V - 1);
-      std::vector<int32_t> ids(T);
-      for (auto& i : ids) i = id(rng_);
+      std::vector<int32_t> ids = random_ids(V, T, rng_);
       Tensor want = Tensor::empty({T, D}, DType::F32);
       ops::embedding(table, i32(ids), want);
       int64_t bad = 0;
