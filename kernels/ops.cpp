@@ -4,6 +4,7 @@
 #include "kernels/cpu/ops_cpu.h"
 #include "kernels/require_cpu.h"
 #ifdef RETAIN_CUDA_KERNELS
+#include "kernels/cuda/gemm_cuda.h"
 #include "kernels/cuda/ops_cuda.h"
 #endif
 
@@ -17,7 +18,7 @@ void expect(const Tensor& t, DType dtype, int64_t ndim, const char* op, const ch
 }
 
 // Every tensor of a call on one device (the first one's); returns it. Ops with CUDA kernels
-// (kernels/cuda/ops.cu) run there when it is CUDA.
+// (kernels/cuda/ops.cu, gemm.cu) run there when it is CUDA.
 Device one_device(const char* op, std::initializer_list<const Tensor*> ts) {
   const Device device = (*ts.begin())->device();
   for (const Tensor* t : ts)
@@ -27,9 +28,22 @@ Device one_device(const char* op, std::initializer_list<const Tensor*> ts) {
   return device;
 }
 
+// A GEMM weight: 2-d, F32 or BF16 (the GPU trainer's frozen weights stay bf16).
+void expect_weight(const Tensor& w, const char* op) {
+  RETAIN_CHECK((w.dtype() == DType::F32 || w.dtype() == DType::BF16) && w.ndim() == 2,
+               "{}: w must be 2-d F32 or BF16, got {} {}", op, dtype_name(w.dtype()), shape_str(w.shape()));
+}
+
+// Whether two tensors' bytes overlap (a view of the same buffer counts, not only the same start).
+bool overlap(const Tensor& a, const Tensor& b) {
+  if (a.numel() == 0 || b.numel() == 0) return false;
+  const auto pa = reinterpret_cast<uintptr_t>(a.raw()), pb = reinterpret_cast<uintptr_t>(b.raw());
+  return pa < pb + b.nbytes() && pb < pa + a.nbytes();
+}
+
 }  // namespace
 
-// CUDA tensors go to kernels/cuda/ops.cu; a build without those kernels (CPU-only, or the ASan
+// CUDA tensors go to kernels/cuda/ (ops_cuda.h, gemm_cuda.h); a build without those kernels (CPU-only, or the ASan
 // test build of this file) says so in one line, as require_cpu does.
 #ifdef RETAIN_CUDA_KERNELS
 #define RETAIN_CUDA_OP(op, call) \
@@ -54,12 +68,37 @@ void embedding(const Tensor& table, const Tensor& ids, Tensor& out) {
 
 void linear(const Tensor& x, const Tensor& w, Tensor& y) {
   expect(x, DType::F32, 2, "linear", "x");
-  expect(w, DType::F32, 2, "linear", "w");
+  expect_weight(w, "linear");
   expect(y, DType::F32, 2, "linear", "y");
   RETAIN_CHECK(x.dim(1) == w.dim(1) && y.dim(0) == x.dim(0) && y.dim(1) == w.dim(0),
                "linear: x {} w {} y {}", shape_str(x.shape()), shape_str(w.shape()), shape_str(y.shape()));
-  require_cpu("linear", {&x, &w, &y});
+  RETAIN_CHECK(!overlap(y, x) && !overlap(y, w), "linear: y must not alias x or w");
+  if (one_device("linear", {&x, &w, &y}) == Device::CUDA) RETAIN_CUDA_OP("linear", linear(x, w, y));
   cpu::linear(x, w, y);
+}
+
+void linear_backward_weight(const Tensor& dy, const Tensor& x, Tensor& dw, bool accumulate) {
+  expect(dy, DType::F32, 2, "linear_backward_weight", "dy");
+  expect(x, DType::F32, 2, "linear_backward_weight", "x");
+  expect(dw, DType::F32, 2, "linear_backward_weight", "dw");
+  RETAIN_CHECK(dy.dim(0) == x.dim(0) && dw.dim(0) == dy.dim(1) && dw.dim(1) == x.dim(1),
+               "linear_backward_weight: dy {} x {} dw {}", shape_str(dy.shape()), shape_str(x.shape()),
+               shape_str(dw.shape()));
+  RETAIN_CHECK(!overlap(dw, dy) && !overlap(dw, x), "linear_backward_weight: dw must not alias dy or x");
+  if (one_device("linear_backward_weight", {&dy, &x, &dw}) == Device::CUDA)
+    RETAIN_CUDA_OP("linear_backward_weight", linear_backward_weight(dy, x, dw, accumulate));
+  cpu::linear_backward_weight(dy, x, dw, accumulate);
+}
+
+void cast(const Tensor& src, Tensor& dst) {
+  const auto is_float = [](DType t) { return t == DType::F32 || t == DType::BF16 || t == DType::F16; };
+  RETAIN_CHECK(is_float(src.dtype()) && is_float(dst.dtype()) && src.shape() == dst.shape(),
+               "cast: src {} {} dst {} {} (F32, BF16 or F16, one shape)", dtype_name(src.dtype()),
+               shape_str(src.shape()), dtype_name(dst.dtype()), shape_str(dst.shape()));
+  RETAIN_CHECK(src.dtype() == dst.dtype() ? (src.raw() == dst.raw() || !overlap(src, dst)) : !overlap(src, dst),
+               "cast: dst must not alias src ({} to {})", dtype_name(src.dtype()), dtype_name(dst.dtype()));
+  if (one_device("cast", {&src, &dst}) == Device::CUDA) RETAIN_CUDA_OP("cast", cast(src, dst));
+  cpu::cast(src, dst);
 }
 
 void rmsnorm(const Tensor& x, const Tensor& w, float eps, Tensor& out) {
@@ -132,14 +171,14 @@ Tensor document_positions(const Tensor& doc) {
 
 void linear_backward_input(const Tensor& dy, const Tensor& w, Tensor& dx, bool accumulate) {
   expect(dy, DType::F32, 2, "linear_backward_input", "dy");
-  expect(w, DType::F32, 2, "linear_backward_input", "w");
+  expect_weight(w, "linear_backward_input");
   expect(dx, DType::F32, 2, "linear_backward_input", "dx");
   RETAIN_CHECK(dy.dim(1) == w.dim(0) && dx.dim(0) == dy.dim(0) && dx.dim(1) == w.dim(1),
                "linear_backward_input: dy {} w {} dx {}", shape_str(dy.shape()), shape_str(w.shape()),
                shape_str(dx.shape()));
-  RETAIN_CHECK(dx.numel() == 0 || (dx.raw() != dy.raw() && dx.raw() != w.raw()),
-               "linear_backward_input: dx must not alias dy or w");
-  require_cpu("linear_backward_input", {&dy, &w, &dx});
+  RETAIN_CHECK(!overlap(dx, dy) && !overlap(dx, w), "linear_backward_input: dx must not alias dy or w");
+  if (one_device("linear_backward_input", {&dy, &w, &dx}) == Device::CUDA)
+    RETAIN_CUDA_OP("linear_backward_input", linear_backward_input(dy, w, dx, accumulate));
   cpu::linear_backward_input(dy, w, dx, accumulate);
 }
 

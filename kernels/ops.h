@@ -2,9 +2,10 @@
 // dispatches on the tensor's device to the CPU reference (kernels/cpu/) or, where one
 // exists, a CUDA kernel (kernels/cuda/). Activations are F32; weights are F32 unless an
 // op says otherwise. Shapes: T tokens, H query heads, K KV heads, d head_dim.
-// CUDA kernels (kernels/cuda/ops.cu, same contracts, every tensor of a call on one device):
-// embedding, rmsnorm(_backward), rope(_backward), swiglu(_backward), add_inplace; the others
-// are CPU-only for now (a one-line error on CUDA tensors).
+// CUDA kernels (same contracts, every tensor of a call on one device): embedding,
+// rmsnorm(_backward), rope(_backward), swiglu(_backward), add_inplace (kernels/cuda/ops.cu);
+// linear, linear_backward_input, linear_backward_weight (cuBLASLt) and cast
+// (kernels/cuda/gemm.cu). The others are CPU-only for now (a one-line error on CUDA tensors).
 #pragma once
 #include <cstdint>
 
@@ -16,8 +17,22 @@ namespace retain::ops {
 // checkpoint's embedding needs no F32 copy); ids I32 [T]; out F32 [T, D].
 void embedding(const Tensor& table, const Tensor& ids, Tensor& out);
 
-// y = x · wᵀ. x F32 [N, in], w F32 [out, in] (nn.Linear layout), y F32 [N, out].
+// y = x · wᵀ. x F32 [N, in], w F32 or BF16 [out, in] (nn.Linear layout), y F32 [N, out].
+// CUDA (cuBLASLt, fp32 accumulation): with F32 w the product is float32 throughout (matches
+// the CPU to float32 rounding); with BF16 w, x is rounded to bf16 first ("bf16 in, fp32
+// accumulate", the GPU trainer's frozen weights). The CPU widens a BF16 w to float32 exactly:
+// bit for bit the F32 path on the widened weight while that fits one 32 MiB block
+// (kernels/cpu/ops_cpu.h), block by block beyond. y must not alias x or w.
 void linear(const Tensor& x, const Tensor& w, Tensor& y);
+
+// dw = dyᵀ · x (accumulate = true adds into dw): the weight gradient of y = x·wᵀ, for the
+// trainable gate MLPs. dy F32 [N, out], x F32 [N, in], dw F32 [out, in]. CUDA: float32
+// throughout (cuBLASLt). dw must not alias dy or x.
+void linear_backward_weight(const Tensor& dy, const Tensor& x, Tensor& dw, bool accumulate = false);
+
+// dst = src converted elementwise (F32, BF16, F16 in any pair; round to nearest even), same
+// shape, one device. dst may not alias src unless both dtypes are equal.
+void cast(const Tensor& src, Tensor& dst);
 
 // Row-wise RMSNorm over the last dim D: out = x / sqrt(mean(x²) + eps) * w.
 // x F32 [..., D], w F32 [D]. Per-head norm (Qwen3 q_norm/k_norm) is this op on [T·H, d].
@@ -48,7 +63,8 @@ void attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& 
 // computes a gradient for a weight). kernels/cpu/ops_backward.cpp. ----
 
 // dx = dy · w: the backward of linear (y = x·wᵀ) with respect to its input x.
-// dy F32 [N, out], w F32 [out, in], dx F32 [N, in]; accumulate = true adds into dx.
+// dy F32 [N, out], w F32 or BF16 [out, in] (as linear: with BF16 w, CUDA rounds dy to bf16),
+// dx F32 [N, in]; accumulate = true adds into dx.
 // dx must not alias dy or w.
 void linear_backward_input(const Tensor& dy, const Tensor& w, Tensor& dx, bool accumulate = false);
 

@@ -1,9 +1,11 @@
-// CPU reference for the elementwise and GEMM ops: plain loops, OpenMP across rows,
-// OpenBLAS for the matrix product, float64 where a long reduction needs it.
+// CPU reference for the elementwise and GEMM ops and the dtype cast: plain loops, OpenMP across
+// rows, OpenBLAS for the matrix product, float64 where a long reduction needs it.
 #include <cblas.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
 
 #include "kernels/base/half.h"
 #include "kernels/cpu/ops_cpu.h"
@@ -39,6 +41,14 @@ void embedding(const Tensor& table, const Tensor& ids, Tensor& out) {
   }
 }
 
+void widen_bf16(const Tensor& w, int64_t r0, int64_t r1, int64_t c0, int64_t c1, float* dst) {
+  const int64_t cols = w.dim(1), width = c1 - c0;
+  const uint16_t* src = static_cast<const uint16_t*>(w.raw());
+#pragma omp parallel for schedule(static)
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t c = c0; c < c1; ++c) dst[(r - r0) * width + (c - c0)] = bf16_to_f32(src[r * cols + c]);
+}
+
 void linear(const Tensor& x, const Tensor& w, Tensor& y) {
   const int64_t N = x.dim(0), in = x.dim(1), out = w.dim(0);
   if (N == 0 || out == 0) return;
@@ -46,10 +56,44 @@ void linear(const Tensor& x, const Tensor& w, Tensor& y) {
     std::memset(y.raw(), 0, y.nbytes());
     return;
   }
-  // y[N,out] = x[N,in] · w[out,in]ᵀ, all row-major.
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(N), static_cast<int>(out),
-              static_cast<int>(in), 1.0f, x.data<float>(), static_cast<int>(in), w.data<float>(),
-              static_cast<int>(in), 0.0f, y.data<float>(), static_cast<int>(out));
+  // y[N, o0:o1] = x[N,in] · w[o0:o1, in]ᵀ, all row-major (ldc = out).
+  const auto gemm = [&](int64_t o0, int64_t o1, const float* wrows) {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(N), static_cast<int>(o1 - o0),
+                static_cast<int>(in), 1.0f, x.data<float>(), static_cast<int>(in), wrows, static_cast<int>(in), 0.0f,
+                y.data<float>() + o0, static_cast<int>(out));
+  };
+  if (w.dtype() == DType::F32) return gemm(0, out, w.data<float>());
+  const int64_t block = std::min(out, std::max<int64_t>(1, kWidenBlockFloats / in));  // rows of w
+  const std::unique_ptr<float[]> wide(new float[static_cast<size_t>(block * in)]);
+  for (int64_t o0 = 0; o0 < out; o0 += block) {
+    const int64_t o1 = std::min(out, o0 + block);
+    widen_bf16(w, o0, o1, 0, in, wide.get());
+    gemm(o0, o1, wide.get());
+  }
+}
+
+void cast(const Tensor& src, Tensor& dst) {
+  const int64_t n = src.numel();
+  if (n == 0) return;
+  if (src.dtype() == dst.dtype()) {  // a copy keeps NaN payloads, which a round trip through F32 would not
+    if (src.raw() != dst.raw()) std::memcpy(dst.raw(), src.raw(), src.nbytes());
+    return;
+  }
+  const DType from = src.dtype(), to = dst.dtype();
+  const void* s = src.raw();
+  void* d = dst.raw();
+  // Through float32, as the CUDA kernel (kernels/cuda/cast_rows.h): widening is exact, so each
+  // element is rounded once.
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = from == DType::F32    ? static_cast<const float*>(s)[i]
+                    : from == DType::BF16 ? bf16_to_f32(static_cast<const uint16_t*>(s)[i])
+                                          : f16_to_f32(static_cast<const uint16_t*>(s)[i]);
+    if (to == DType::F32)
+      static_cast<float*>(d)[i] = v;
+    else
+      static_cast<uint16_t*>(d)[i] = to == DType::BF16 ? f32_to_bf16(v) : f32_to_f16(v);
+  }
 }
 
 void rmsnorm(const Tensor& x, const Tensor& w, float eps, Tensor& out) {

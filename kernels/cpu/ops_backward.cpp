@@ -1,11 +1,13 @@
 // CPU reference of the backward ops of the Qwen3 forward (kernels/ops.h; checks and dispatch
-// in kernels/ops.cpp): activation gradients only, since the model is frozen and only the
-// retention gates train. Plain loops, OpenMP across rows, OpenBLAS for the matrix product,
-// float64 row sums.
+// in kernels/ops.cpp): activation gradients through the frozen model, plus the weight gradient
+// of a linear layer for the trainable gate MLPs. Plain loops, OpenMP across rows, OpenBLAS for
+// the matrix products, float64 row sums.
 #include <cblas.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
 
 #include "kernels/cpu/ops_cpu.h"
 
@@ -18,10 +20,34 @@ void linear_backward_input(const Tensor& dy, const Tensor& w, Tensor& dx, bool a
     if (!accumulate) std::memset(dx.raw(), 0, dx.nbytes());
     return;
   }
-  // dx[N,in] = dy[N,out] · w[out,in], all row-major.
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(N), static_cast<int>(in),
-              static_cast<int>(out), 1.0f, dy.data<float>(), static_cast<int>(out), w.data<float>(),
-              static_cast<int>(in), accumulate ? 1.0f : 0.0f, dx.data<float>(), static_cast<int>(in));
+  // dx[N, c0:c1] = dy[N,out] · w[out, c0:c1], all row-major (ldc = in); wcols has leading dim ldw.
+  const auto gemm = [&](int64_t c0, int64_t c1, const float* wcols, int64_t ldw) {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(N), static_cast<int>(c1 - c0),
+                static_cast<int>(out), 1.0f, dy.data<float>(), static_cast<int>(out), wcols, static_cast<int>(ldw),
+                accumulate ? 1.0f : 0.0f, dx.data<float>() + c0, static_cast<int>(in));
+  };
+  if (w.dtype() == DType::F32) return gemm(0, in, w.data<float>(), in);
+  // BF16: widened by column blocks of w (kernels/cpu/ops_cpu.h), so each block is a whole product.
+  const int64_t block = std::min(in, std::max<int64_t>(1, kWidenBlockFloats / out));
+  const std::unique_ptr<float[]> wide(new float[static_cast<size_t>(block * out)]);
+  for (int64_t c0 = 0; c0 < in; c0 += block) {
+    const int64_t c1 = std::min(in, c0 + block);
+    widen_bf16(w, 0, out, c0, c1, wide.get());
+    gemm(c0, c1, wide.get(), c1 - c0);
+  }
+}
+
+void linear_backward_weight(const Tensor& dy, const Tensor& x, Tensor& dw, bool accumulate) {
+  const int64_t N = dy.dim(0), out = dy.dim(1), in = x.dim(1);
+  if (out == 0 || in == 0) return;
+  if (N == 0) {  // an empty sum over tokens
+    if (!accumulate) std::memset(dw.raw(), 0, dw.nbytes());
+    return;
+  }
+  // dw[out,in] = dy[N,out]ᵀ · x[N,in], all row-major.
+  cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, static_cast<int>(out), static_cast<int>(in),
+              static_cast<int>(N), 1.0f, dy.data<float>(), static_cast<int>(out), x.data<float>(),
+              static_cast<int>(in), accumulate ? 1.0f : 0.0f, dw.data<float>(), static_cast<int>(in));
 }
 
 void rmsnorm_backward(const Tensor& x, const Tensor& w, float eps, const Tensor& dy, Tensor& dx) {
