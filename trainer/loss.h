@@ -20,15 +20,26 @@ struct QualitySums {
   int64_t positions = 0;   // number of loss positions
 };
 
-// teacher_hidden, student_hidden F32 [T, D] (final-RMSNorm outputs); lm_head F32 [V, D];
+// teacher_hidden, student_hidden F32 [T, D] (final-RMSNorm outputs); lm_head [V, D];
 // ids I32 [T] (the target of position t is ids[t+1]); mask U8 [T] from loss_positions.
+// Devices: teacher_hidden, student_hidden, lm_head and d_student_hidden on one device, CPU or
+// CUDA; ids and mask always CPU tensors (the host lists the loss positions and checks their
+// targets). lm_head is F32 on the CPU, F32 or BF16 on CUDA (the GPU trainer keeps a BF16
+// lm_head; ops::linear then rounds the hidden rows, and the backward GEMM the logit gradient,
+// to bf16). Mixed devices are a one-line retain::Error; so is a CUDA tensor in a build without
+// the CUDA kernels. On CUDA (kernels/cuda/loss.cu; not yet run on a GPU) the positions and
+// targets go to the device once per call, each chunk's rows are gathered, reduced and
+// scattered there, and the per-row KL and NTP come back in one copy at the end of the call.
 // Logits = hidden · lm_headᵀ for the loss positions only, `chunk` of them at a time.
 // KL_t = Σ_v p(log p − log q), p = softmax(teacher), q = softmax(student), temperature 1;
 // NTP_t = −log q(ids[t+1]). Sums in float64.
 // When d_student_hidden is given (F32 [T, D], OVERWRITTEN, rows without a loss position = 0):
 // ∂(kl_scale·ΣKL + ntp_scale·ΣNTP)/∂student_hidden = (kl_scale·(q − p) + ntp_scale·(q − onehot))·lm_head.
 // The result depends neither on the thread count nor (beyond the GEMM's float rounding) on
-// `chunk`: each row's vocabulary is reduced in fixed blocks combined in a fixed order.
+// `chunk`: each row's vocabulary is reduced in a fixed order (CPU: blocks of 4096 logits, in
+// order; CUDA: one thread block per row, strided partials and a fixed tree), and the rows are
+// summed in position order. Both devices share the per-row formulas (kernels/cuda/loss_rows.h);
+// they differ by their GEMMs' rounding and their float64 reduction orders.
 // A target id outside [0, V) is a retain::Error naming the position.
 QualitySums kl_ntp_chunked(const Tensor& teacher_hidden, const Tensor& student_hidden, const Tensor& lm_head,
                            const Tensor& ids, const Tensor& mask, int64_t chunk, double kl_scale, double ntp_scale,

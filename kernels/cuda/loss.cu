@@ -1,0 +1,158 @@
+// CUDA kernels of the fused chunked KL + NTP loss (trainer/loss.cpp runs the chunk loop and the
+// GEMMs; the CPU reference is the same file's CPU path). The per-row math lives in
+// kernels/cuda/loss_rows.h, shared with the CPU loss and with a host emulation test
+// (tests/cuda/test_loss_rows.cpp); this file adds indexing, shared memory, barriers and
+// launches. Not yet run on a GPU (none has been lent); tests/cuda/test_loss_cuda.cpp is the GPU
+// check.
+//
+// gather / scatter: grid-stride over the chunk's c·D elements, int64 indices.
+// kl_ntp_rows: one block of kLossThreads per row (rows grid-stride beyond the grid cap), three
+// passes over the row's logits: maxima, float64 sums, and (optionally) the gradient written
+// over the student logits. The exponentials are recomputed in the third pass rather than kept:
+// storing them would add two [c, V] writes to a kernel bound by memory traffic, and the same
+// device computes the same exp bit for bit. Each row's KL and NTP go to its own slots of a
+// device array; no atomics, no host synchronisation.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/base/error.h"
+#include "kernels/cuda/check.h"
+#include "kernels/cuda/loss_cuda.h"
+#include "kernels/cuda/loss_rows.h"
+
+namespace retain::cuda {
+
+namespace {
+
+using namespace loss_rows;
+
+constexpr int kElemThreads = 256;
+constexpr int64_t kMaxElemBlocks = 65536;  // grid-stride beyond this
+constexpr int64_t kMaxRowBlocks = 1 << 20;
+
+unsigned elem_blocks(int64_t n) {
+  const int64_t b = (n + kElemThreads - 1) / kElemThreads;
+  return static_cast<unsigned>(b < kMaxElemBlocks ? b : kMaxElemBlocks);
+}
+
+__device__ __forceinline__ int64_t first_index() {
+  return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+}
+__device__ __forceinline__ int64_t grid_stride() { return static_cast<int64_t>(gridDim.x) * blockDim.x; }
+
+__global__ void gather_kernel(const float* src, const int32_t* pos, int64_t D, int64_t n, float* dst) {
+  for (int64_t i = first_index(); i < n; i += grid_stride())
+    dst[i] = src[static_cast<int64_t>(pos[i / D]) * D + i % D];
+}
+
+__global__ void scatter_kernel(const float* src, const int32_t* pos, int64_t D, int64_t n, float* dst) {
+  for (int64_t i = first_index(); i < n; i += grid_stride())
+    dst[static_cast<int64_t>(pos[i / D]) * D + i % D] = src[i];
+}
+
+__global__ void __launch_bounds__(kLossThreads)
+    kl_ntp_rows_kernel(const float* teacher, float* student, const int32_t* targets, int64_t rows, int64_t V,
+                       GradScales scales, bool gradient, double* kl_out, double* ntp_out) {
+  __shared__ RowMax maxes[kLossThreads];
+  __shared__ RowSums sums[kLossThreads];
+  const int tid = threadIdx.x;
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const float* t = teacher + r * V;
+    float* s = student + r * V;
+    const int64_t y = targets[r];
+    // Only thread 0 needs s_y; it reads it before the first barrier, and nothing overwrites s
+    // before the second.
+    const double target_logit = tid == 0 ? static_cast<double>(s[y]) : 0.0;
+
+    maxes[tid] = row_max_partial(t, s, V, tid);
+    __syncthreads();
+    for (int st = kLossThreads / 2; st > 0; st >>= 1) {
+      if (tid < st) fold_max(maxes, tid, st);
+      __syncthreads();
+    }
+    const double mt = maxes[0].t, ms = maxes[0].s;
+
+    sums[tid] = row_sums_partial(t, s, V, mt, ms, tid);
+    __syncthreads();
+    for (int st = kLossThreads / 2; st > 0; st >>= 1) {
+      if (tid < st) fold_sums(sums, tid, st);
+      __syncthreads();
+    }
+    const RowSums total = sums[0];
+    if (tid == 0) {
+      const RowLoss loss = row_loss(total, mt, ms, target_logit);
+      kl_out[r] = loss.kl;
+      ntp_out[r] = loss.ntp;
+    }
+    if (gradient) {
+      const double inv_zt = 1.0 / total.zt, inv_zs = 1.0 / total.zs;
+      for (int64_t v = tid; v < V; v += kLossThreads)
+        s[v] = gradient_at(t[v], s[v], mt, ms, inv_zt, inv_zs, v == y, scales);
+    }
+    __syncthreads();  // every thread has read maxes[0] and sums[0] before the next row rewrites them
+  }
+}
+
+void check_list(const Tensor& list, int64_t begin, int64_t c, const char* op) {
+  RETAIN_CHECK(list.dtype() == DType::I32 && list.ndim() == 2 && list.dim(0) == 2 && begin >= 0 &&
+                   begin + c <= list.dim(1),
+               "{}: list {} {} for rows [{}, {})", op, dtype_name(list.dtype()), shape_str(list.shape()), begin,
+               begin + c);
+}
+
+void check_rows(const Tensor& rows, const Tensor& full, const char* op) {
+  RETAIN_CHECK(rows.dtype() == DType::F32 && full.dtype() == DType::F32 && rows.ndim() == 2 && full.ndim() == 2 &&
+                   rows.dim(1) == full.dim(1),
+               "{}: rows {} {} for {} {}", op, dtype_name(rows.dtype()), shape_str(rows.shape()),
+               dtype_name(full.dtype()), shape_str(full.shape()));
+}
+
+}  // namespace
+
+void gather_loss_rows(const Tensor& src, const Tensor& list, int64_t begin, Tensor& dst) {
+  check_rows(dst, src, "gather_loss_rows");
+  const int64_t c = dst.dim(0), D = dst.dim(1), n = c * D;
+  check_list(list, begin, c, "gather_loss_rows");
+  if (n == 0) return;
+  gather_kernel<<<elem_blocks(n), kElemThreads>>>(static_cast<const float*>(src.raw()),
+                                                  static_cast<const int32_t*>(list.raw()) + begin, D, n,
+                                                  static_cast<float*>(dst.raw()));
+  CUDA_CHECK(cudaGetLastError());
+}
+
+void scatter_loss_rows(const Tensor& src, const Tensor& list, int64_t begin, Tensor& dst) {
+  check_rows(src, dst, "scatter_loss_rows");
+  const int64_t c = src.dim(0), D = src.dim(1), n = c * D;
+  check_list(list, begin, c, "scatter_loss_rows");
+  if (n == 0) return;
+  scatter_kernel<<<elem_blocks(n), kElemThreads>>>(static_cast<const float*>(src.raw()),
+                                                   static_cast<const int32_t*>(list.raw()) + begin, D, n,
+                                                   static_cast<float*>(dst.raw()));
+  CUDA_CHECK(cudaGetLastError());
+}
+
+void kl_ntp_rows(const Tensor& teacher_logits, Tensor& student_logits, const Tensor& list, int64_t begin,
+                 double kl_scale, double ntp_scale, bool gradient, Tensor& row_losses) {
+  RETAIN_CHECK(teacher_logits.dtype() == DType::F32 && teacher_logits.ndim() == 2 &&
+                   student_logits.dtype() == DType::F32 && student_logits.shape() == teacher_logits.shape(),
+               "kl_ntp_rows: teacher {} {} student {} {}", dtype_name(teacher_logits.dtype()),
+               shape_str(teacher_logits.shape()), dtype_name(student_logits.dtype()),
+               shape_str(student_logits.shape()));
+  const int64_t c = teacher_logits.dim(0), V = teacher_logits.dim(1), P = list.dim(1);
+  check_list(list, begin, c, "kl_ntp_rows");
+  RETAIN_CHECK(row_losses.dtype() == DType::F64 && row_losses.shape() == Shape({2, P}),
+               "kl_ntp_rows: row_losses {} {} for {} positions", dtype_name(row_losses.dtype()),
+               shape_str(row_losses.shape()), P);
+  RETAIN_CHECK(V > 0, "kl_ntp_rows: empty vocabulary");
+  if (c == 0) return;
+  const unsigned blocks = static_cast<unsigned>(c < kMaxRowBlocks ? c : kMaxRowBlocks);
+  double* out = static_cast<double*>(row_losses.raw());
+  kl_ntp_rows_kernel<<<blocks, kLossThreads>>>(
+      static_cast<const float*>(teacher_logits.raw()), static_cast<float*>(student_logits.raw()),
+      static_cast<const int32_t*>(list.raw()) + P + begin, c, V, grad_scales(kl_scale, ntp_scale), gradient,
+      out + begin, out + P + begin);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace retain::cuda
