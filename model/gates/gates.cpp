@@ -1,4 +1,6 @@
-// The gate MLPs: construction, forward and backward. File I/O is in gate_file.cpp.
+// The gate MLPs: construction, forward and backward (CPU here; CUDA through the device mirror,
+// the GEMMs in ops:: and the elementwise kernels of kernels/cuda/gates.cu). File I/O is in
+// gate_file.cpp.
 #include "model/gates/gates.h"
 
 #include <cblas.h>
@@ -10,7 +12,12 @@
 
 #include <fmt/format.h>
 
+#include "kernels/cuda/gates_rows.h"
 #include "kernels/ops.h"
+#ifdef RETAIN_CUDA_KERNELS
+#include "kernels/cuda/gates_cuda.h"
+#include "kernels/cuda/memory.h"
+#endif
 
 namespace retain::gates {
 
@@ -31,10 +38,11 @@ float silu_grad(float x) {
   return s * (1.0f + x * (1.0f - s));
 }
 
-void check_f32_cpu(const Tensor& t, const Shape& shape, const char* what) {
-  if (t.dtype() != DType::F32 || t.device() != Device::CPU || t.shape() != shape)
-    fail("retention gate: {} is {} {} on {}, expected F32 {} on cpu", what, dtype_name(t.dtype()), shape_str(t.shape()),
-         device_name(t.device()), shape_str(shape));
+// Every tensor of a call must be F32 on h's device: a mixed call is this one-line error.
+void check_f32(const Tensor& t, const Shape& shape, const char* what, Device device) {
+  if (t.dtype() != DType::F32 || t.device() != device || t.shape() != shape)
+    fail("retention gate: {} is {} {} on {}, expected F32 {} on {}", what, dtype_name(t.dtype()), shape_str(t.shape()),
+         device_name(t.device()), shape_str(shape), device_name(device));
 }
 
 // y[t, :] += b for every row.
@@ -68,7 +76,7 @@ Tensor affine(const Tensor& x, const Tensor& w, const Tensor& b) {
 // db[j] += Σ_t dy[t, j] in float64. Rows are summed in fixed blocks, then the blocks in order:
 // cache-friendly and bitwise independent of the thread count.
 void add_column_sums(const Tensor& dy, Tensor& db) {
-  constexpr int64_t kBlock = 256;
+  constexpr int64_t kBlock = cuda::gates_rows::kColumnBlock;  // the CUDA kernel's blocks too
   const int64_t T = dy.dim(0), N = dy.dim(1), blocks = (T + kBlock - 1) / kBlock;
   std::vector<double> partial(static_cast<size_t>(blocks * N), 0.0);
   const float* g = dy.data<float>();
@@ -183,7 +191,8 @@ RetentionGates RetentionGates::init(const GateDims& dims, double bias_init, uint
 Tensor RetentionGates::forward(int64_t layer, const Tensor& h, GateActivations* saved) const {
   RETAIN_CHECK(layer >= 0 && layer < dims_.layers, "gate layer {} of {}", layer, dims_.layers);
   RETAIN_CHECK(h.ndim() == 2, "gate input {}", shape_str(h.shape()));
-  check_f32_cpu(h, {h.dim(0), dims_.hidden}, "input h");
+  if (h.device() == Device::CUDA) return forward_cuda(layer, h, saved);
+  check_f32(h, {h.dim(0), dims_.hidden}, "input h", Device::CPU);
   const LayerSlots& s = slots_[static_cast<size_t>(layer)];
   Tensor a1 = affine(h, value(s.w1), value(s.b1));
   Tensor s1 = silu_of(a1);
@@ -207,12 +216,14 @@ void RetentionGates::backward(int64_t layer, const Tensor& h, const GateActivati
   RETAIN_CHECK(layer >= 0 && layer < dims_.layers, "gate layer {} of {}", layer, dims_.layers);
   RETAIN_CHECK(h.ndim() == 2, "gate input {}", shape_str(h.shape()));
   const int64_t T = h.dim(0), G = dims_.gate_hidden, K = dims_.kv_heads;
-  check_f32_cpu(h, {T, dims_.hidden}, "input h");
-  check_f32_cpu(saved.a1, {T, G}, "saved a1");
-  check_f32_cpu(saved.z, {T, K}, "saved z");
-  check_f32_cpu(dlog_beta, {T, K}, "dlog_beta");
-  if (dims_.kind == GateKind::dbtrimkv) check_f32_cpu(saved.a2, {T, G}, "saved a2");
-  if (dh) check_f32_cpu(*dh, h.shape(), "dh");
+  const Device device = h.device();
+  check_f32(h, {T, dims_.hidden}, "input h", device);
+  check_f32(saved.a1, {T, G}, "saved a1", device);
+  check_f32(saved.z, {T, K}, "saved z", device);
+  check_f32(dlog_beta, {T, K}, "dlog_beta", device);
+  if (dims_.kind == GateKind::dbtrimkv) check_f32(saved.a2, {T, G}, "saved a2", device);
+  if (dh) check_f32(*dh, h.shape(), "dh", device);
+  if (device == Device::CUDA) return backward_cuda(layer, h, saved, dlog_beta, dh);
   const LayerSlots& s = slots_[static_cast<size_t>(layer)];
 
   // d logσ(z)/dz = 1 − σ(z) = σ(−z).
@@ -237,5 +248,137 @@ void RetentionGates::backward(int64_t layer, const Tensor& h, const GateActivati
   times_silu_grad(da1, saved.a1);
   affine_backward(h, value(s.w1), da1, grad(s.w1), &grad(s.b1), dh, 1.0f);
 }
+
+// ---- CUDA: the device mirror and the forward/backward on it ------------------------------
+
+#ifdef RETAIN_CUDA_KERNELS
+
+void RetentionGates::sync_to_device() {
+  if (cuda_device_count() == 0) fail("retention gates: sync_to_device: no CUDA device is visible");
+  if (mirror_.values.size() != params_.size()) {
+    DeviceMirror fresh;
+    for (const GateParameter& p : params_) {
+      fresh.values.push_back(Tensor::empty(p.value.shape(), DType::F32, Device::CUDA));
+      fresh.grads.push_back(Tensor::empty(p.value.shape(), DType::F32, Device::CUDA));
+    }
+    mirror_ = std::move(fresh);
+  }
+  for (size_t i = 0; i < params_.size(); ++i) {
+    mirror_.values[i].copy_from(params_[i].value);
+    cuda::memset_device(mirror_.grads[i].raw(), 0, mirror_.grads[i].nbytes());
+  }
+}
+
+void RetentionGates::add_device_grads_to_host() {
+  if (!has_device_mirror()) fail("retention gates: add_device_grads_to_host() before any sync_to_device()");
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const Tensor g = mirror_.grads[i].to(Device::CPU);
+    const float* src = g.data<float>();
+    float* dst = params_[i].grad.data<float>();
+    for (int64_t k = 0; k < g.numel(); ++k) dst[k] += src[k];
+    cuda::memset_device(mirror_.grads[i].raw(), 0, mirror_.grads[i].nbytes());
+  }
+}
+
+namespace {
+
+void require_mirror(bool present, const char* what) {
+  if (!present) fail("retention gate {}: h is on cuda but sync_to_device() was never called", what);
+}
+
+// y = x·Wᵀ + b, s = silu(y) on the device; y (the pre-activation) is what backward needs.
+void affine_silu_cuda(const Tensor& x, const Tensor& w, const Tensor& b, Tensor& y, Tensor& s) {
+  y = Tensor::empty({x.dim(0), w.dim(0)}, DType::F32, Device::CUDA);
+  s = Tensor::empty(y.shape(), DType::F32, Device::CUDA);
+  ops::linear(x, w, y);
+  cuda::gate_bias_silu(y, b, s);
+}
+
+// The CUDA counterpart of affine_backward: dW += dyᵀ·x, db += Σ_t dy (float64), and dx = dy·W
+// (accumulate false) or dx += dy·W (true).
+void affine_backward_cuda(const Tensor& x, const Tensor& w, const Tensor& dy, Tensor& dw, Tensor& db, Tensor* dx,
+                          bool dx_accumulate) {
+  ops::linear_backward_weight(dy, x, dw, /*accumulate=*/true);
+  cuda::gate_add_column_sums(dy, db);
+  if (dx) ops::linear_backward_input(dy, w, *dx, dx_accumulate);
+}
+
+}  // namespace
+
+Tensor RetentionGates::forward_cuda(int64_t layer, const Tensor& h, GateActivations* saved) const {
+  check_f32(h, {h.dim(0), dims_.hidden}, "input h", Device::CUDA);
+  require_mirror(has_device_mirror(), "forward");
+  const int64_t T = h.dim(0), K = dims_.kv_heads;
+  const LayerSlots& s = slots_[static_cast<size_t>(layer)];
+  auto v = [&](int slot) -> const Tensor& { return mirror_.values[static_cast<size_t>(slot)]; };
+  Tensor log_beta = Tensor::empty({T, K}, DType::F32, Device::CUDA);
+  if (T == 0) {  // no launches; the saved tensors still have the shapes backward() checks
+    if (saved)
+      *saved = {Tensor::empty({0, dims_.gate_hidden}, DType::F32, Device::CUDA),
+                dims_.kind == GateKind::dbtrimkv ? Tensor::empty({0, dims_.gate_hidden}, DType::F32, Device::CUDA)
+                                                 : Tensor(),
+                Tensor::empty({0, K}, DType::F32, Device::CUDA)};
+    return log_beta;
+  }
+  Tensor a1, s1, a2, s2;
+  affine_silu_cuda(h, v(s.w1), v(s.b1), a1, s1);
+  const Tensor* last = &s1;
+  int w_out = s.w2;
+  if (dims_.kind == GateKind::dbtrimkv) {
+    affine_silu_cuda(s1, v(s.w2), v(s.b2), a2, s2);
+    last = &s2;
+    w_out = s.w3;
+  }
+  Tensor z = Tensor::empty({T, K}, DType::F32, Device::CUDA);
+  ops::linear(*last, v(w_out), z);
+  cuda::gate_bias_log_sigmoid(z, v(s.b), log_beta);
+  if (saved) *saved = {std::move(a1), std::move(a2), std::move(z)};
+  return log_beta;
+}
+
+void RetentionGates::backward_cuda(int64_t layer, const Tensor& h, const GateActivations& saved,
+                                   const Tensor& dlog_beta, Tensor* dh) {
+  require_mirror(has_device_mirror(), "backward");
+  const int64_t T = h.dim(0), G = dims_.gate_hidden, K = dims_.kv_heads;
+  if (T == 0) return;  // as the CPU: nothing to add
+  const LayerSlots& s = slots_[static_cast<size_t>(layer)];
+  auto v = [&](int slot) -> const Tensor& { return mirror_.values[static_cast<size_t>(slot)]; };
+  auto g = [&](int slot) -> Tensor& { return mirror_.grads[static_cast<size_t>(slot)]; };
+
+  Tensor dz = Tensor::empty({T, K}, DType::F32, Device::CUDA);
+  cuda::gate_log_sigmoid_backward(saved.z, dlog_beta, dz);
+  Tensor s1 = Tensor::empty({T, G}, DType::F32, Device::CUDA);
+  cuda::gate_silu(saved.a1, s1);
+  Tensor da1 = Tensor::empty({T, G}, DType::F32, Device::CUDA);
+  if (dims_.kind == GateKind::trimkv) {
+    affine_backward_cuda(s1, v(s.w2), dz, g(s.w2), g(s.b), &da1, false);
+  } else {
+    Tensor s2 = Tensor::empty({T, G}, DType::F32, Device::CUDA);
+    cuda::gate_silu(saved.a2, s2);
+    Tensor da2 = Tensor::empty({T, G}, DType::F32, Device::CUDA);
+    affine_backward_cuda(s2, v(s.w3), dz, g(s.w3), g(s.b), &da2, false);
+    cuda::gate_times_silu_grad(da2, saved.a2);
+    affine_backward_cuda(s1, v(s.w2), da2, g(s.w2), g(s.b2), &da1, false);
+  }
+  cuda::gate_times_silu_grad(da1, saved.a1);
+  affine_backward_cuda(h, v(s.w1), da1, g(s.w1), g(s.b1), dh, true);
+}
+
+#else  // a build without the CUDA gate kernels
+
+namespace {
+[[noreturn]] void no_cuda_gates(const char* what) {
+  fail("retention gates: {}: this build has no CUDA gate kernels (built without CUDA)", what);
+}
+}  // namespace
+
+void RetentionGates::sync_to_device() { no_cuda_gates("sync_to_device"); }
+void RetentionGates::add_device_grads_to_host() { no_cuda_gates("add_device_grads_to_host"); }
+Tensor RetentionGates::forward_cuda(int64_t, const Tensor&, GateActivations*) const { no_cuda_gates("forward"); }
+void RetentionGates::backward_cuda(int64_t, const Tensor&, const GateActivations&, const Tensor&, Tensor*) {
+  no_cuda_gates("backward");
+}
+
+#endif
 
 }  // namespace retain::gates

@@ -3,7 +3,10 @@
 //   trimkv:   logβ = logsigmoid(W2·silu(W1·h + b1) + b)
 //   dbtrimkv: logβ = logsigmoid(W3·silu(W2·silu(W1·h + b1) + b2) + b), W3 and b shared by all layers
 // The gates own their parameters, their gradients and their file format (model/gates/gate_file.cpp);
-// they never know about ranks. CPU, float32 (bias gradients summed in float64).
+// they never know about ranks. float32 (bias gradients summed in float64). Parameters and
+// gradients are CPU tensors (the optimizer, checkpoints, all-reduce and exporters use them);
+// forward/backward run on the device of h: CPU (OpenBLAS), or CUDA against a device mirror of
+// the parameters (sync_to_device / add_device_grads_to_host; kernels/cuda/gates.cu).
 #pragma once
 #include <cstdint>
 #include <map>
@@ -80,13 +83,29 @@ class RetentionGates : public ParameterSet {
   std::optional<double> bias_init() const { return bias_init_; }
 
   // logβ F32 [T, K] for layer `layer` from h F32 [T, D]. With `saved`, keeps what
-  // backward() needs (O(T·G) floats).
+  // backward() needs (O(T·G) floats). Runs on h's device: with h on CUDA it reads the device
+  // mirror (sync_to_device() first) and logβ and *saved are CUDA tensors.
   Tensor forward(int64_t layer, const Tensor& h, GateActivations* saved = nullptr) const;
   // Given dlog_beta = ∂loss/∂logβ F32 [T, K] for the h and activations of forward(layer):
   // adds ∂loss/∂θ into the parameter gradients and, when dh is given, adds ∂loss/∂h into
   // *dh (F32 [T, D]) — the trainer sums it with the q/k/v paths before the RMSNorm backward.
+  // With h on CUDA every tensor argument must be on CUDA too, and ∂loss/∂θ goes into the
+  // mirror gradients (add_device_grads_to_host() moves it into the CPU gradients). Mixed
+  // devices, or CUDA without sync_to_device(), are one-line errors.
   void backward(int64_t layer, const Tensor& h, const GateActivations& saved, const Tensor& dlog_beta,
                 Tensor* dh = nullptr);
+
+  // The CUDA mirror: one device copy of every parameter (a shared dbtrimkv tensor has one) and
+  // a device gradient for each. sync_to_device() copies every CPU value into the mirror
+  // (allocating it on the first call) and zeroes the mirror gradients. The mirror cannot see
+  // later changes to the CPU values, so the trainer syncs after every optimizer step (and
+  // after loading or resuming). A copy of the gates starts without a mirror; a move keeps it.
+  // Without a CUDA build or device: one-line error.
+  void sync_to_device();
+  // Adds the mirror gradients into the CPU gradients (float32 adds, in parameter order) and
+  // zeroes the mirror gradients. Fails (one line) before any sync_to_device().
+  void add_device_grads_to_host();
+  bool has_device_mirror() const { return !mirror_.values.empty(); }
 
   // Every parameter once (shared ones once), in file order: layer by layer, then the shared ones.
   std::vector<GateParameter>& parameters() override { return params_; }
@@ -100,11 +119,31 @@ class RetentionGates : public ParameterSet {
   explicit RetentionGates(const GateDims& dims);
   const Tensor& value(int slot) const { return params_[static_cast<size_t>(slot)].value; }
   Tensor& grad(int slot) { return params_[static_cast<size_t>(slot)].grad; }
+  // forward()/backward() for h on CUDA (model/gates/gates.cpp; a one-line error in a build
+  // without the CUDA kernels).
+  Tensor forward_cuda(int64_t layer, const Tensor& h, GateActivations* saved) const;
+  void backward_cuda(int64_t layer, const Tensor& h, const GateActivations& saved, const Tensor& dlog_beta,
+                     Tensor* dh);
+
+  // Device values and gradients, indexed as params_. Copying drops it: two gate sets sharing
+  // one device buffer would overwrite each other's values and gradients.
+  struct DeviceMirror {
+    std::vector<Tensor> values, grads;
+    DeviceMirror() = default;
+    DeviceMirror(const DeviceMirror&) {}
+    DeviceMirror(DeviceMirror&&) = default;
+    DeviceMirror& operator=(const DeviceMirror& other) {
+      if (this != &other) values.clear(), grads.clear();
+      return *this;
+    }
+    DeviceMirror& operator=(DeviceMirror&&) = default;
+  };
 
   GateDims dims_;
   std::optional<double> bias_init_;
   std::vector<GateParameter> params_;
   std::vector<LayerSlots> slots_;
+  DeviceMirror mirror_;
 };
 
 // Numerically stable log σ(x) = min(x, 0) − log1p(exp(−|x|)) (never log(sigmoid(x)), which

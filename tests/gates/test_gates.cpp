@@ -1,6 +1,7 @@
 // The retention gates against an independent float64 implementation written here from the
 // formulas of DESIGN §4: forward values, backward (parameter gradients and ∂/∂h) against
-// central finite differences of that float64 forward, the shared dbtrimkv tensor, init.
+// central finite differences of that float64 forward, the shared dbtrimkv tensor, init; and
+// that the CUDA entry points fail in one line where there is no device.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -323,4 +324,50 @@ TEST(Gates, BackwardWithoutDhAndEmptyInput) {
     for (int64_t i = 0; i < p.grad.numel(); ++i) EXPECT_EQ(p.grad.data<float>()[i], 0.0f);
   // Wrong input width is a clear error, not a crash.
   EXPECT_THROW(g.forward(0, Tensor::zeros({3, 5}, DType::F32)), Error);
+}
+
+TEST(Gates, CudaEntryPointsFailInOneLineWithoutADevice) {
+  // The device mirror and the CUDA forward/backward (tests/cuda/test_gates_cuda.cpp on a GPU):
+  // here only what must hold on any machine, GPU or not, and never touches device memory.
+  const GateDims d{GateKind::trimkv, 1, 4, 3, 2};
+  RetentionGates g = random_gates(d, 2);
+  auto one_line_error = [](auto&& f) -> std::string {
+    try {
+      f();
+    } catch (const Error& e) {
+      const std::string m = e.what();
+      EXPECT_EQ(m.find('\n'), std::string::npos) << m;
+      return m;
+    }
+    ADD_FAILURE() << "no error";
+    return "";
+  };
+  EXPECT_FALSE(g.has_device_mirror());
+  const std::string early = one_line_error([&] { g.add_device_grads_to_host(); });
+  EXPECT_TRUE(early.find("before any sync_to_device()") != std::string::npos ||
+              early.find("built without CUDA") != std::string::npos)
+      << early;
+  // A tensor that claims to be on CUDA (host memory that is never read): forward without a
+  // mirror and a mixed-device backward fail in their checks, before any access.
+  std::vector<float> fake(3 * 4 * 2);
+  const Tensor h_cuda = Tensor::view(fake.data(), {3, 4}, DType::F32, nullptr, Device::CUDA);
+  const std::string fwd = one_line_error([&] { g.forward(0, h_cuda); });
+  EXPECT_TRUE(fwd.find("sync_to_device() was never called") != std::string::npos ||
+              fwd.find("built without CUDA") != std::string::npos)
+      << fwd;
+  std::mt19937_64 rng(5);
+  const Tensor h = random_f32({3, 4}, 1.0, rng);
+  GateActivations saved;
+  g.forward(0, h, &saved);
+  const Tensor dlb_cuda = Tensor::view(fake.data(), {3, 2}, DType::F32, nullptr, Device::CUDA);
+  EXPECT_EQ(one_line_error([&] { g.backward(0, h, saved, dlb_cuda); }),
+            "retention gate: dlog_beta is F32 [3, 2] on cuda, expected F32 [3, 2] on cpu");
+  for (const GateParameter& p : g.parameters())
+    for (int64_t i = 0; i < p.grad.numel(); ++i) EXPECT_EQ(p.grad.data<float>()[i], 0.0f) << p.name();
+  if (cuda_built() && cuda_device_count() > 0)
+    GTEST_SKIP() << "a CUDA device is present: sync_to_device() succeeds here (tests/cuda/test_gates_cuda.cpp)";
+  const std::string sync = one_line_error([&] { g.sync_to_device(); });
+  EXPECT_TRUE(sync.find("no CUDA device") != std::string::npos || sync.find("built without CUDA") != std::string::npos)
+      << sync;
+  EXPECT_FALSE(g.has_device_mirror());
 }
