@@ -164,16 +164,23 @@ Tensor Tensor::rows(int64_t begin, int64_t end) const {
 
 Tensor Tensor::to(Device device) const {
   Tensor t = empty(shape_, dtype_, device);
-  size_t n = nbytes();
-  if (device_ == Device::CPU && device == Device::CPU)
-    std::memcpy(t.data_, data_, n);
-  else if (device_ == Device::CPU)
-    cuda::copy_to_device(t.data_, data_, n);
-  else if (device == Device::CPU)
-    cuda::copy_to_host(t.data_, data_, n);
-  else
-    cuda::copy_device_to_device(t.data_, data_, n);
+  t.copy_from(*this);
   return t;
+}
+
+void Tensor::copy_from(const Tensor& src) {
+  RETAIN_CHECK(src.dtype_ == dtype_ && src.numel_ == numel_, "copy_from: {} {} into {} {}", dtype_name(src.dtype_),
+               shape_str(src.shape_), dtype_name(dtype_), shape_str(shape_));
+  const size_t n = nbytes();
+  if (n == 0) return;  // memcpy of null pointers is undefined even for no bytes
+  if (src.device_ == Device::CPU && device_ == Device::CPU)
+    std::memcpy(data_, src.data_, n);
+  else if (src.device_ == Device::CPU)
+    cuda::copy_to_device(data_, src.data_, n);
+  else if (device_ == Device::CPU)
+    cuda::copy_to_host(data_, src.data_, n);
+  else
+    cuda::copy_device_to_device(data_, src.data_, n);
 }
 
 Tensor Tensor::to_dtype(DType dtype) const {

@@ -82,6 +82,9 @@ class Tensor {
   Tensor rows(int64_t begin, int64_t end) const;
   // Deep copy to `device` (CPU<->CUDA needs a CUDA build).
   Tensor to(Device device) const;
+  // Copies src's bytes into this tensor's memory, across devices when they differ. Same dtype
+  // and numel (shapes may differ, as a reshape would allow).
+  void copy_from(const Tensor& src);
   Tensor clone() const { return to(device_); }
   // Converted copy: any float dtype -> any float dtype, ints -> F32/F64, on CPU.
   Tensor to_dtype(DType dtype) const;

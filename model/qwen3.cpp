@@ -1,7 +1,7 @@
 #include "model/qwen3.h"
 
+#include <algorithm>
 #include <cmath>
-#include <cstring>
 
 #include "kernels/ops.h"
 #include "kernels/retention.h"
@@ -14,74 +14,115 @@ void check_gates_fit(const Qwen3Config& c, const gates::GateDims& g) {
          g.hidden, g.kv_heads, c.num_hidden_layers, c.hidden_size, c.num_key_value_heads);
 }
 
+Tensor positions_of(const Tensor& doc) {
+  if (doc.device() == Device::CPU) return ops::document_positions(doc);
+  return ops::document_positions(doc.to(Device::CPU)).to(doc.device());
+}
+
+namespace {
+
+// Attention of the layer into attn F32 [T, H, d]; retention-gated when log_beta is given
+// (F32 [T, K]). The CUDA kernels read and write bf16 q, k, v, out (kernels/retention.h):
+// there the F32 activations are rounded once here, and the teacher runs the gated kernel
+// with logβ ≡ 0, which is plain attention. With `saved`, what the backward needs is kept in
+// the dtype the backward reads (bf16 on CUDA).
+void layer_attention(const Tensor& q3, const Tensor& k3, const Tensor& v3, const Tensor* log_beta, const Tensor& doc,
+                     float scale, int64_t layer, Tensor& attn, DecoderLayerSaved* saved) {
+  const int64_t T = q3.dim(0), H = q3.dim(1), K = k3.dim(1);
+  const Device dev = q3.device();
+  const bool cuda = dev == Device::CUDA;
+  if (!log_beta && !cuda) {
+    ops::attention(q3, k3, v3, doc, scale, attn);
+    if (saved) saved->q = q3, saved->k = k3, saved->v = v3, saved->attn = attn;
+    return;
+  }
+  auto kernel_input = [&](const Tensor& t) {
+    if (!cuda) return t;
+    Tensor b = Tensor::empty(t.shape(), DType::BF16, dev);
+    ops::cast(t, b);
+    return b;
+  };
+  const Tensor q = kernel_input(q3), k = kernel_input(k3), v = kernel_input(v3);
+  Tensor out = cuda ? Tensor::empty(attn.shape(), DType::BF16, dev) : attn;
+  const Tensor lb = log_beta ? *log_beta : Tensor::zeros({T, K}, DType::F32, dev);
+  Tensor lse = Tensor::empty({T, H}, DType::F32, dev);
+  try {
+    ops::gated_attention(q, k, v, lb, doc, scale, out, lse);
+  } catch (const Error& e) {  // a NaN logβ: say which layer's gate produced it
+    fail("layer {}: {}", layer, e.what());
+  }
+  if (cuda) ops::cast(out, attn);
+  if (saved) saved->q = q, saved->k = k, saved->v = v, saved->attn = out, saved->lse = lse;
+}
+
+}  // namespace
+
 void qwen3_decoder_layer(const Qwen3Config& c, const LayerWeights& w, const RopeParams& rope, const Tensor& positions,
                          const Tensor& doc, const gates::RetentionGates* gates, int64_t layer, Tensor& x,
                          Tensor* log_beta_out, DecoderLayerSaved* saved) {
   const int64_t T = x.dim(0), D = c.hidden_size, H = c.num_attention_heads, K = c.num_key_value_heads,
                 d = c.head_dim, I = c.intermediate_size;
   const float eps = static_cast<float>(c.rms_norm_eps);
+  const Device dev = x.device();  // every buffer lives where the residual stream does
+  auto f32 = [dev](const Shape& shape) { return Tensor::empty(shape, DType::F32, dev); };
   // Without `saved`, buffers are reused in place (the teacher's memory); with it, each
   // intermediate gets its own buffer. The ops give the same values either way.
 
   // Attention block.
-  Tensor h = Tensor::empty({T, D}, DType::F32);
+  Tensor h = f32({T, D});
   ops::rmsnorm(x, w.input_norm, eps, h);
-  Tensor q = Tensor::empty({T, H * d}, DType::F32), k = Tensor::empty({T, K * d}, DType::F32),
-         v = Tensor::empty({T, K * d}, DType::F32);
+  Tensor q = f32({T, H * d}), k = f32({T, K * d}), v = f32({T, K * d});
   ops::linear(h, w.q_proj, q);
   ops::linear(h, w.k_proj, k);
   ops::linear(h, w.v_proj, v);
-  Tensor qn = saved ? Tensor::empty(q.shape(), DType::F32) : q;
-  Tensor kn = saved ? Tensor::empty(k.shape(), DType::F32) : k;
+  Tensor qn = saved ? f32(q.shape()) : q;
+  Tensor kn = saved ? f32(k.shape()) : k;
   Tensor qnh = qn.reshape({T * H, d}), knh = kn.reshape({T * K, d});
   ops::rmsnorm(q.reshape({T * H, d}), w.q_norm, eps, qnh);  // per-head norm, before RoPE (as HF)
   ops::rmsnorm(k.reshape({T * K, d}), w.k_norm, eps, knh);
   Tensor q3 = qn.reshape({T, H, d}), k3 = kn.reshape({T, K, d}), v3 = v.reshape({T, K, d});
   ops::rope(q3, positions, rope.inv_freq, rope.attention_factor);
   ops::rope(k3, positions, rope.inv_freq, rope.attention_factor);
-  Tensor attn = Tensor::empty({T, H, d}, DType::F32);
+  Tensor attn = f32({T, H, d});
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
   if (gates) {
     // logβ [T, K] from the q/k/v input.
     const Tensor log_beta = gates->forward(layer, h, saved ? &saved->gate : nullptr);
-    Tensor lse = Tensor::empty({T, H}, DType::F32);
-    try {
-      ops::gated_attention(q3, k3, v3, log_beta, doc, scale, attn, lse);
-    } catch (const Error& e) {  // a NaN logβ: say which layer's gate produced it
-      fail("layer {}: {}", layer, e.what());
-    }
+    layer_attention(q3, k3, v3, &log_beta, doc, scale, layer, attn, saved);
     if (log_beta_out) {
       RETAIN_CHECK(log_beta_out->dtype() == DType::F32 && log_beta_out->shape() == log_beta.shape(),
                    "decoder layer: log_beta_out {} for logβ {}", shape_str(log_beta_out->shape()),
                    shape_str(log_beta.shape()));
-      std::memcpy(log_beta_out->raw(), log_beta.raw(), log_beta.nbytes());
+      log_beta_out->copy_from(log_beta);
     }
-    if (saved) saved->log_beta = log_beta, saved->lse = lse;
+    if (saved) saved->log_beta = log_beta;
   } else {
-    ops::attention(q3, k3, v3, doc, scale, attn);
+    layer_attention(q3, k3, v3, nullptr, doc, scale, layer, attn, saved);
   }
-  Tensor proj = Tensor::empty({T, D}, DType::F32);
+  Tensor proj = f32({T, D});
   ops::linear(attn.reshape({T, H * d}), w.o_proj, proj);
   ops::add_inplace(x, proj);
   if (saved) {
     saved->h = h;
     saved->q_raw = q, saved->k_raw = k;
-    saved->q = q3, saved->k = k3, saved->v = v3;
-    saved->attn = attn;
     saved->x_mid = x.clone();
+    if (saved->attention_only) return;
   }
 
-  // MLP block: down(silu(gate(h)) * up(h)).
-  Tensor h2 = saved ? Tensor::empty({T, D}, DType::F32) : h;
-  ops::rmsnorm(x, w.post_norm, eps, h2);
-  Tensor g = Tensor::empty({T, I}, DType::F32), u = Tensor::empty({T, I}, DType::F32);
-  ops::linear(h2, w.gate_proj, g);
-  ops::linear(h2, w.up_proj, u);
-  Tensor m = saved ? Tensor::empty({T, I}, DType::F32) : g;
-  ops::swiglu(g, u, m);
-  ops::linear(m, w.down_proj, proj);
-  ops::add_inplace(x, proj);
-  if (saved) saved->mlp_gate = g, saved->mlp_up = u;
+  // MLP block: down(silu(gate(h)) * up(h)), kMlpChunkTokens tokens at a time: its [T, I]
+  // intermediates would be the largest buffers of a long sequence (128K × 9728 F32 = 5 GB each).
+  h = Tensor(), q = Tensor(), k = Tensor(), v = Tensor(), attn = Tensor(), qn = Tensor(), kn = Tensor();
+  for (int64_t t0 = 0; t0 < T; t0 += kMlpChunkTokens) {
+    const int64_t n = std::min(T, t0 + kMlpChunkTokens) - t0;
+    Tensor xr = x.rows(t0, t0 + n);
+    Tensor h2 = f32({n, D}), g = f32({n, I}), u = f32({n, I}), out = f32({n, D});
+    ops::rmsnorm(xr, w.post_norm, eps, h2);
+    ops::linear(h2, w.gate_proj, g);
+    ops::linear(h2, w.up_proj, u);
+    ops::swiglu(g, u, g);
+    ops::linear(g, w.down_proj, out);
+    ops::add_inplace(xr, out);
+  }
 }
 
 Tensor qwen3_hidden(WeightProvider& weights, const Tensor& ids, const Tensor& doc_ids, const LayerProgress& on_layer,
@@ -92,9 +133,9 @@ Tensor qwen3_hidden(WeightProvider& weights, const Tensor& ids, const Tensor& do
                    doc_ids.shape() == ids.shape(),
                "qwen3_hidden: ids {} doc_ids {}", shape_str(ids.shape()), shape_str(doc_ids.shape()));
   const int64_t T = ids.dim(0);
-  Tensor x = Tensor::empty({T, c.hidden_size}, DType::F32);
+  Tensor x = Tensor::empty({T, c.hidden_size}, DType::F32, ids.device());
   ops::embedding(weights.embedding(), ids, x);
-  const Tensor positions = ops::document_positions(doc_ids);
+  const Tensor positions = positions_of(doc_ids);
   const RopeParams rope = compute_rope_params(c);
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
     qwen3_decoder_layer(c, weights.layer(l), rope, positions, doc_ids, gates, l, x);
@@ -107,7 +148,7 @@ Tensor qwen3_hidden(WeightProvider& weights, const Tensor& ids, const Tensor& do
 Tensor qwen3_forward(WeightProvider& weights, const Tensor& ids, const Tensor& doc_ids, const LayerProgress& on_layer,
                      const gates::RetentionGates* gates) {
   const Tensor hidden = qwen3_hidden(weights, ids, doc_ids, on_layer, gates);
-  Tensor logits = Tensor::empty({hidden.dim(0), weights.config().vocab_size}, DType::F32);
+  Tensor logits = Tensor::empty({hidden.dim(0), weights.config().vocab_size}, DType::F32, hidden.device());
   ops::linear(hidden, weights.lm_head(), logits);
   return logits;
 }

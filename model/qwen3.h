@@ -29,6 +29,9 @@ Tensor qwen3_hidden(WeightProvider& weights, const Tensor& ids, const Tensor& do
 
 // ---- Building blocks shared with the student's backward (model/student.cpp) -------------
 
+// ops::document_positions for doc on any device (formed on the host: T int32s), on doc's device.
+Tensor positions_of(const Tensor& doc);
+
 // Fails (one line) unless gates of `dims` fit a model of `config` (layers, hidden size, KV heads).
 void check_gates_fit(const Qwen3Config& config, const gates::GateDims& dims);
 
@@ -38,17 +41,29 @@ struct DecoderLayerSaved {
   Tensor h;                      // input-RMSNorm output F32 [T, D] (q/k/v and gate input)
   Tensor q_raw, k_raw;           // projections before the per-head norm, [T, H·d], [T, K·d]
   Tensor q, k, v;                // attention inputs: q, k normed and rotated, [T, H, d], [T, K, d], [T, K, d]
+                                 // (F32 on the CPU; BF16 on CUDA, what its attention kernels read)
   Tensor log_beta;               // gate output F32 [T, K] (gated layers only)
   gates::GateActivations gate;   // gate pre-activations (gated layers only)
-  Tensor attn, lse;              // attention output [T, H, d] and its log-sum-exp [T, H] (gated only)
+  Tensor attn, lse;              // attention output [T, H, d] (dtype as q) and its log-sum-exp F32 [T, H]
+                                 // (gated only)
   Tensor x_mid;                  // residual stream after attention F32 [T, D] (the post-norm input)
-  Tensor mlp_gate, mlp_up;       // gate_proj and up_proj outputs before SwiGLU, [T, I]
+  // Set by the caller: stop after the attention block (x comes out as x_mid). The student's
+  // backward does, and recomputes the MLP from x_mid chunk by chunk: its intermediates are
+  // never held for the whole sequence.
+  bool attention_only = false;
 };
 
+// Tokens per MLP chunk (forward and the student's backward): bounds the [tokens, I] buffers
+// (8192 × 9728 F32 = 318 MB for Qwen3-4B) whatever the sequence length.
+inline constexpr int64_t kMlpChunkTokens = 8192;
+
 // Decoder layer `layer`, in place on the residual stream x F32 [T, D]; retention-gated when
-// `gates`. positions = ops::document_positions(doc). With `log_beta_out` (F32 [T, K], gated
-// only) the gate output is copied there; with `saved`, the intermediates above are kept.
-// Neither changes the result: x comes out bit-identical either way.
+// `gates`. positions = ops::document_positions(doc). Runs on x's device: the weights,
+// positions, doc (and the gates' mirror) must be there too; on CUDA, attention rounds q, k, v
+// to bf16. With `log_beta_out` (F32 [T, K], gated only) the gate output is copied there; with
+// `saved`, the intermediates above are kept.
+// Neither changes the result: x comes out bit-identical either way (unless
+// saved->attention_only, which stops at x_mid).
 void qwen3_decoder_layer(const Qwen3Config& config, const LayerWeights& w, const RopeParams& rope,
                          const Tensor& positions, const Tensor& doc, const gates::RetentionGates* gates,
                          int64_t layer, Tensor& x, Tensor* log_beta_out = nullptr,

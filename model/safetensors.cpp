@@ -245,6 +245,39 @@ void write_safetensors(const std::string& path, const std::vector<std::pair<std:
   out.commit();
 }
 
+void write_safetensors_rows(const std::string& path, const std::string& name, DType dtype, const Shape& shape,
+                            int64_t chunk_rows, const std::function<void(int64_t, int64_t, Tensor&)>& fill,
+                            const std::map<std::string, std::string>& metadata) {
+  RETAIN_CHECK(!shape.empty() && chunk_rows > 0, "{}: write_safetensors_rows: shape {} chunk {}", path,
+               shape_str(shape), chunk_rows);
+  if (name == "__metadata__") fail("{}: '__metadata__' cannot be a tensor name", path);
+  const int64_t rows = shape[0];
+  const uint64_t bytes = static_cast<uint64_t>(shape_numel(shape)) * dtype_size(dtype);
+  json header = json::object();
+  header[name] = {{"dtype", dtype_name(dtype)}, {"shape", shape}, {"data_offsets", {uint64_t{0}, bytes}}};
+  if (!metadata.empty()) header["__metadata__"] = metadata;
+  std::string text;
+  try {
+    text = header.dump();
+  } catch (const json::exception& e) {
+    fail("{}: cannot encode header: {}", path, e.what());
+  }
+  text.append((8 - (8 + text.size()) % 8) % 8, ' ');
+
+  AtomicFile out(path);
+  out.write(store_le64(text.size()));
+  out.write(text);
+  Shape chunk_shape = shape;
+  for (int64_t begin = 0; begin < rows; begin += chunk_rows) {
+    const int64_t end = std::min(rows, begin + chunk_rows);
+    chunk_shape[0] = end - begin;
+    Tensor chunk = Tensor::empty(chunk_shape, dtype);
+    fill(begin, end, chunk);
+    out.write(chunk.raw(), chunk.nbytes());
+  }
+  out.commit();
+}
+
 SafetensorsSet SafetensorsSet::open_dir(const std::string& dir) {
   SafetensorsSet set;
   set.dir_ = dir;

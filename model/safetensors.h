@@ -9,6 +9,7 @@
 // so that after open() every tensor() read is known to be in bounds.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -58,6 +59,13 @@ void write_safetensors(const std::string& path, const std::vector<std::pair<std:
 
 // A checkpoint directory holding either model.safetensors.index.json + shards (preferred
 // when present) or a single model.safetensors.
+// One tensor `name` [rows, ...] written `chunk_rows` rows at a time, never held whole (the
+// logits of a long sequence: 128K × 151,936 F32 is 80 GB): fill(begin, end, rows) writes rows
+// [begin, end) into `rows`, a CPU tensor of that many rows. Atomic like write_safetensors.
+void write_safetensors_rows(const std::string& path, const std::string& name, DType dtype, const Shape& shape,
+                            int64_t chunk_rows, const std::function<void(int64_t, int64_t, Tensor&)>& fill,
+                            const std::map<std::string, std::string>& metadata = {});
+
 class SafetensorsSet {
  public:
   static SafetensorsSet open_dir(const std::string& dir);

@@ -1,5 +1,6 @@
 #include "model/student.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "kernels/ops.h"
@@ -16,6 +17,43 @@ void check_ids(const Tensor& ids, const Tensor& doc_ids, const char* what) {
                "{}: ids {} doc_ids {}", what, shape_str(ids.shape()), shape_str(doc_ids.shape()));
 }
 
+// The activation checkpoint of a layer input: F32 on the CPU (the exact reference); bf16 on
+// CUDA, half the bytes of the largest thing the step keeps (Qwen3-4B at 128K: 24 GB instead of
+// 48), so the backward recomputes each layer from its input rounded to bf16.
+Tensor checkpoint_of(const Tensor& x) {
+  if (x.device() == Device::CPU) return x.clone();
+  Tensor b = Tensor::empty(x.shape(), DType::BF16, x.device());
+  ops::cast(x, b);
+  return b;
+}
+
+// A checkpoint back as the F32 layer input the recomputation starts from.
+Tensor layer_input(const Tensor& checkpoint) {
+  if (checkpoint.dtype() == DType::F32) return checkpoint;
+  Tensor x = Tensor::empty(checkpoint.shape(), DType::F32, checkpoint.device());
+  ops::cast(checkpoint, x);
+  return x;
+}
+
+// The gated attention's backward in the dtype its kernels take: F32 on the CPU; on CUDA
+// bf16 dout, dq, dk, dv (s.q, s.k, s.v, s.attn are kept in bf16 there by the forward),
+// converted to and from the F32 the rest of the layer's backward works in.
+void attention_backward(const DecoderLayerSaved& s, const Tensor& doc, float scale, const Tensor& dout, Tensor& dq,
+                        Tensor& dk, Tensor& dv, Tensor& dlog_beta) {
+  if (dout.device() == Device::CPU) {
+    ops::gated_attention_backward(s.q, s.k, s.v, s.log_beta, doc, scale, s.attn, s.lse, dout, dq, dk, dv, dlog_beta);
+    return;
+  }
+  auto bf16 = [&](const Shape& shape) { return Tensor::empty(shape, DType::BF16, dout.device()); };
+  Tensor dout_b = bf16(dout.shape()), dq_b = bf16(dq.shape()), dk_b = bf16(dk.shape()), dv_b = bf16(dv.shape());
+  ops::cast(dout, dout_b);
+  ops::gated_attention_backward(s.q, s.k, s.v, s.log_beta, doc, scale, s.attn, s.lse, dout_b, dq_b, dk_b, dv_b,
+                                dlog_beta);
+  ops::cast(dq_b, dq);
+  ops::cast(dk_b, dk);
+  ops::cast(dv_b, dv);
+}
+
 // Layer l's backward: on entry dx = ∂loss/∂x_{l+1} (the layer's output), on return
 // ∂loss/∂x_l. `s` is the layer's recomputed forward, x_in its input, extra_dlog_beta the
 // capacity loss's ∂/∂logβ [T, K] for this layer (or null). Adds the gate's parameter grads.
@@ -25,29 +63,35 @@ void layer_backward(const Qwen3Config& c, const LayerWeights& w, const RopeParam
   const int64_t T = dx.dim(0), D = c.hidden_size, H = c.num_attention_heads, K = c.num_key_value_heads,
                 d = c.head_dim, I = c.intermediate_size;
   const float eps = static_cast<float>(c.rms_norm_eps);
-  Tensor dh = Tensor::empty({T, D}, DType::F32);
+  const Device dev = dx.device();
+  auto f32 = [dev](const Shape& shape) { return Tensor::empty(shape, DType::F32, dev); };
 
-  // MLP block: x_out = x_mid + down(silu(g)·u), g, u = gate/up(post_norm(x_mid)).
-  {
-    Tensor dm = Tensor::empty({T, I}, DType::F32);
-    ops::linear_backward_input(dx, w.down_proj, dm);
-    // dg, du overwrite g, u (no longer needed).
-    ops::swiglu_backward(s.mlp_gate, s.mlp_up, dm, s.mlp_gate, s.mlp_up);
-    ops::linear_backward_input(s.mlp_gate, w.gate_proj, dh);
-    ops::linear_backward_input(s.mlp_up, w.up_proj, dh, /*accumulate=*/true);
-    ops::rmsnorm_backward(s.x_mid, w.post_norm, eps, dh, dh);
-    ops::add_inplace(dx, dh);  // dx = ∂loss/∂x_mid (residual + MLP path)
-    s.mlp_gate = Tensor(), s.mlp_up = Tensor(), s.x_mid = Tensor();
+  // MLP block: x_out = x_mid + down(silu(g)·u), g, u = gate/up(post_norm(x_mid)), recomputed
+  // from x_mid kMlpChunkTokens tokens at a time (the forward's chunks): every step is row-wise.
+  for (int64_t t0 = 0; t0 < T; t0 += kMlpChunkTokens) {
+    const int64_t n = std::min(T, t0 + kMlpChunkTokens) - t0;
+    const Tensor xm = s.x_mid.rows(t0, t0 + n);
+    Tensor dxr = dx.rows(t0, t0 + n);
+    Tensor h2 = f32({n, D}), g = f32({n, I}), u = f32({n, I}), dm = f32({n, I});
+    ops::rmsnorm(xm, w.post_norm, eps, h2);
+    ops::linear(h2, w.gate_proj, g);
+    ops::linear(h2, w.up_proj, u);
+    ops::linear_backward_input(dxr, w.down_proj, dm);
+    ops::swiglu_backward(g, u, dm, g, u);  // dg, du overwrite g, u
+    ops::linear_backward_input(g, w.gate_proj, h2);
+    ops::linear_backward_input(u, w.up_proj, h2, /*accumulate=*/true);
+    ops::rmsnorm_backward(xm, w.post_norm, eps, h2, h2);
+    ops::add_inplace(dxr, h2);  // dx = ∂loss/∂x_mid (residual + MLP path)
   }
+  s.x_mid = Tensor();
+  Tensor dh = f32({T, D});
 
   // Attention block: x_mid = x_in + o_proj(attn), attn = gated_attention(q, k, v, logβ(h)).
-  Tensor dattn = Tensor::empty({T, H * d}, DType::F32);
+  Tensor dattn = f32({T, H * d});
   ops::linear_backward_input(dx, w.o_proj, dattn);
-  Tensor dq = Tensor::empty({T, H, d}, DType::F32), dk = Tensor::empty({T, K, d}, DType::F32),
-         dv = Tensor::empty({T, K, d}, DType::F32), dlog_beta = Tensor::empty({T, K}, DType::F32);
+  Tensor dq = f32({T, H, d}), dk = f32({T, K, d}), dv = f32({T, K, d}), dlog_beta = f32({T, K});
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
-  ops::gated_attention_backward(s.q, s.k, s.v, s.log_beta, pass.doc, scale, s.attn, s.lse, dattn.reshape({T, H, d}),
-                                dq, dk, dv, dlog_beta);
+  attention_backward(s, pass.doc, scale, dattn.reshape({T, H, d}), dq, dk, dv, dlog_beta);
   dattn = Tensor();
   if (extra_dlog_beta) ops::add_inplace(dlog_beta, *extra_dlog_beta);
   ops::rope_backward(dq, pass.positions, rope.inv_freq, rope.attention_factor);
@@ -74,19 +118,20 @@ StudentPass student_forward(WeightProvider& weights, const gates::RetentionGates
   const int64_t T = ids.dim(0), L = c.num_hidden_layers, K = c.num_key_value_heads;
   StudentPass pass;
   pass.ids = ids, pass.doc = doc_ids;
-  pass.positions = ops::document_positions(doc_ids);
-  pass.log_beta = Tensor::empty({L, T, K}, DType::F32);
-  Tensor x = Tensor::empty({T, c.hidden_size}, DType::F32);
+  const Device dev = ids.device();  // the pass runs where the token ids are
+  pass.positions = positions_of(doc_ids);
+  pass.log_beta = Tensor::empty({L, T, K}, DType::F32, dev);
+  Tensor x = Tensor::empty({T, c.hidden_size}, DType::F32, dev);
   ops::embedding(weights.embedding(), ids, x);
   const RopeParams rope = compute_rope_params(c);
   pass.layer_inputs.reserve(static_cast<size_t>(L));
   for (int64_t l = 0; l < L; ++l) {
-    pass.layer_inputs.push_back(x.clone());
+    pass.layer_inputs.push_back(checkpoint_of(x));
     Tensor log_beta = pass.log_beta.rows(l, l + 1).reshape({T, K});
     qwen3_decoder_layer(c, weights.layer(l), rope, pass.positions, doc_ids, &gates, l, x, &log_beta);
   }
   pass.final_input = x;
-  pass.hidden = Tensor::empty(x.shape(), DType::F32);
+  pass.hidden = Tensor::empty(x.shape(), DType::F32, dev);
   ops::rmsnorm(x, weights.final_norm(), static_cast<float>(c.rms_norm_eps), pass.hidden);
   return pass;
 }
@@ -110,13 +155,14 @@ void student_backward(WeightProvider& weights, gates::RetentionGates& gates, con
                shape_str(d_log_beta.shape()), L, T, K);
 
   const RopeParams rope = compute_rope_params(c);
-  Tensor dx = Tensor::empty({T, D}, DType::F32);  // ∂loss/∂x_l, from l = L down
+  Tensor dx = Tensor::empty({T, D}, DType::F32, d_hidden.device());  // ∂loss/∂x_l, from l = L down
   ops::rmsnorm_backward(pass.final_input, weights.final_norm(), static_cast<float>(c.rms_norm_eps), d_hidden, dx);
   for (int64_t l = L - 1; l >= 0; --l) {
     const LayerWeights& w = weights.layer(l);
-    const Tensor& x_in = pass.layer_inputs[static_cast<size_t>(l)];
+    const Tensor x_in = layer_input(pass.layer_inputs[static_cast<size_t>(l)]);
     Tensor x = x_in.clone();  // the recomputation runs in place; the checkpoint stays intact
     DecoderLayerSaved saved;
+    saved.attention_only = true;  // layer_backward recomputes the MLP chunk by chunk
     qwen3_decoder_layer(c, w, rope, pass.positions, pass.doc, &gates, l, x, nullptr, &saved);
     x = Tensor();
     const Tensor extra = has_extra ? d_log_beta.rows(l, l + 1).reshape({T, K}) : Tensor();

@@ -14,7 +14,8 @@ namespace retain {
 // What the student's backward needs: activation checkpoints only.
 struct StudentPass {
   Tensor ids, doc, positions;        // I32 [T]; positions = ops::document_positions(doc)
-  std::vector<Tensor> layer_inputs;  // x_l F32 [T, D], l = 0..L-1 (the residual stream entering layer l)
+  std::vector<Tensor> layer_inputs;  // x_l [T, D], l = 0..L-1 (the residual stream entering layer l):
+                                     // F32 on the CPU, BF16 on CUDA (the backward recomputes from it)
   Tensor final_input;                // x_L F32 [T, D] (before the final RMSNorm)
   Tensor hidden;                     // final-RMSNorm output F32 [T, D]
   Tensor log_beta;                   // F32 [L, T, K]: every layer's gate output

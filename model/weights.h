@@ -65,11 +65,13 @@ class WeightProvider {
  public:
   virtual ~WeightProvider() = default;
   virtual const Qwen3Config& config() const = 0;
+  // Where the tensors it hands out live; the model computes there.
+  virtual Device device() const { return Device::CPU; }
   // Layer l's weights; valid until the next call to layer().
   virtual const LayerWeights& layer(int64_t l) = 0;
   virtual const Tensor& embedding() = 0;   // [V, D]; F32, BF16 or F16 (the embedding op reads any)
   virtual const Tensor& final_norm() = 0;  // F32 [D]
-  virtual const Tensor& lm_head() = 0;     // F32 [V, D] (the embedding when tied)
+  virtual const Tensor& lm_head() = 0;     // [V, D] (the embedding when tied); F32, or BF16 on a device
   // A hint that embedding() and lm_head() are not needed for a while (e.g. after the loss
   // phase): a provider that gathers them (FSDP) frees them. Tensors they returned are
   // invalid afterwards. The local provider keeps its copies and ignores it.

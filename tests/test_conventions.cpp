@@ -71,6 +71,8 @@ TEST(Conventions, MalformedValuesExit2InEveryTool) {
       {"retain-bench attention --device cpu --seq 0", "--seq: '0'"},
       {"retain-export --from x --format onnx --out " + (dir / "e"), "--format must be"},
       {"retain-train --model " + m + " --data x.h5 --out " + (dir / "r") + " --gate foo", "--gate"},
+      {"retain-train --model " + m + " --data x.h5 --out " + (dir / "r") + " --device tpu", "--device: unknown device 'tpu'"},
+      {"retain-forward --model " + m + " --ids '1' --device tpu --out " + (dir / "o"), "--device must be cpu or cuda"},
       {"retain-generate --model " + m + " --policy lru --budget 8 --prompt-ids '1 2'", "lru"},
       {"retain-eval --model " + m + " --task recall --policy full --budget x", "--budget"},
   };

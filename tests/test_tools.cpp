@@ -126,7 +126,17 @@ TEST_F(Tools, ForwardRejectsBadArguments) {
   expect_forward_error(m + " --ids \"1 2 3\" --doc-ids \"0 0\"", "2 ids given for 3 tokens");
   expect_forward_error(m + " --ids \"1 2 3\" --doc-ids \"0 1 0\"", "not contiguous");
   expect_forward_error(m + " --ids \"1 2\" --device tpu", "--device");
-  expect_forward_error(m + " --ids \"1 2\" --device cuda", "cuda");
+  if (cuda_device_count() == 0) {  // where a GPU is visible, --device cuda runs
+    expect_forward_error(m + " --ids \"1 2\" --device cuda", "--device cuda: ");
+    const Result r = run("retain-train --model " + tiny().string() + " --data x.h5 --out " + (root_ / "run").string() +
+                         " --device cuda");
+    EXPECT_EQ(r.code, 1) << r.err;
+    EXPECT_EQ(lines(r.err), 1) << r.err;
+    EXPECT_NE(r.err.find(cuda_built() ? "--device cuda: no CUDA device is visible" : "has no CUDA support"),
+              std::string::npos)
+        << r.err;
+    EXPECT_FALSE(fs::exists(root_ / "run"));
+  }
   expect_forward_error("--model " + (root_ / "nope").string() + " --ids \"1\"", "not a model directory");
 }
 

@@ -106,6 +106,9 @@ json to_json(const StepMetrics& m) {
          {"tokens_per_s", number(m.tokens_per_s)},
          {"step_seconds", number(m.step_seconds)},
          {"eta_seconds", number(m.eta_seconds)},
+         {"tflops", number(m.tflops)},
+         {"mfu", number(m.mfu)},
+         {"peak_memory_gb", number(m.peak_memory_gb)},
          {"time", utc_now_iso8601()}};
   if (m.kvpop) {
     j["agreement"] = number(m.agreement), j["gamma"] = number(m.gamma), j["decisions"] = m.decisions;
@@ -134,6 +137,10 @@ std::string format_step_line(const StepMetrics& m) {
       "step {}/{} loss {:.4f} kl {:.4f} ntp {:.4f} cap {:.4f} lr {:.2e} |g| {:.4g} {:.0f} tok/s {:.2f} s/step ETA {}",
       m.step, m.total_steps, m.loss, m.kl, m.ntp, m.cap, m.lr, m.grad_norm, m.tokens_per_s, m.step_seconds,
       format_duration(m.eta_seconds));
+  if (std::isfinite(m.tflops))
+    s += std::isfinite(m.mfu) ? fmt::format(" {:.1f} TFLOP/s MFU {:.1f}%", m.tflops, 100 * m.mfu)
+                              : fmt::format(" {:.1f} TFLOP/s MFU n/a", m.tflops);
+  if (std::isfinite(m.peak_memory_gb)) s += fmt::format(" mem {:.1f} GB", m.peak_memory_gb);
   if (!m.mean_beta.empty()) s += fmt::format(" β̄{}", per_layer(m.mean_beta, "{:.4f}"));
   if (!m.effective_cache.empty()) s += fmt::format(" cache{}", per_layer(m.effective_cache, "{:.1f}"));
   return s;

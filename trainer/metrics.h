@@ -4,6 +4,7 @@
 #pragma once
 #include <cstdint>
 #include <cstdio>
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -17,6 +18,13 @@ struct StepMetrics {
   double loss = 0, kl = 0, ntp = 0, cap = 0, lr = 0, grad_norm = 0;
   double tokens_per_s = 0, step_seconds = 0, eta_seconds = 0;
   int64_t tokens = 0;                   // tokens in this global batch (non-padding)
+  // This rank's achieved TFLOP/s (trainer/flops.h's count over the step's wall time), its MFU
+  // against the GPU's bf16 peak (NaN where the peak is unknown: the CPU, a GPU not in the
+  // table), and the peak memory in GB (the CUDA pool's high-water mark during the step; on
+  // the CPU the process's peak resident set). NaN = not known (null in JSON, omitted or n/a).
+  double tflops = std::numeric_limits<double>::quiet_NaN();
+  double mfu = std::numeric_limits<double>::quiet_NaN();
+  double peak_memory_gb = std::numeric_limits<double>::quiet_NaN();
   std::vector<double> mean_beta;        // per layer: mean exp(logβ) over tokens and KV heads
   std::vector<double> effective_cache;  // per layer: mean over tokens of S(t)
   // --gate kvpop (DESIGN §5): loss is L_kvpop, and kl/ntp/cap are not computed.
@@ -33,7 +41,8 @@ nlohmann::json to_json(const StepMetrics& m);
 
 // The human line, e.g.
 //   step 12/1000 loss 1.2346 kl 0.1235 ntp 2.3457 cap 0.0000 lr 1.00e-04 |g| 0.1234
-//   3512 tok/s 1.23 s/step ETA 20:12 β̄ 0.9981 0.9990 cache 103.2 87.5
+//   3512 tok/s 1.23 s/step ETA 20:12 0.4 TFLOP/s MFU n/a mem 1.2 GB β̄ 0.9981 0.9990 cache 103.2 87.5
+// (TFLOP/s, MFU and mem where known)
 // (one line); for kvpop
 //   step 12/1000 loss 0.6931 agree 0.512 γ 0.999500 decisions 4032 lr 1.00e-04 |g| 0.1234 ... Up to 8 layers are listed one by one; more as "min .. mean .. max ..".
 std::string format_step_line(const StepMetrics& m);

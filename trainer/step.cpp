@@ -1,8 +1,13 @@
 #include "trainer/step.h"
 
 #include <cmath>
+#include <optional>
+
+#include <chrono>
 
 #include "kernels/base/error.h"
+#include "kernels/base/nvtx.h"
+#include "kernels/cuda/memory.h"
 #include "kernels/ops.h"
 #include "model/qwen3.h"
 #include "model/student.h"
@@ -64,15 +69,42 @@ int64_t count_tokens(const Tensor& doc) {
   return n;
 }
 
-// Adds the micro-batch's Σ exp(logβ) and Σ S(t) per layer (over tokens and KV heads).
-void accumulate_stats(const Tensor& log_beta, const Tensor& doc, std::vector<double>& beta_sum,
-                      std::vector<double>& cache_sum) {
-  const int64_t L = log_beta.dim(0), T = log_beta.dim(1), K = log_beta.dim(2);
-  Tensor S = Tensor::empty(log_beta.shape(), DType::F32);
-  ops::capacity_sums(log_beta, doc, S);
+// One phase of the step: an NVTX range, and with a target its wall time added there (the device
+// drained at both edges, so the time is the phase's own work).
+class Phase {
+ public:
+  Phase(const char* name, double* seconds, Device dev) : range_(name), seconds_(seconds), dev_(dev) {
+    if (seconds_) drain(), start_ = std::chrono::steady_clock::now();
+  }
+  ~Phase() {
+    if (!seconds_) return;
+    drain();
+    *seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  }
+  Phase(const Phase&) = delete;
+  Phase& operator=(const Phase&) = delete;
+
+ private:
+  void drain() {
+    if (dev_ == Device::CUDA) cuda::synchronize();
+  }
+  NvtxRange range_;
+  double* seconds_;
+  Device dev_;
+  std::chrono::steady_clock::time_point start_;
+};
+
+// Adds the micro-batch's Σ exp(logβ) and Σ S(t) per layer (over tokens and KV heads). The
+// sums S are formed where logβ is; the sums over them on the host (a logged step only).
+void accumulate_stats(const Tensor& log_beta_any, const Tensor& doc_any, const Tensor& doc_host,
+                      std::vector<double>& beta_sum, std::vector<double>& cache_sum) {
+  const int64_t L = log_beta_any.dim(0), T = log_beta_any.dim(1), K = log_beta_any.dim(2);
+  Tensor S_any = Tensor::empty(log_beta_any.shape(), DType::F32, log_beta_any.device());
+  ops::capacity_sums(log_beta_any, doc_any, S_any);
+  const Tensor log_beta = log_beta_any.to(Device::CPU), S = S_any.to(Device::CPU);
   const float* lb = log_beta.data<float>();
   const float* s = S.data<float>();
-  const int32_t* d = doc.data<int32_t>();
+  const int32_t* d = doc_host.data<int32_t>();
   for (int64_t l = 0; l < L; ++l)
     for (int64_t t = 0; t < T; ++t) {
       if (d[t] < 0) continue;
@@ -88,14 +120,23 @@ void accumulate_stats(const Tensor& log_beta, const Tensor& doc, std::vector<dou
 
 StepLosses compute_gradients(WeightProvider& weights, gates::RetentionGates& gates,
                              const std::vector<MicroBatch>& micro_batches, const LossConfig& cfg,
-                             dist::Comm& comm, RetentionStats* stats) {
+                             dist::Comm& comm, RetentionStats* stats, PhaseTimes* times) {
   const int64_t L = gates.dims().layers, K = gates.dims().kv_heads;
+  // The model runs where the weights are; the batch's token and document ids follow them, and
+  // the loss masks stay on the host (kl_ntp_chunked lists the loss positions there).
+  const Device dev = weights.device();
+  const bool on_device = dev != Device::CPU;
+  auto there = [dev](const Tensor& t) { return t.device() == dev ? t : t.to(dev); };
+  if (on_device) gates.sync_to_device();  // the values of the last optimizer step
+  std::vector<Tensor> ids, docs;
   std::vector<Tensor> positions, loss_masks;
   // counts: [loss positions, tokens, capacity positives (accumulation only)], reduced in float64
   // (exact for counts below 2^53).
   double counts[3] = {0, 0, 0};
   for (const MicroBatch& mb : micro_batches) {
-    positions.push_back(ops::document_positions(mb.doc));
+    ids.push_back(there(mb.ids));
+    docs.push_back(there(mb.doc));
+    positions.push_back(there(ops::document_positions(mb.doc)));
     loss_masks.push_back(loss_positions(mb.doc, mb.target_mask));
     counts[0] += static_cast<double>(count_nonzero(loss_masks.back()));
     counts[1] += static_cast<double>(count_tokens(mb.doc));
@@ -103,9 +144,10 @@ StepLosses compute_gradients(WeightProvider& weights, gates::RetentionGates& gat
   const bool accumulate = micro_batches.size() > 1;
   if (accumulate) {
     for (size_t m = 0; m < micro_batches.size(); ++m) {
-      const StudentPass pass = student_forward(weights, gates, micro_batches[m].ids, micro_batches[m].doc);
+      const Phase phase("count pass", times ? &times->count_pass : nullptr, dev);
+      const StudentPass pass = student_forward(weights, gates, ids[m], docs[m]);
       counts[2] += static_cast<double>(
-          ops::capacity_loss(pass.log_beta, micro_batches[m].doc, positions[m], cfg.memory, cfg.mode).positive);
+          ops::capacity_loss(pass.log_beta, docs[m], positions[m], cfg.memory, cfg.mode).positive);
     }
   }
   comm.all_reduce(counts, 3);
@@ -122,10 +164,19 @@ StepLosses compute_gradients(WeightProvider& weights, gates::RetentionGates& gat
 
   for (size_t m = 0; m < micro_batches.size(); ++m) {
     const MicroBatch& mb = micro_batches[m];
-    const Tensor teacher_hidden = qwen3_hidden(weights, mb.ids, mb.doc);
-    const StudentPass pass = student_forward(weights, gates, mb.ids, mb.doc);
-
-    const ops::CapacityLoss cap = ops::capacity_loss(pass.log_beta, mb.doc, positions[m], cfg.memory, cfg.mode);
+    Tensor teacher_hidden;
+    {
+      const Phase phase("teacher", times ? &times->teacher : nullptr, dev);
+      teacher_hidden = qwen3_hidden(weights, ids[m], docs[m]);
+    }
+    StudentPass pass;
+    {
+      const Phase phase("student", times ? &times->student : nullptr, dev);
+      pass = student_forward(weights, gates, ids[m], docs[m]);
+    }
+    std::optional<Phase> phase;
+    phase.emplace("capacity", times ? &times->capacity : nullptr, dev);
+    const ops::CapacityLoss cap = ops::capacity_loss(pass.log_beta, docs[m], positions[m], cfg.memory, cfg.mode);
     sums[2] += cap.sum;
     if (!accumulate) {
       double positive = static_cast<double>(cap.positive);
@@ -133,21 +184,27 @@ StepLosses compute_gradients(WeightProvider& weights, gates::RetentionGates& gat
       out.cap_positive = static_cast<int64_t>(positive);
     }
 
-    Tensor d_hidden = Tensor::empty(pass.hidden.shape(), DType::F32);
+    phase.emplace("loss", times ? &times->loss : nullptr, dev);
+    Tensor d_hidden = Tensor::empty(pass.hidden.shape(), DType::F32, dev);
     const QualitySums q = kl_ntp_chunked(teacher_hidden, pass.hidden, weights.lm_head(), mb.ids, loss_masks[m],
                                          cfg.loss_chunk, kl_scale, ntp_scale, &d_hidden);
     sums[0] += q.kl;
     sums[1] += q.ntp;
 
+    teacher_hidden = Tensor();  // its memory is the backward's
+    phase.emplace("capacity", times ? &times->capacity : nullptr, dev);
     Tensor d_log_beta;  // none unless the capacity loss has a gradient
     if (cfg.cap_weight != 0 && out.cap_positive > 0) {
-      d_log_beta = Tensor::empty(pass.log_beta.shape(), DType::F32);
-      ops::capacity_loss_backward(pass.log_beta, mb.doc, positions[m], cfg.memory, cfg.mode,
+      d_log_beta = Tensor::empty(pass.log_beta.shape(), DType::F32, dev);
+      ops::capacity_loss_backward(pass.log_beta, docs[m], positions[m], cfg.memory, cfg.mode,
                                   cfg.cap_weight / static_cast<double>(out.cap_positive), d_log_beta);
     }
+    phase.emplace("backward", times ? &times->backward : nullptr, dev);
     student_backward(weights, gates, pass, d_hidden, d_log_beta);
-    if (stats) accumulate_stats(pass.log_beta, mb.doc, beta_sum, cache_sum);
+    phase.reset();
+    if (stats) accumulate_stats(pass.log_beta, docs[m], mb.doc, beta_sum, cache_sum);
   }
+  if (on_device) gates.add_device_grads_to_host();  // the optimizer and the reductions work on the host
 
   comm.all_reduce(sums, 3);
   out.kl_sum = sums[0];

@@ -55,8 +55,18 @@ struct RetentionStats {
   std::vector<double> mean_beta, effective_cache;
 };
 
+// Wall seconds of each phase of compute_gradients on this rank, summed over its micro-batches
+// (asked for by benchmarks: measuring synchronizes the device at every phase edge).
+struct PhaseTimes {
+  double count_pass = 0, teacher = 0, student = 0, capacity = 0, loss = 0, backward = 0;
+  double total() const { return count_pass + teacher + student + capacity + loss + backward; }
+};
+
 // Runs every micro-batch of this rank and ADDS this rank's part of ∂Total/∂θ into the gates'
-// gradients (the caller zeroes them and reduces over ranks). Collective: every rank calls it
+// gradients (the caller zeroes them and reduces over ranks). Computes on weights.device():
+// on CUDA the gates' values are copied to their device mirror first and the gradients added
+// back into the host's at the end, so parameters, optimizer and reductions stay on the host.
+// Every phase is an NVTX range (kernels/base/nvtx.h); with `times`, each is also timed. Collective: every rank calls it
 // with the same number of micro-batches. With `stats`, also fills the retention statistics
 // (one more capacity-sum pass per micro-batch).
 //
@@ -67,6 +77,6 @@ struct RetentionStats {
 // student forward per micro-batch).
 StepLosses compute_gradients(WeightProvider& weights, gates::RetentionGates& gates,
                              const std::vector<MicroBatch>& micro_batches, const LossConfig& cfg,
-                             dist::Comm& comm, RetentionStats* stats = nullptr);
+                             dist::Comm& comm, RetentionStats* stats = nullptr, PhaseTimes* times = nullptr);
 
 }  // namespace retain::trainer

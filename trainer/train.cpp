@@ -1,11 +1,13 @@
 #include "trainer/train.h"
 
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <cstdlib>
 #include <cmath>
 #include <filesystem>
+#include <limits>
 #include <memory>
 #include <optional>
 
@@ -21,12 +23,18 @@
 #include "kernels/base/error.h"
 #include "kernels/base/fault.h"
 #include "model/kvpop/scorers.h"
+#include "kernels/base/nvtx.h"
+#include "kernels/cuda/memory.h"
+#include "model/device.h"
+#include "model/device_weights.h"
 #include "model/safetensors.h"
 #include "model/weights.h"
 #include "trainer/config_file.h"
 #include "trainer/dist/fsdp.h"
 #include "trainer/flat_params.h"
+#include "trainer/flops.h"
 #include "trainer/kvpop_train.h"
+#include "trainer/loss.h"
 #include "trainer/metrics.h"
 #include "trainer/optim.h"
 #include "trainer/signals.h"
@@ -49,6 +57,29 @@ struct Inputs {
   int64_t global_batch = 0;
   LossConfig loss;
 };
+
+// Runs f() on every rank and agrees on the outcome: when any rank fails, every rank throws a
+// CollectiveError, and only the lowest failing rank's message is printed (setup errors such as
+// a missing file are usually the same on every rank).
+template <typename F>
+void collectively(dist::Comm& comm, F&& f) {
+  std::string error;
+  try {
+    f();
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  std::vector<double> failed(static_cast<size_t>(comm.size()), 0.0);
+  failed[static_cast<size_t>(comm.rank())] = error.empty() ? 0.0 : 1.0;
+  comm.all_reduce(failed.data(), failed.size());
+  int first = -1;
+  for (int r = 0; r < comm.size() && first < 0; ++r)
+    if (failed[static_cast<size_t>(r)] > 0) first = r;
+  if (first < 0) return;
+  const bool mine = first == comm.rank();
+  const std::string prefix = comm.size() > 1 ? fmt::format("rank {}: ", first) : std::string();
+  throw CollectiveError(mine ? prefix + error : std::string("another rank failed"), mine);
+}
 
 // Opens and checks everything on this rank; no collectives (see collectively()).
 Inputs open_inputs(const TrainConfig& cfg, const dist::Comm& comm) {
@@ -92,8 +123,20 @@ data::LoaderOptions loader_options(const TrainConfig& cfg, const Inputs& in, con
   return o;
 }
 
-// One rank reads the mapped checkpoint layer by layer; several shard it (FSDP, collective).
-void make_weight_provider(Inputs& in, dist::Comm& comm) {
+// On CUDA every rank holds the whole model on its own GPU (data parallel; sharding over GPUs is
+// the multi-GPU issue's). On the CPU, one rank reads the mapped checkpoint layer by layer;
+// several shard it (FSDP, collective).
+void make_weight_provider(const TrainConfig& cfg, Inputs& in, dist::Comm& comm) {
+  if (cfg.device == Device::CUDA) {
+    collectively(comm, [&] {
+      const int gpu = bind_local_gpu();
+      in.weights = std::make_unique<DeviceWeightProvider>(in.model);
+      if (comm.is_main_rank())
+        spdlog::info("device cuda:{} ({}); the model's weights take {:.2f} GB there", gpu, cuda::device_name(),
+                     static_cast<double>(static_cast<DeviceWeightProvider&>(*in.weights).bytes()) / 1e9);
+    });
+    return;
+  }
   if (comm.size() == 1)
     in.weights = std::make_unique<LocalWeightProvider>(in.model);
   else
@@ -290,30 +333,33 @@ std::string broadcast_string(dist::Comm& comm, const std::string& s) {
   return out;
 }
 
-// Runs f() on every rank and agrees on the outcome: when any rank fails, every rank throws a
-// CollectiveError, and only the lowest failing rank's message is printed (setup errors such as
-// a missing file are usually the same on every rank).
-template <typename F>
-void collectively(dist::Comm& comm, F&& f) {
-  std::string error;
-  try {
-    f();
-  } catch (const std::exception& e) {
-    error = e.what();
+bool stderr_is_tty() { return isatty(STDERR_FILENO) == 1; }
+
+// The FLOP count's view of this rank's micro-batches: document lengths and loss positions.
+std::vector<MicroBatchShape> micro_batch_shapes(const std::vector<MicroBatch>& mbs) {
+  std::vector<MicroBatchShape> out;
+  for (const MicroBatch& mb : mbs) {
+    MicroBatchShape shape;
+    const int32_t* doc = mb.doc.data<int32_t>();
+    for (int64_t t = 0; t < mb.doc.numel(); ++t) {
+      if (doc[t] < 0) continue;
+      if (t == 0 || doc[t - 1] != doc[t]) shape.doc_lengths.push_back(0);
+      ++shape.doc_lengths.back();
+    }
+    const Tensor mask = loss_positions(mb.doc, mb.target_mask);
+    for (int64_t t = 0; t < mask.numel(); ++t) shape.loss_positions += mask.data<uint8_t>()[t] != 0;
+    out.push_back(std::move(shape));
   }
-  std::vector<double> failed(static_cast<size_t>(comm.size()), 0.0);
-  failed[static_cast<size_t>(comm.rank())] = error.empty() ? 0.0 : 1.0;
-  comm.all_reduce(failed.data(), failed.size());
-  int first = -1;
-  for (int r = 0; r < comm.size() && first < 0; ++r)
-    if (failed[static_cast<size_t>(r)] > 0) first = r;
-  if (first < 0) return;
-  const bool mine = first == comm.rank();
-  const std::string prefix = comm.size() > 1 ? fmt::format("rank {}: ", first) : std::string();
-  throw CollectiveError(mine ? prefix + error : std::string("another rank failed"), mine);
+  return out;
 }
 
-bool stderr_is_tty() { return isatty(STDERR_FILENO) == 1; }
+// GB: the CUDA pool's high-water mark since the step began, or the process's peak resident set.
+double peak_memory_gb(Device device) {
+  if (device == Device::CUDA) return static_cast<double>(cuda::device_memory_stats().peak) / 1e9;
+  rusage usage{};
+  if (getrusage(RUSAGE_SELF, &usage) != 0) return std::numeric_limits<double>::quiet_NaN();
+  return static_cast<double>(usage.ru_maxrss) * 1024.0 / 1e9;  // Linux reports kilobytes
+}
 
 }  // namespace
 
@@ -408,7 +454,7 @@ int run_training(const TrainConfig& cfg, dist::Comm& comm) {
     });
     materialized = true;
   };
-  make_weight_provider(in, comm);
+  make_weight_provider(cfg, in, comm);
 
   data::Loader loader(ds, loader_options(cfg, in, comm), cursor);
 
@@ -457,6 +503,12 @@ int run_training(const TrainConfig& cfg, dist::Comm& comm) {
     return dir;
   };
 
+  // MFU: against the bf16 peak of this rank's GPU, where it is known (never a guessed figure).
+  const std::optional<double> peak_tflops =
+      cfg.device == Device::CUDA ? bf16_peak_tflops(cuda::device_name()) : std::nullopt;
+  const gates::GateDims gate_dims{cfg.gate, mc.num_hidden_layers, mc.hidden_size, cfg.gate_hidden,
+                                  mc.num_key_value_heads};
+
   install_stop_signal_handlers();
   const auto run_start = Clock::now();
   const int64_t first_step = step;
@@ -467,13 +519,16 @@ int run_training(const TrainConfig& cfg, dist::Comm& comm) {
   while (step < cfg.steps) {
     if (fault::hangs_at(comm.rank(), step + 1)) fault::hang_forever();  // tests only (kernels/base/fault.h)
     const auto t0 = Clock::now();
+    const NvtxRange step_range("step");
     const data::PackedBatch batch = loader.next();
+    const std::vector<MicroBatch> micro_batches = make_micro_batches(batch, cfg.micro_batch);
+    if (cfg.device == Device::CUDA) cuda::reset_device_memory_peak();
     gates.zero_grad();
     const bool log_step = (step + 1) % std::max<int64_t>(cfg.log_every, 1) == 0 || step + 1 == cfg.steps;
     StepMetrics m;
     std::string bad;
     try {
-      bad = trainee->step(*in.weights, make_micro_batches(batch, cfg.micro_batch), log_step, m, comm);
+      bad = trainee->step(*in.weights, micro_batches, log_step, m, comm);
     } catch (const CollectiveError&) {
       throw;
     } catch (const Error& e) {  // e.g. "layer 3: gated_attention: log_beta[17, 0] = nan ..."
@@ -482,6 +537,7 @@ int run_training(const TrainConfig& cfg, dist::Comm& comm) {
     }
 
     // Gradient: this rank's part → reduce-scatter → the global gradient of this rank's shard.
+    std::optional<NvtxRange> phase_range(std::in_place, "reduce");
     flatten_grads(gates, grads.data());
     comm.reduce_scatter(grads.data(), grad_shard.data(), static_cast<size_t>(shard));
     double sq = 0;
@@ -497,9 +553,11 @@ int run_training(const TrainConfig& cfg, dist::Comm& comm) {
     if (factor != 1.0)
       for (float& g : grad_shard) g = static_cast<float>(g * factor);
     const double lr = schedule.at(step);
+    phase_range.emplace("optimizer");
     adam.step(values.data() + range.begin, grad_shard.data(), lr);
     comm.all_gather(values.data() + range.begin, values.data(), static_cast<size_t>(shard));
     unflatten_values(gates, values.data());
+    phase_range.reset();
     ++step;
     materialize();
 
@@ -511,6 +569,11 @@ int run_training(const TrainConfig& cfg, dist::Comm& comm) {
       m.grad_norm = grad_norm;
       m.step_seconds = seconds;
       m.tokens_per_s = seconds > 0 ? static_cast<double>(m.tokens) / seconds : 0.0;
+      if (!cfg.kvpop && seconds > 0) {
+        m.tflops = step_flops(mc, gate_dims, micro_batch_shapes(micro_batches)).total() / seconds / 1e12;
+        if (peak_tflops) m.mfu = m.tflops / *peak_tflops;
+      }
+      m.peak_memory_gb = peak_memory_gb(cfg.device);
       const double elapsed = std::chrono::duration<double>(Clock::now() - run_start).count();
       m.eta_seconds = elapsed / static_cast<double>(step - first_step) * static_cast<double>(cfg.steps - step);
       if (log_step) metrics_log->write(m);
@@ -582,7 +645,7 @@ void dump_gradients(const TrainConfig& cfg, dist::Comm& comm) {
     trainee = make_trainee(cfg, in);
   });
   ParameterSet& gates = trainee->params();
-  make_weight_provider(in, comm);
+  make_weight_provider(cfg, in, comm);
   const data::PackedDataset& ds = *in.data;
   data::Loader loader(ds, loader_options(cfg, in, comm));
   const data::PackedBatch batch = loader.next();

@@ -1,17 +1,46 @@
+// Device memory from the current device's default memory pool, stream-ordered on the legacy
+// default stream (every retain kernel and copy runs there). The pool keeps what is freed
+// (release threshold: unlimited), so a step that allocates and frees the same layer-sized
+// buffers 36 times pays the driver once; its statistics are what the trainer reports as peak.
+#include <cstdint>
+
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/memory.h"
 
 namespace retain::cuda {
 
+namespace {
+
+cudaMemPool_t default_pool() {
+  int device = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  cudaMemPool_t pool = nullptr;
+  CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device));
+  return pool;
+}
+
+// Once per process (per device in use at the first allocation): keep freed memory pooled.
+void keep_freed_memory() {
+  static const bool done = [] {
+    uint64_t unlimited = UINT64_MAX;
+    CUDA_CHECK(cudaMemPoolSetAttribute(default_pool(), cudaMemPoolAttrReleaseThreshold, &unlimited));
+    return true;
+  }();
+  (void)done;
+}
+
+}  // namespace
+
 void* device_alloc(size_t bytes) {
   void* p = nullptr;
   if (bytes == 0) return nullptr;
-  CUDA_CHECK(cudaMalloc(&p, bytes));
+  keep_freed_memory();
+  CUDA_CHECK(cudaMallocAsync(&p, bytes, cudaStreamLegacy));
   return p;
 }
 
 void device_free(void* p) noexcept {
-  if (p) cudaFree(p);  // errors at teardown are not actionable
+  if (p) cudaFreeAsync(p, cudaStreamLegacy);  // errors at teardown are not actionable
 }
 
 void copy_to_device(void* dst, const void* src, size_t bytes) {
@@ -37,5 +66,31 @@ int device_count() noexcept {
 }
 
 bool built() noexcept { return true; }
+
+void synchronize() { CUDA_CHECK(cudaDeviceSynchronize()); }
+
+void set_device(int ordinal) { CUDA_CHECK(cudaSetDevice(ordinal)); }
+
+std::string device_name() {
+  int device = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  cudaDeviceProp prop{};
+  CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+  return prop.name;
+}
+
+DeviceMemoryStats device_memory_stats() {
+  cudaMemPool_t pool = default_pool();
+  uint64_t used = 0, high = 0, reserved = 0;
+  CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemCurrent, &used));
+  CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &high));
+  CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemCurrent, &reserved));
+  return {static_cast<size_t>(used), static_cast<size_t>(high), static_cast<size_t>(reserved)};
+}
+
+void reset_device_memory_peak() {
+  uint64_t zero = 0;  // the only value the driver accepts: the high-water mark restarts from now
+  CUDA_CHECK(cudaMemPoolSetAttribute(default_pool(), cudaMemPoolAttrUsedMemHigh, &zero));
+}
 
 }  // namespace retain::cuda

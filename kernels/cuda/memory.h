@@ -2,6 +2,7 @@
 // no_cuda.cpp otherwise (where every call fails with a clear "built without CUDA").
 #pragma once
 #include <cstddef>
+#include <string>
 
 namespace retain::cuda {
 
@@ -13,5 +14,21 @@ void copy_device_to_device(void* dst, const void* src, size_t bytes);
 void memset_device(void* dst, int value, size_t bytes);
 int device_count() noexcept;
 bool built() noexcept;
+// Waits for all work queued on the current device.
+void synchronize();
+// Makes `ordinal` the calling thread's device (before its first allocation there).
+void set_device(int ordinal);
+// The current device's name as the driver reports it ("NVIDIA H100 80GB HBM3").
+std::string device_name();
+
+// The device's default stream-ordered memory pool (cudaMallocAsync), which device_alloc uses:
+// bytes handed out now, the most handed out at once since the last reset, and bytes the pool
+// holds from the driver (it keeps freed memory for reuse instead of returning it, so tensors
+// allocated and freed every layer cost no cudaMalloc/cudaFree synchronization).
+struct DeviceMemoryStats {
+  size_t in_use = 0, peak = 0, reserved = 0;
+};
+DeviceMemoryStats device_memory_stats();
+void reset_device_memory_peak();
 
 }  // namespace retain::cuda

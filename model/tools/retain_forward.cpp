@@ -11,6 +11,9 @@
 
 #include "checkpoints/export/gate_formats.h"
 #include "kernels/base/cli.h"
+#include "kernels/ops.h"
+#include "model/device.h"
+#include "model/device_weights.h"
 #include "model/gates/gates.h"
 #include "model/qwen3.h"
 #include "model/safetensors.h"
@@ -33,7 +36,10 @@ constexpr const char* kUsage =
     "TRIM-KV / DBTrimKV gates in GATES: a retain gate file (.safetensors), a GGUF adapter,\n"
     "a torch.save state dict (.pth, e.g. the TRIM-KV authors' trimkv_weights.pth) or a\n"
     "TRIM-KV directory (config.json + trimkv_weights.pth). The kind is read from the tensor\n"
-    "names; --gate-kind, if given, must agree.";
+    "names; --gate-kind, if given, must agree.\n"
+    "--device cuda runs the model on the GPU (bf16 weights, cuBLASLt; the gated attention in\n"
+    "bf16); the default is $RETAIN_DEVICE, else cuda when a GPU is visible, else cpu. The logits\n"
+    "are formed and written 1024 rows at a time, so a long sequence never holds [T, V].";
 
 int run(int argc, char** argv) {
   cli::po::options_description opts("Options");
@@ -45,12 +51,13 @@ int run(int argc, char** argv) {
       ("doc-ids", cli::po::value(&doc_text), "document id per token (default: one document)")
       ("gates", cli::po::value(&gates_path), "retention gates (.safetensors, .gguf, .pth or a TRIM-KV directory): run the gated student")
       ("gate-kind", cli::po::value(&gate_kind_text), "trimkv or dbtrimkv (checked against --gates)")
-      ("device", cli::po::value(&device)->default_value("cpu"), "cpu or cuda");
+      ("device", cli::po::value(&device), "cpu or cuda (default: $RETAIN_DEVICE, else cuda when a GPU is visible)");
   cli::po::variables_map vm;
   if (!cli::parse(argc, argv, kUsage, opts, vm)) return 0;
 
-  if (device != "cpu" && device != "cuda") throw cli::UsageError(fmt::format("--device must be cpu or cuda, got '{}'", device));
-  if (device == "cuda") fail("--device cuda: the CUDA forward is not implemented yet; use --device cpu");
+  if (!device.empty() && device != "cpu" && device != "cuda")
+    throw cli::UsageError(fmt::format("--device must be cpu or cuda, got '{}'", device));
+  const Device dev = resolve_device(device);  // cuda without a GPU: one line, exit 1
   std::optional<gates::GateKind> gate_kind;
   if (vm.count("gate-kind")) {
     if (!vm.count("gates")) throw cli::UsageError("--gate-kind needs --gates");
@@ -113,9 +120,16 @@ int run(int argc, char** argv) {
                                s / static_cast<double>(done) * static_cast<double>(total - done))
                 << (done == total ? "\n" : "") << std::flush;
     };
-  LocalWeightProvider weights(ckpt);
-  const Tensor logits = qwen3_forward(weights, ids_t, doc_t, progress, gates ? &*gates : nullptr);
-  const double ms = seconds_since_start() * 1000.0;
+  std::unique_ptr<WeightProvider> weights;
+  if (dev == Device::CUDA) {
+    bind_local_gpu();
+    weights = std::make_unique<DeviceWeightProvider>(ckpt);
+    if (gates) gates->sync_to_device();
+  } else {
+    weights = std::make_unique<LocalWeightProvider>(ckpt);
+  }
+  const Tensor hidden =
+      qwen3_hidden(*weights, ids_t.to(dev), doc_t.to(dev), progress, gates ? &*gates : nullptr);
 
   std::map<std::string, std::string> meta = {
       {"producer", "retain-forward"}, {"model", model}, {"tokens", std::to_string(ids.size())}};
@@ -123,21 +137,34 @@ int run(int argc, char** argv) {
     meta["gates"] = gates_path;
     meta["gate_kind"] = gates::gate_kind_name(gates->kind());
   }
-  write_safetensors(out, {{"logits", logits}}, meta);
-
-  // Greedy next token per position: a quick human check that the output is sensible.
+  // Logits 1024 rows at a time (qwen3_forward's GEMM, split by rows), with the greedy next
+  // token per position: a quick human check that the output is sensible.
+  constexpr int64_t kChunkRows = 1024;
+  const int64_t T = static_cast<int64_t>(ids.size());
   std::vector<int64_t> argmax(ids.size());
-  for (size_t t = 0; t < ids.size(); ++t) {
-    const float* row = logits.data<float>() + t * V;
-    argmax[t] = std::max_element(row, row + V) - row;
-  }
+  Tensor device_rows;
+  write_safetensors_rows(out, "logits", DType::F32, {T, V}, kChunkRows, [&](int64_t begin, int64_t end, Tensor& rows) {
+    if (dev == Device::CPU) {
+      ops::linear(hidden.rows(begin, end), weights->lm_head(), rows);
+    } else {
+      if (device_rows.numel() == 0) device_rows = Tensor::empty({std::min(T, kChunkRows), V}, DType::F32, dev);
+      Tensor d = device_rows.rows(0, end - begin);
+      ops::linear(hidden.rows(begin, end), weights->lm_head(), d);
+      rows.copy_from(d);
+    }
+    for (int64_t t = begin; t < end; ++t) {
+      const float* row = rows.data<float>() + (t - begin) * V;
+      argmax[static_cast<size_t>(t)] = std::max_element(row, row + V) - row;
+    }
+  }, meta);
+  const double ms = seconds_since_start() * 1000.0;
   const std::string student =
       gates ? fmt::format(", {} gates G={} from {}", gates::gate_kind_name(gates->kind()), gates->dims().gate_hidden,
                           gates_path)
             : "";
-  std::cout << fmt::format("retain-forward: {} tokens through {} ({} layers{}) in {:.1f} ms on cpu\n", ids.size(),
-                           model, ckpt->config().num_hidden_layers, student, ms)
-            << fmt::format("wrote logits {} F32 to {}\n", shape_str(logits.shape()), out)
+  std::cout << fmt::format("retain-forward: {} tokens through {} ({} layers{}) in {:.1f} ms on {}\n", ids.size(),
+                           model, ckpt->config().num_hidden_layers, student, ms, device_name(dev))
+            << fmt::format("wrote logits {} F32 to {}\n", shape_str({T, V}), out)
             << fmt::format("argmax next token per position: {}\n", fmt::join(argmax, " "));
   return 0;
 }

@@ -64,6 +64,16 @@ TEST(Metrics, StepLineListsFewLayers) {
             "ETA 20:12 β̄ 0.9980 0.9990 cache 100.0 110.0");
 }
 
+// TFLOP/s with MFU (or n/a where the GPU's peak is unknown) and memory, only when known.
+TEST(Metrics, StepLineShowsThroughputAndMemoryWhenKnown) {
+  StepMetrics m = example();
+  m.tflops = 412.46, m.mfu = 0.41687, m.peak_memory_gb = 47.26;
+  EXPECT_NE(format_step_line(m).find("ETA 20:12 412.5 TFLOP/s MFU 41.7% mem 47.3 GB β̄"), std::string::npos)
+      << format_step_line(m);
+  m.mfu = NAN, m.peak_memory_gb = NAN;
+  EXPECT_NE(format_step_line(m).find("ETA 20:12 412.5 TFLOP/s MFU n/a β̄"), std::string::npos) << format_step_line(m);
+}
+
 TEST(Metrics, StepLineSummarizesManyLayers) {
   const StepMetrics m = example(12, 36);  // β̄ 0.998 .. 1.033, mean 1.0155; cache 100 .. 450, mean 275
   const std::string line = format_step_line(m);
@@ -92,7 +102,16 @@ TEST(Metrics, JsonLineHasEveryFieldAndTheTime) {
   EXPECT_EQ(j["eta_seconds"], m.eta_seconds);
   EXPECT_EQ(j["mean_beta"], nlohmann::json(m.mean_beta));
   EXPECT_EQ(j["effective_cache"], nlohmann::json(m.effective_cache));
-  EXPECT_EQ(j.size(), 15u);  // the 14 fields above + time
+  // Throughput and memory: null where not known (the example sets none of them).
+  EXPECT_TRUE(j["tflops"].is_null());
+  EXPECT_TRUE(j["mfu"].is_null());
+  EXPECT_TRUE(j["peak_memory_gb"].is_null());
+  EXPECT_EQ(j.size(), 18u);  // the 17 fields above + time
+  m.tflops = 412.5, m.mfu = 0.417, m.peak_memory_gb = 47.25;
+  const nlohmann::json k = to_json(m);
+  EXPECT_EQ(k["tflops"], 412.5);
+  EXPECT_EQ(k["mfu"], 0.417);
+  EXPECT_EQ(k["peak_memory_gb"], 47.25);
 
   // "time": UTC ISO-8601 with milliseconds, within a few seconds of now.
   const std::string t = j["time"];

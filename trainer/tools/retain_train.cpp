@@ -14,6 +14,7 @@
 #include <spdlog/spdlog.h>
 
 #include "kernels/base/cli.h"
+#include "model/device.h"
 #include "trainer/config_file.h"
 #include "trainer/dist/comm.h"
 #include "trainer/signals.h"
@@ -48,6 +49,7 @@ constexpr const char* kUsage =
 int run(int argc, char** argv, dist::Comm& comm) {
   trainer::TrainConfig c;
   std::string gate = "trimkv";
+  std::string device;
   cli::po::options_description opts("Options");
   opts.add_options()
       ("model", cli::po::value(&c.model_dir)->required(), "frozen Qwen3 (Hugging Face directory)")
@@ -87,6 +89,9 @@ int run(int argc, char** argv, dist::Comm& comm) {
       ("timeout", cli::po::value(&c.timeout)->default_value(0),
        "end the job (exit 75) when a collective has waited this many seconds for a rank that hung or "
        "stopped, naming it; set it well above the longest step (0: wait forever)")
+      ("device", cli::po::value(&device),
+       "cpu or cuda (default: $RETAIN_DEVICE, else cuda when a GPU is visible, else cpu). On cuda every rank "
+       "holds the whole model in bf16 on the GPU of its node-local rank (data parallel)")
       ("resume", cli::po::bool_switch(&c.resume), "continue the run in --out from its latest checkpoint")
       ("dump-grads", cli::po::value(&c.dump_grads), "write one step's gradients to FILE.safetensors and exit")
       ("config", cli::po::value<std::string>(), "read options from a TOML file (keys = option names; the command line wins)");
@@ -151,6 +156,10 @@ int run(int argc, char** argv, dist::Comm& comm) {
     throw cli::UsageError("--save-every and --log-every must be ≥ 1; --keep-last, --stop-after and --seq-len ≥ 0");
   if (!(c.timeout >= 0) || !std::isfinite(c.timeout))
     throw cli::UsageError(fmt::format("--timeout must be a finite number of seconds ≥ 0, got {}", c.timeout));
+  if (!device.empty() && device != "cpu" && device != "cuda")
+    throw cli::UsageError(fmt::format("--device: unknown device '{}' (expected cpu or cuda)", device));
+  if (c.kvpop && device == "cuda") throw cli::UsageError("--gate kvpop trains on the CPU only so far: use --device cpu");
+  c.device = c.kvpop ? Device::CPU : resolve_device(device);  // a missing GPU: one line, exit 1
   comm.set_timeout(c.timeout);  // every rank parsed the same argv: collective, before any other
   if (!c.dump_grads.empty()) {
     trainer::dump_gradients(c, comm);
