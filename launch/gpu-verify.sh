@@ -67,6 +67,10 @@ if phase tests; then
   step "test_capacity_cuda" "$log" 600 "$bin/test_capacity_cuda" --gtest_color=no
   step "test_kvpop_cuda (target, mLSTM fwd/bwd vs CPU)" "$log" 600 "$bin/test_kvpop_cuda" --gtest_color=no
   step "test_ops_cuda (embedding, RMSNorm, RoPE, SwiGLU fwd/bwd, add vs CPU)" "$log" 600 "$bin/test_ops_cuda" --gtest_color=no
+  step "test_gemm_cuda (cuBLASLt linear fwd/bwd, cast vs CPU)" "$log" 600 "$bin/test_gemm_cuda" --gtest_color=no
+  step "test_loss_cuda (fused chunked KL+NTP vs CPU)" "$log" 600 "$bin/test_loss_cuda" --gtest_color=no
+  step "test_gates_cuda (gate MLPs fwd/bwd vs CPU)" "$log" 600 "$bin/test_gates_cuda" --gtest_color=no
+  step "test_step_cuda (the training step vs the CPU step)" "$log" 600 "$bin/test_step_cuda" --gtest_color=no
   step "test_gated_attention_long (32K, 128K vs float64)" "$log" 600 "$bin/test_gated_attention_long" --gtest_color=no
   grep -q "SKIPPED" "$log" && { echo "gpu-verify: some GPU tests skipped (see tests.log)" | tee -a "$summary"; status=1; }
 fi
@@ -82,6 +86,11 @@ if phase sanitizers; then
       "$bin/test_kvpop_cuda" --gtest_filter='Small/*:KvpopCuda.BadInputs*'
     step "compute-sanitizer $tool ops (small)" "$log" "${SANITIZER_TIMEOUT:-600}" "$sanitizer" --tool "$tool" --error-exitcode 1 \
       "$bin/test_ops_cuda" --gtest_filter='OpsCuda.*'
+    for t in gemm loss gates; do
+      T=$(tr '[:lower:]' '[:upper:]' <<<"${t:0:1}")${t:1}
+      step "compute-sanitizer $tool $t" "$log" "${SANITIZER_TIMEOUT:-600}" "$sanitizer" --tool "$tool" --error-exitcode 1 \
+        "$bin/test_${t}_cuda" --gtest_filter="${T}Cuda.*"
+    done
   done
 fi
 

@@ -21,38 +21,53 @@ Tensor positions_of(const Tensor& doc) {
 
 namespace {
 
-// Attention of the layer into attn F32 [T, H, d]; retention-gated when log_beta is given
-// (F32 [T, K]). The CUDA kernels read and write bf16 q, k, v, out (kernels/retention.h):
-// there the F32 activations are rounded once here, and the teacher runs the gated kernel
-// with logβ ≡ 0, which is plain attention. With `saved`, what the backward needs is kept in
-// the dtype the backward reads (bf16 on CUDA).
-void layer_attention(const Tensor& q3, const Tensor& k3, const Tensor& v3, const Tensor* log_beta, const Tensor& doc,
-                     float scale, int64_t layer, Tensor& attn, DecoderLayerSaved* saved) {
+// Attention of the layer: returns attn F32 [T, H, d]; retention-gated when log_beta is given
+// (F32 [T, K]). q3, k3, v3 are consumed (reset here) so that on CUDA, whose kernels read and
+// write bf16 q, k, v, out (kernels/retention.h), each F32 input is freed as soon as its bf16
+// copy exists: at 128K the recomputation is where the step's memory peaks. The teacher there
+// runs the gated kernel with logβ ≡ 0, which is plain attention. With `saved`, what the
+// backward needs is kept in the dtype the backward reads (bf16 on CUDA).
+Tensor layer_attention(Tensor& q3, Tensor& k3, Tensor& v3, const Tensor* log_beta, const Tensor& doc, float scale,
+                       int64_t layer, DecoderLayerSaved* saved) {
   const int64_t T = q3.dim(0), H = q3.dim(1), K = k3.dim(1);
   const Device dev = q3.device();
   const bool cuda = dev == Device::CUDA;
-  if (!log_beta && !cuda) {
-    ops::attention(q3, k3, v3, doc, scale, attn);
-    if (saved) saved->q = q3, saved->k = k3, saved->v = v3, saved->attn = attn;
-    return;
+  if (!cuda) {
+    Tensor attn = Tensor::empty(q3.shape(), DType::F32, dev);
+    Tensor lse;
+    if (log_beta) {
+      lse = Tensor::empty({T, H}, DType::F32, dev);
+      try {
+        ops::gated_attention(q3, k3, v3, *log_beta, doc, scale, attn, lse);
+      } catch (const Error& e) {  // a NaN logβ: say which layer's gate produced it
+        fail("layer {}: {}", layer, e.what());
+      }
+    } else {
+      ops::attention(q3, k3, v3, doc, scale, attn);
+    }
+    if (saved) saved->q = q3, saved->k = k3, saved->v = v3, saved->attn = attn, saved->lse = lse;
+    q3 = k3 = v3 = Tensor();
+    return attn;
   }
-  auto kernel_input = [&](const Tensor& t) {
-    if (!cuda) return t;
+  auto narrow = [&](Tensor& t) {
     Tensor b = Tensor::empty(t.shape(), DType::BF16, dev);
     ops::cast(t, b);
+    t = Tensor();
     return b;
   };
-  const Tensor q = kernel_input(q3), k = kernel_input(k3), v = kernel_input(v3);
-  Tensor out = cuda ? Tensor::empty(attn.shape(), DType::BF16, dev) : attn;
+  const Tensor q = narrow(q3), k = narrow(k3), v = narrow(v3);
+  Tensor out = Tensor::empty(q.shape(), DType::BF16, dev);
   const Tensor lb = log_beta ? *log_beta : Tensor::zeros({T, K}, DType::F32, dev);
   Tensor lse = Tensor::empty({T, H}, DType::F32, dev);
   try {
     ops::gated_attention(q, k, v, lb, doc, scale, out, lse);
-  } catch (const Error& e) {  // a NaN logβ: say which layer's gate produced it
+  } catch (const Error& e) {
     fail("layer {}: {}", layer, e.what());
   }
-  if (cuda) ops::cast(out, attn);
+  Tensor attn = Tensor::empty(q.shape(), DType::F32, dev);
+  ops::cast(out, attn);
   if (saved) saved->q = q, saved->k = k, saved->v = v, saved->attn = out, saved->lse = lse;
+  return attn;
 }
 
 }  // namespace
@@ -83,12 +98,16 @@ void qwen3_decoder_layer(const Qwen3Config& c, const LayerWeights& w, const Rope
   Tensor q3 = qn.reshape({T, H, d}), k3 = kn.reshape({T, K, d}), v3 = v.reshape({T, K, d});
   ops::rope(q3, positions, rope.inv_freq, rope.attention_factor);
   ops::rope(k3, positions, rope.inv_freq, rope.attention_factor);
-  Tensor attn = f32({T, H, d});
+  // From here q3, k3, v3 are the only handles on the attention inputs (q and k stay only as
+  // the saved pre-norm projections), so layer_attention can free them as it goes.
+  if (!saved) q = k = Tensor();
+  qn = kn = v = qnh = knh = Tensor();
+  Tensor attn;
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
   if (gates) {
     // logβ [T, K] from the q/k/v input.
     const Tensor log_beta = gates->forward(layer, h, saved ? &saved->gate : nullptr);
-    layer_attention(q3, k3, v3, &log_beta, doc, scale, layer, attn, saved);
+    attn = layer_attention(q3, k3, v3, &log_beta, doc, scale, layer, saved);
     if (log_beta_out) {
       RETAIN_CHECK(log_beta_out->dtype() == DType::F32 && log_beta_out->shape() == log_beta.shape(),
                    "decoder layer: log_beta_out {} for logβ {}", shape_str(log_beta_out->shape()),
@@ -97,10 +116,11 @@ void qwen3_decoder_layer(const Qwen3Config& c, const LayerWeights& w, const Rope
     }
     if (saved) saved->log_beta = log_beta;
   } else {
-    layer_attention(q3, k3, v3, nullptr, doc, scale, layer, attn, saved);
+    attn = layer_attention(q3, k3, v3, nullptr, doc, scale, layer, saved);
   }
   Tensor proj = f32({T, D});
   ops::linear(attn.reshape({T, H * d}), w.o_proj, proj);
+  attn = Tensor();
   ops::add_inplace(x, proj);
   if (saved) {
     saved->h = h;
@@ -111,7 +131,7 @@ void qwen3_decoder_layer(const Qwen3Config& c, const LayerWeights& w, const Rope
 
   // MLP block: down(silu(gate(h)) * up(h)), kMlpChunkTokens tokens at a time: its [T, I]
   // intermediates would be the largest buffers of a long sequence (128K × 9728 F32 = 5 GB each).
-  h = Tensor(), q = Tensor(), k = Tensor(), v = Tensor(), attn = Tensor(), qn = Tensor(), kn = Tensor();
+  h = Tensor(), q = Tensor(), k = Tensor(), proj = Tensor();
   for (int64_t t0 = 0; t0 < T; t0 += kMlpChunkTokens) {
     const int64_t n = std::min(T, t0 + kMlpChunkTokens) - t0;
     Tensor xr = x.rows(t0, t0 + n);

@@ -35,23 +35,38 @@ Tensor layer_input(const Tensor& checkpoint) {
   return x;
 }
 
-// The gated attention's backward in the dtype its kernels take: F32 on the CPU; on CUDA
-// bf16 dout, dq, dk, dv (s.q, s.k, s.v, s.attn are kept in bf16 there by the forward),
-// converted to and from the F32 the rest of the layer's backward works in.
-void attention_backward(const DecoderLayerSaved& s, const Tensor& doc, float scale, const Tensor& dout, Tensor& dq,
+// The gated attention's backward: dq [T, H, d], dk, dv [T, K, d] F32 and dlog_beta F32 [T, K]
+// from dout (F32 [T, H, d], consumed: reset here). On the CPU the F32 reference. On CUDA the
+// kernels take bf16 dout, dq, dk, dv (s.q, s.k, s.v, s.attn are bf16 there); each buffer is
+// allocated as late and freed as early as the conversions allow, since at 128K this is where
+// the step's memory peaks (docs/memory-plan.md).
+void attention_backward(const DecoderLayerSaved& s, const Tensor& doc, float scale, Tensor& dout, Tensor& dq,
                         Tensor& dk, Tensor& dv, Tensor& dlog_beta) {
-  if (dout.device() == Device::CPU) {
+  const Device dev = dout.device();
+  const int64_t T = s.q.dim(0), H = s.q.dim(1), K = s.k.dim(1), d = s.q.dim(2);
+  auto make = [dev](const Shape& shape, DType dt) { return Tensor::empty(shape, dt, dev); };
+  dlog_beta = make({T, K}, DType::F32);
+  if (dev == Device::CPU) {
+    dq = make({T, H, d}, DType::F32), dk = make({T, K, d}, DType::F32), dv = make({T, K, d}, DType::F32);
     ops::gated_attention_backward(s.q, s.k, s.v, s.log_beta, doc, scale, s.attn, s.lse, dout, dq, dk, dv, dlog_beta);
+    dout = Tensor();
     return;
   }
-  auto bf16 = [&](const Shape& shape) { return Tensor::empty(shape, DType::BF16, dout.device()); };
-  Tensor dout_b = bf16(dout.shape()), dq_b = bf16(dq.shape()), dk_b = bf16(dk.shape()), dv_b = bf16(dv.shape());
+  Tensor dout_b = make(dout.shape(), DType::BF16);
   ops::cast(dout, dout_b);
+  dout = Tensor();
+  Tensor dq_b = make({T, H, d}, DType::BF16), dk_b = make({T, K, d}, DType::BF16), dv_b = make({T, K, d}, DType::BF16);
   ops::gated_attention_backward(s.q, s.k, s.v, s.log_beta, doc, scale, s.attn, s.lse, dout_b, dq_b, dk_b, dv_b,
                                 dlog_beta);
-  ops::cast(dq_b, dq);
-  ops::cast(dk_b, dk);
-  ops::cast(dv_b, dv);
+  dout_b = Tensor();
+  auto widen = [&](Tensor& narrow, Tensor& wide) {
+    wide = make(narrow.shape(), DType::F32);
+    ops::cast(narrow, wide);
+    narrow = Tensor();
+  };
+  widen(dq_b, dq);
+  widen(dk_b, dk);
+  widen(dv_b, dv);
 }
 
 // Layer l's backward: on entry dx = ∂loss/∂x_{l+1} (the layer's output), on return
@@ -89,10 +104,10 @@ void layer_backward(const Qwen3Config& c, const LayerWeights& w, const RopeParam
   // Attention block: x_mid = x_in + o_proj(attn), attn = gated_attention(q, k, v, logβ(h)).
   Tensor dattn = f32({T, H * d});
   ops::linear_backward_input(dx, w.o_proj, dattn);
-  Tensor dq = f32({T, H, d}), dk = f32({T, K, d}), dv = f32({T, K, d}), dlog_beta = f32({T, K});
+  dattn = dattn.reshape({T, H, d});
+  Tensor dq, dk, dv, dlog_beta;
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
-  attention_backward(s, pass.doc, scale, dattn.reshape({T, H, d}), dq, dk, dv, dlog_beta);
-  dattn = Tensor();
+  attention_backward(s, pass.doc, scale, dattn, dq, dk, dv, dlog_beta);
   if (extra_dlog_beta) ops::add_inplace(dlog_beta, *extra_dlog_beta);
   ops::rope_backward(dq, pass.positions, rope.inv_freq, rope.attention_factor);
   ops::rope_backward(dk, pass.positions, rope.inv_freq, rope.attention_factor);

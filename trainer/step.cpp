@@ -191,7 +191,7 @@ StepLosses compute_gradients(WeightProvider& weights, gates::RetentionGates& gat
     sums[0] += q.kl;
     sums[1] += q.ntp;
 
-    teacher_hidden = Tensor();  // its memory is the backward's
+    teacher_hidden = Tensor(), pass.hidden = Tensor();  // their memory is the backward's
     phase.emplace("capacity", times ? &times->capacity : nullptr, dev);
     Tensor d_log_beta;  // none unless the capacity loss has a gradient
     if (cfg.cap_weight != 0 && out.cap_positive > 0) {
