@@ -4,6 +4,9 @@
 //   dtypes the trainer uses: on CUDA bf16 q/k/v/o (fp32 logβ, lse), on CPU float32.
 //   retain-bench gemm: ops::linear and linear_backward_input on Qwen3-4B's projection shapes,
 //   F32 and BF16 weights (cuBLASLt on CUDA, OpenBLAS on CPU).
+//   retain-bench train: retain's whole training step (trainer/step.h + AdamW) on a model
+//   directory, per phase, with tokens/s, TFLOP/s, MFU, peak memory and the first step's loss.
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -15,6 +18,9 @@
 #include <filesystem>
 #include <functional>
 #include <iostream>
+#include <limits>
+#include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -24,9 +30,20 @@
 
 #include "kernels/base/atomic_file.h"
 #include "kernels/base/cli.h"
+#include "kernels/cuda/memory.h"
 #include "kernels/ops.h"
 #include "kernels/retention.h"
 #include "kernels/tensor.h"
+#include "model/device.h"
+#include "model/device_weights.h"
+#include "model/gates/gates.h"
+#include "model/weights.h"
+#include "trainer/dist/comm.h"
+#include "trainer/flat_params.h"
+#include "trainer/flops.h"
+#include "trainer/loss.h"
+#include "trainer/optim.h"
+#include "trainer/step.h"
 
 #ifdef RETAIN_BENCH_CUDA
 #include <cuda_runtime.h>
@@ -409,17 +426,320 @@ int gemm(int argc, char** argv) {
   return 0;
 }
 
+constexpr const char* kTrainUsage =
+    "Usage: retain-bench train --model DIR [--device cpu|cuda] [--seq 8192,32768] [--gate trimkv,dbtrimkv]\n"
+    "                          [--docs 1] [--iters 3] [--warmup 1] [--gate-hidden 512] [--memory 128]\n"
+    "                          [--seed 1] [--dump-batch FILE] [--json FILE]\n\n"
+    "Times retain's training step (trainer::compute_gradients, then AdamW on the flat gate\n"
+    "parameters) on the model in DIR, for every (--seq, --gate): fresh gates (bias 18, weights\n"
+    "N(0, 0.02)), one micro-batch of T random token ids (seeded by --seed and T, the same for\n"
+    "every gate) split into --docs equal documents, every token a target; one rank. Weights:\n"
+    "the mapped checkpoint on the CPU, the whole model resident on the GPU (bf16 matmuls) on\n"
+    "CUDA. Each step starts from zeroed gradients; the gates keep training across iterations.\n"
+    "Reported: the median over --iters timed steps after --warmup steps of the step time and of\n"
+    "each phase (teacher, student, capacity, loss, backward: trainer::PhaseTimes, which\n"
+    "synchronizes the device at every phase edge; optimizer: flatten the gradients, AdamW,\n"
+    "unflatten the values), tokens/s = T / step time, TFLOP/s and MFU (against the GPU's dense\n"
+    "bf16 peak, trainer/flops.h; n/a on the CPU or an unknown GPU), peak memory (CUDA: the\n"
+    "memory pool's high-water mark over the timed steps; CPU: the process's peak resident set\n"
+    "so far, ru_maxrss) and the loss of the first step (KL/2 + NTP/2 + capacity at memory M).\n\n"
+    "FLOPs (trainer/flops.h): a multiply-add is 2 FLOPs; matmuls only (norms, RoPE, softmax and\n"
+    "elementwise work are not counted); attention counts the pairs it computes exactly: the sum\n"
+    "over documents of n(n+1)/2 per head. A step is teacher forward + student forward (+ gate) +\n"
+    "recompute + backward (activation-only: projections and MLP once more, attention 2.5x its\n"
+    "forward, the gate twice) + loss (2*D*V per loss position for the teacher logits, the\n"
+    "student logits and the hidden-state gradient).\n\n"
+    "--dump-batch FILE writes the batches (per T: ids and document ids) as JSON, for the\n"
+    "reference script trainer/bench/bench_reference.py to time the same tokens.";
+
+struct TrainRow {
+  int64_t seq = 0;
+  std::string gate;
+  double step_ms = 0, teacher = 0, student = 0, capacity = 0, loss_ms = 0, backward = 0, optimizer = 0;
+  double tokens_per_s = 0, tflops = 0;
+  std::optional<double> mfu;
+  double peak_gb = 0;
+  double first_loss = 0, kl = 0, ntp = 0, cap = 0;
+};
+
+double median_of(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t m = v.size() / 2;
+  return v.size() % 2 ? v[m] : 0.5 * (v[m - 1] + v[m]);
+}
+
+std::vector<std::string> split_list(const std::string& text) {
+  std::vector<std::string> out;
+  size_t at = 0;
+  while (at <= text.size()) {
+    const size_t end = std::min(text.find(',', at), text.size());
+    out.push_back(text.substr(at, end - at));
+    at = end + 1;
+  }
+  return out;
+}
+
+double peak_rss_gb() {
+  rusage usage{};
+  if (getrusage(RUSAGE_SELF, &usage) != 0) return std::numeric_limits<double>::quiet_NaN();
+  return static_cast<double>(usage.ru_maxrss) * 1024.0 / 1e9;  // Linux reports kilobytes
+}
+
+std::string utc_now() {
+  const std::time_t now = std::time(nullptr);
+  char date[32];
+  std::strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
+  return date;
+}
+
+// The benchmark's batch of T tokens: uniform random ids in [0, vocab) seeded by (seed, T),
+// `docs` equal documents, every token a target.
+trainer::MicroBatch bench_batch(int64_t T, int64_t docs, int64_t vocab, uint64_t seed) {
+  trainer::MicroBatch mb;
+  mb.ids = Tensor::empty({T}, DType::I32);
+  mb.doc = Tensor::empty({T}, DType::I32);
+  mb.target_mask = Tensor::empty({T}, DType::U8);
+  Rng rng{seed * 0x100000001b3ull + static_cast<uint64_t>(T)};
+  for (int64_t t = 0; t < T; ++t) {
+    mb.ids.data<int32_t>()[t] = static_cast<int32_t>(rng.next() % static_cast<uint64_t>(vocab));
+    mb.doc.data<int32_t>()[t] = static_cast<int32_t>(t / (T / docs));
+    mb.target_mask.data<uint8_t>()[t] = 1;
+  }
+  return mb;
+}
+
+trainer::MicroBatchShape batch_shape(const trainer::MicroBatch& mb) {
+  trainer::MicroBatchShape shape;
+  const int32_t* doc = mb.doc.data<int32_t>();
+  for (int64_t t = 0; t < mb.doc.numel(); ++t) {
+    if (doc[t] < 0) continue;
+    if (t == 0 || doc[t - 1] != doc[t]) shape.doc_lengths.push_back(0);
+    ++shape.doc_lengths.back();
+  }
+  const Tensor mask = trainer::loss_positions(mb.doc, mb.target_mask);
+  for (int64_t t = 0; t < mask.numel(); ++t) shape.loss_positions += mask.data<uint8_t>()[t] != 0;
+  return shape;
+}
+
+void check_output_folder(const std::string& flag, const std::string& path) {
+  const std::filesystem::path parent = std::filesystem::absolute(path).parent_path();
+  if (!std::filesystem::is_directory(parent)) fail("{} {}: the folder {} does not exist", flag, path, parent.string());
+  if (::access(parent.c_str(), W_OK) != 0) fail("{} {}: the folder {} is not writable", flag, path, parent.string());
+}
+
+int train(int argc, char** argv) {
+  cli::po::options_description opts("Options of retain-bench train");
+  std::string model_dir, device_arg, seq_text, gate_text, json_path, dump_path;
+  int64_t docs = 0, gate_hidden = 0;
+  double memory = 0;
+  uint64_t seed = 0;
+  int iters = 0, warmup = 0;
+  opts.add_options()
+      ("model", cli::po::value(&model_dir), "the model directory (config.json, *.safetensors)")
+      ("device", cli::po::value(&device_arg), "cuda or cpu (default: $RETAIN_DEVICE, else cuda when a GPU is visible, else cpu)")
+      ("seq", cli::po::value(&seq_text), "sequence lengths T, comma-separated (default: 8192,32768 on cuda, 256 on cpu)")
+      ("gate", cli::po::value(&gate_text)->default_value("trimkv,dbtrimkv"), "gate kinds, comma-separated")
+      ("docs", cli::po::value(&docs)->default_value(1), "equal-length documents per sequence")
+      ("gate-hidden", cli::po::value(&gate_hidden)->default_value(512), "the gates' hidden width G")
+      ("memory", cli::po::value(&memory)->default_value(128), "memory M of the capacity loss (retain-train's default)")
+      ("seed", cli::po::value(&seed)->default_value(1), "seed of the token ids and the gates")
+      ("iters", cli::po::value(&iters)->default_value(3), "timed steps per row, median reported")
+      ("warmup", cli::po::value(&warmup)->default_value(1), "untimed steps before them")
+      ("dump-batch", cli::po::value(&dump_path), "write the batches (ids, document ids per T) as JSON to FILE")
+      ("json", cli::po::value(&json_path), "also write the results as JSON to FILE (atomically)");
+  cli::po::variables_map vm;
+  if (!cli::parse(argc, argv, kTrainUsage, opts, vm)) return 0;
+
+  if (model_dir.empty()) throw cli::UsageError("--model DIR is required");
+  if (!device_arg.empty() && device_arg != "cuda" && device_arg != "cpu")
+    throw cli::UsageError(fmt::format("--device must be cuda or cpu, got '{}'", device_arg));
+  if (docs <= 0) throw cli::UsageError("--docs must be positive");
+  if (gate_hidden <= 0) throw cli::UsageError("--gate-hidden must be positive");
+  if (!(memory > 0)) throw cli::UsageError("--memory must be positive");
+  if (iters <= 0 || warmup < 0) throw cli::UsageError("--iters must be positive and --warmup not negative");
+  std::vector<gates::GateKind> kinds;
+  for (const std::string& g : split_list(gate_text)) {
+    if (g != "trimkv" && g != "dbtrimkv")
+      throw cli::UsageError(fmt::format("--gate: '{}' is not a gate kind (trimkv, dbtrimkv)", g));
+    kinds.push_back(gates::parse_gate_kind(g, "--gate"));
+  }
+  const Device device = resolve_device(device_arg);
+  const bool on_gpu = device == Device::CUDA;
+  if (seq_text.empty()) seq_text = on_gpu ? "8192,32768" : "256";
+  const std::vector<int64_t> lengths = parse_lengths(seq_text);
+  for (int64_t T : lengths)
+    if (T % docs != 0) throw cli::UsageError(fmt::format("--seq {} is not a multiple of --docs {}", T, docs));
+  if (!json_path.empty()) check_output_folder("--json", json_path);
+  if (!dump_path.empty()) check_output_folder("--dump-batch", dump_path);
+
+  const auto model = std::make_shared<const Qwen3Checkpoint>(Qwen3Checkpoint::open(model_dir));
+  const Qwen3Config& mc = model->config();
+  for (int64_t T : lengths)
+    if (T > mc.max_position_embeddings)
+      fail("--seq {} exceeds the model's max_position_embeddings {} ({}/config.json)", T, mc.max_position_embeddings,
+           model_dir);
+
+  std::unique_ptr<WeightProvider> weights;
+  std::string device_line = "cpu";
+  std::optional<double> peak_tflops;
+  if (on_gpu) {
+    bind_local_gpu();
+    weights = std::make_unique<DeviceWeightProvider>(model);
+    device_line = cuda::device_name();
+    peak_tflops = trainer::bf16_peak_tflops(device_line);
+  } else {
+    weights = std::make_unique<LocalWeightProvider>(model);
+  }
+  const std::unique_ptr<dist::Comm> comm = dist::make_local_comm();
+  trainer::LossConfig loss_cfg;
+  loss_cfg.memory = memory;
+
+  std::vector<trainer::MicroBatch> batches;
+  for (int64_t T : lengths) batches.push_back(bench_batch(T, docs, mc.vocab_size, seed));
+  if (!dump_path.empty()) {
+    nlohmann::json j{{"tool", "retain-bench train"}, {"model", model_dir}, {"vocab_size", mc.vocab_size},
+                     {"seed", seed}, {"docs", docs}, {"batches", nlohmann::json::array()}};
+    for (const trainer::MicroBatch& mb : batches) {
+      const int64_t T = mb.ids.numel();
+      std::vector<int32_t> ids(mb.ids.data<int32_t>(), mb.ids.data<int32_t>() + T),
+          doc(mb.doc.data<int32_t>(), mb.doc.data<int32_t>() + T);
+      j["batches"].push_back({{"seq", T}, {"ids", ids}, {"doc", doc}});
+    }
+    write_file_atomic(dump_path, j.dump() + "\n");
+    std::cerr << "retain-bench: wrote the batches to " << dump_path << "\n";
+  }
+
+  std::cout << fmt::format(
+      "retain-bench train on {}: {} (L {} D {} H {} K {} d {} V {}), G {} docs {} M {}, median of {} after {} warm-up\n",
+      device_line, model_dir, mc.num_hidden_layers, mc.hidden_size, mc.num_attention_heads, mc.num_key_value_heads,
+      mc.head_dim, mc.vocab_size, gate_hidden, docs, memory, iters, warmup);
+  const std::string header =
+      fmt::format("{:>7} {:<8} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10} {:>8} {:>6} {:>8} {:>10}\n", "seq",
+                  "gate", "step ms", "teacher", "student", "capacity", "loss", "backward", "optim", "tokens/s",
+                  "TFLOP/s", "MFU", "peak GB", "loss@1");
+  std::cout << header << std::flush;
+
+  std::vector<TrainRow> rows;
+  for (size_t b = 0; b < lengths.size(); ++b) {
+    const int64_t T = lengths[b];
+    const std::vector<trainer::MicroBatch> mbs = {batches[b]};
+    for (gates::GateKind kind : kinds) {
+      const gates::GateDims dims{kind, mc.num_hidden_layers, mc.hidden_size, gate_hidden, mc.num_key_value_heads};
+      gates::RetentionGates gates = gates::RetentionGates::init(dims, 18.0, seed);
+      const int64_t n = trainer::flat_size(gates);
+      std::vector<float> values(static_cast<size_t>(n)), grads(static_cast<size_t>(n));
+      trainer::flatten_values(gates, values.data());
+      trainer::AdamW adam(n, trainer::AdamWConfig{});
+      const double flops = trainer::step_flops(mc, dims, {batch_shape(mbs[0])}).total();
+
+      TrainRow row;
+      row.seq = T;
+      row.gate = std::string(gates::gate_kind_name(kind));
+      std::vector<double> step_ms, ph[6];
+      for (int it = 0; it < warmup + iters; ++it) {
+        if (it == warmup && on_gpu) cuda::reset_device_memory_peak();
+        std::cerr << fmt::format("retain-bench: T={} {}: {} {}/{}\n", T, row.gate, it < warmup ? "warm-up" : "step",
+                                 it < warmup ? it + 1 : it - warmup + 1, it < warmup ? warmup : iters)
+                  << std::flush;
+        trainer::PhaseTimes times;
+        const auto t0 = std::chrono::steady_clock::now();
+        gates.zero_grad();
+        const trainer::StepLosses losses = trainer::compute_gradients(*weights, gates, mbs, loss_cfg, *comm, nullptr, &times);
+        const auto t1 = std::chrono::steady_clock::now();
+        trainer::flatten_grads(gates, grads.data());
+        adam.step(values.data(), grads.data(), trainer::AdamWConfig{}.lr);
+        trainer::unflatten_values(gates, values.data());
+        const auto t2 = std::chrono::steady_clock::now();
+        if (it == 0) {
+          row.first_loss = losses.total(loss_cfg);
+          row.kl = losses.kl();
+          row.ntp = losses.ntp();
+          row.cap = losses.cap();
+        }
+        if (it < warmup) continue;
+        step_ms.push_back(std::chrono::duration<double, std::milli>(t2 - t0).count());
+        const double opt = std::chrono::duration<double, std::milli>(t2 - t1).count();
+        const double phase[6] = {times.teacher * 1e3, times.student * 1e3, times.capacity * 1e3,
+                                 times.loss * 1e3,    times.backward * 1e3, opt};
+        for (int p = 0; p < 6; ++p) ph[p].push_back(phase[p]);
+      }
+      row.step_ms = median_of(step_ms);
+      row.teacher = median_of(ph[0]);
+      row.student = median_of(ph[1]);
+      row.capacity = median_of(ph[2]);
+      row.loss_ms = median_of(ph[3]);
+      row.backward = median_of(ph[4]);
+      row.optimizer = median_of(ph[5]);
+      row.tokens_per_s = static_cast<double>(T) / (row.step_ms * 1e-3);
+      row.tflops = flops / (row.step_ms * 1e-3) / 1e12;
+      if (peak_tflops) row.mfu = row.tflops / *peak_tflops;
+      row.peak_gb = on_gpu ? static_cast<double>(cuda::device_memory_stats().peak) / 1e9 : peak_rss_gb();
+      std::cout << fmt::format(
+                       "{:>7} {:<8} {:>10.2f} {:>9.2f} {:>9.2f} {:>9.2f} {:>9.2f} {:>9.2f} {:>9.2f} {:>10.1f} {:>8.4g} "
+                       "{:>6} {:>8.3f} {:>10.5f}\n",
+                       row.seq, row.gate, row.step_ms, row.teacher, row.student, row.capacity, row.loss_ms,
+                       row.backward, row.optimizer, row.tokens_per_s, row.tflops,
+                       row.mfu ? fmt::format("{:.1f}%", 100.0 * *row.mfu) : std::string("n/a"), row.peak_gb,
+                       row.first_loss)
+                << std::flush;
+      rows.push_back(std::move(row));
+    }
+  }
+
+  if (!json_path.empty()) {
+    nlohmann::json j;
+    j["tool"] = "retain-bench train";
+    j["date"] = utc_now();
+    j["device"] = device_line;
+    j["model"] = model_dir;
+    j["docs"] = docs;
+    j["gate_hidden"] = gate_hidden;
+    j["memory"] = memory;
+    j["seed"] = seed;
+    j["iters"] = iters;
+    j["warmup"] = warmup;
+    j["peak_tflops"] = peak_tflops ? nlohmann::json(*peak_tflops) : nlohmann::json(nullptr);
+    j["flops"] = "trainer/flops.h: multiply-add = 2 FLOPs, matmuls only, attention pairs n(n+1)/2 per document";
+    j["rows"] = nlohmann::json::array();
+    for (const TrainRow& r : rows) {
+      j["rows"].push_back({{"seq", r.seq},
+                           {"gate", r.gate},
+                           {"step_ms", r.step_ms},
+                           {"phase_ms",
+                            {{"teacher", r.teacher},
+                             {"student", r.student},
+                             {"capacity", r.capacity},
+                             {"loss", r.loss_ms},
+                             {"backward", r.backward},
+                             {"optimizer", r.optimizer}}},
+                           {"tokens_per_s", r.tokens_per_s},
+                           {"tflops", r.tflops},
+                           {"mfu", r.mfu ? nlohmann::json(*r.mfu) : nlohmann::json(nullptr)},
+                           {"peak_gb", r.peak_gb},
+                           {"first_loss", r.first_loss},
+                           {"first_kl", r.kl},
+                           {"first_ntp", r.ntp},
+                           {"first_cap", r.cap}});
+    }
+    write_file_atomic(json_path, j.dump(2) + "\n");
+    std::cout << "wrote " << json_path << "\n";
+  }
+  return 0;
+}
+
 int run(int argc, char** argv) {
   const std::string command = argc > 1 ? argv[1] : "";
   if (command == "attention") return attention(argc - 1, argv + 1);  // argv[1] plays the program name
   if (command == "gemm") return gemm(argc - 1, argv + 1);
+  if (command == "train") return train(argc - 1, argv + 1);
   if (command == "--help" || command == "-h") {
-    std::cout << kUsage << "\n\n" << kGemmUsage
-              << "\n\nSee `retain-bench attention --help` and `retain-bench gemm --help` for the options.\n";
+    std::cout << kUsage << "\n\n" << kGemmUsage << "\n\n" << kTrainUsage
+              << "\n\nSee `retain-bench attention --help`, `retain-bench gemm --help` and `retain-bench train --help`"
+                 " for the options.\n";
     return 0;
   }
-  throw cli::UsageError(command.empty() ? "missing benchmark name (attention, gemm)"
-                                        : fmt::format("unknown benchmark '{}' (known: attention, gemm)", command));
+  throw cli::UsageError(command.empty() ? "missing benchmark name (attention, gemm, train)"
+                                        : fmt::format("unknown benchmark '{}' (known: attention, gemm, train)", command));
 }
 
 }  // namespace

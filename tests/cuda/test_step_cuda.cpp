@@ -12,6 +12,7 @@
 #include <cmath>
 #include <filesystem>
 #include <memory>
+#include <ostream>
 #include <random>
 #include <string>
 #include <vector>
@@ -56,6 +57,8 @@ MicroBatch packed(const std::vector<int64_t>& lengths, int64_t T, int64_t vocab,
   }
   return mb;
 }
+
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
 
 double rel(double a, double b) { return std::abs(a - b) / std::max(std::abs(b), 1e-12); }
 

@@ -1,0 +1,268 @@
+#!/usr/bin/env python3
+"""The TRIM-KV authors' training step (package `trimkv` 0.1.5), timed on the batches that
+`retain-bench train --dump-batch FILE` wrote, for comparison with retain (a benchmark, not a test).
+
+Per (T, gate) — trimkv = the package's `rg` gate, dbtrimkv = `rg10` (gates tied over layers):
+fresh gates (bias init 18, G = --gate-hidden), every other parameter frozen; one step is
+  teacher    logits of the frozen model under no_grad (vanilla_forward=True, plain attention)
+  student    the gated forward (model.train(), FlexAttention with the retention score_mod,
+             gradient checkpointing, logit_block_size 8192) with labels and base_logits
+  backward   loss.backward()
+  optimizer  torch.optim.AdamW over the gate parameters (lr 2e-4, weight decay 1e-6)
+The authors' settings: bf16 model on a GPU, float32 on the CPU; retention_weight 1.
+The loss is retain's (KL/2 + NTP/2 + capacity at memory M, local capacity): the package's
+base_loss "fwkl,ntp" averages its two losses, its NTP is given the same loss positions as its
+KL (t whose t+1 is in t's document), and the package's Triton capacity sum is replaced by an
+equal torch computation on the CPU. Reported per row: median step ms and per phase over --iters
+steps after --warmup, tokens/s, peak memory (torch.cuda.max_memory_allocated, or ru_maxrss on
+the CPU), the first step's loss. An out-of-memory or an unsupported operation (FlexAttention
+has no CPU backward) is a row {"error": "..."}.
+
+Run it with the venv that has trimkv (see /work/shared/notes/trimkv-on-cpu.md):
+    build/bin/retain-bench train --model DIR --seq 128,256 --dump-batch /tmp/batch.json ...
+    /work/venvs/trimkv/bin/python trainer/bench/bench_reference.py --model DIR --batch /tmp/batch.json \
+        --gate trimkv,dbtrimkv --json /tmp/reference.json
+"""
+import argparse
+import datetime
+import importlib.machinery
+import json
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+import types
+
+
+def stub_flash_attn():
+    """trimkv imports flash_attn at module load; nothing on the training path calls it."""
+    for name in ("flash_attn", "flash_attn.flash_attn_interface"):
+        if name in sys.modules:
+            continue
+        m = types.ModuleType(name)
+        m.__spec__ = importlib.machinery.ModuleSpec(name, None)
+        m.__version__ = "0.0.0"
+
+        def missing(*a, **k):
+            raise RuntimeError("flash_attn is not installed (stand-in module)")
+
+        m.flash_attn_varlen_func = missing
+        m.flash_attn_with_kvcache = missing
+        m.flash_attn_func = missing
+        sys.modules[name] = m
+
+
+def retention_sum_torch(x, doc_mask=None, pad_id=-1, row_block=128, col_block=None):
+    """The package's retention_sum_packed_triton in torch: out[..., i] =
+    sum_{j <= i, doc[j] == doc[i]} exp((i - j) * x[..., j]), x (B, H, S)."""
+    import torch
+
+    B, H, S = x.shape
+    if doc_mask is None:
+        doc_mask = torch.zeros(B, S, dtype=torch.long, device=x.device)
+    idx = torch.arange(S, device=x.device)
+    out = []
+    block = 256
+    for r0 in range(0, S, block):
+        rows = idx[r0:r0 + block]
+        dist = (rows[:, None] - idx[None, :]).to(x.dtype)  # (R, S)
+        keep = (dist >= 0)[None] & (doc_mask[:, r0:r0 + block, None] == doc_mask[:, None, :])  # (B, R, S)
+        w = torch.exp(x.float()[:, :, None, :] * dist.float().clamp(min=0)[None, None])  # (B, H, R, S)
+        out.append((w * keep[:, None].float()).sum(-1))
+    return torch.cat(out, dim=-1)
+
+
+def peak_gb(device):
+    import torch
+
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated() / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+
+
+def one_line(e):
+    text = f"{type(e).__name__}: {e}".strip().splitlines()
+    return text[0][:300] if text else type(e).__name__
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="the model directory (the one retain-bench train used)")
+    ap.add_argument("--batch", required=True, help="the JSON that retain-bench train --dump-batch wrote")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when visible, else cpu")
+    ap.add_argument("--gate", default="trimkv,dbtrimkv")
+    ap.add_argument("--gate-hidden", type=int, default=512)
+    ap.add_argument("--memory", type=float, default=128)
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--json", help="write the results as JSON to FILE")
+    a = ap.parse_args()
+
+    stub_flash_attn()
+    import torch
+    import transformers
+    import trimkv
+    from trimkv.models.qwen3 import modeling_trimkv_qwen3 as mq
+    from trimkv.models.qwen3.configuration_trimkv_qwen3 import TrimKVQwen3Config
+
+    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    if device == "cpu":
+        mq.retention_sum_packed_triton = retention_sum_torch
+    with open(a.batch) as f:
+        batches = json.load(f)["batches"]
+    kinds = {"trimkv": "rg", "dbtrimkv": "rg10"}
+    gates = a.gate.split(",")
+    for g in gates:
+        if g not in kinds:
+            sys.exit(f"bench_reference.py: --gate: '{g}' is not trimkv or dbtrimkv")
+
+    device_line = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    print(f"reference (trimkv {getattr(trimkv, '__version__', '0.1.5')}, torch {torch.__version__}, "
+          f"transformers {transformers.__version__}) on {device_line}, {a.model}, G {a.gate_hidden} M {a.memory:g}, "
+          f"median of {a.iters} after {a.warmup} warm-up", flush=True)
+    header = f"{'seq':>7} {'gate':<8} {'step ms':>10} {'teacher':>9} {'student':>9} {'backward':>9} {'optim':>9} " \
+             f"{'tokens/s':>10} {'peak GB':>8} {'loss@1':>10}"
+    print(header, flush=True)
+    rows = []
+    for b in batches:
+        T = int(b["seq"])
+        for g in gates:
+            row = {"seq": T, "gate": g}
+            model = None
+            phase = "setup"
+            try:
+                torch.manual_seed(a.seed)
+                cfg = TrimKVQwen3Config.from_pretrained(a.model)
+                cfg.retention_gate = kinds[g]
+                cfg.retention_gate_intermediate_size = a.gate_hidden
+                cfg.retention_gate_bias_init = 18.0
+                cfg.retention_weight = 1.0
+                cfg.memory_size = a.memory
+                cfg.global_capacity = False  # retain's default capacity (local, per layer and KV head)
+                cfg.logit_block_size = 8192
+                cfg.base_loss = "fwkl,ntp"
+                cfg.rg_dropout = 0.0
+                cfg.attn_impl = "rg_attn_flex"
+                cfg.use_cache = False
+                cfg._attn_implementation = "flex_attention"
+                model = mq.TrimKVQwen3ForCausalLM.from_pretrained(a.model, config=cfg, load_trimkv_weights=False,
+                                                                  dtype=dtype).to(device)
+                model.config._attn_implementation = "flex_attention"
+                for m in model.modules():  # the gates are missing from the checkpoint: fresh, bias 18
+                    if isinstance(m, (mq.RetentionGate, mq.RetentionGate10)):
+                        m.reset_parameters()
+                params = []
+                for name, p in model.named_parameters():
+                    p.requires_grad_("retention_gate" in name)
+                    if p.requires_grad:
+                        params.append(p)
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                model.train()
+
+                # retain's loss positions: t whose t+1 is in t's document; both losses read them unshifted.
+                def ntp_same_positions(hidden_states, labels=None, **kw):
+                    logits = model.lm_head(hidden_states).float()
+                    return torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1),
+                                                             ignore_index=-100)
+
+                model.compute_ntp_loss = ntp_same_positions
+                opt = torch.optim.AdamW(params, lr=2e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-6)
+
+                ids = torch.tensor(b["ids"], dtype=torch.long, device=device)[None]
+                doc = torch.tensor(b["doc"], dtype=torch.long, device=device)
+                starts = torch.ones_like(doc, dtype=torch.bool)
+                starts[1:] = doc[1:] != doc[:-1]
+                first = torch.cummax(torch.where(starts, torch.arange(T, device=device), 0), 0).values
+                pos = (torch.arange(T, device=device) - first)[None]
+                labels = torch.full_like(ids, -100)
+                same = doc[1:] == doc[:-1]
+                labels[0, :-1] = torch.where(same, ids[0, 1:], torch.full_like(ids[0, 1:], -100))
+
+                def sync():
+                    if device == "cuda":
+                        torch.cuda.synchronize()
+
+                times = {k: [] for k in ("step", "teacher", "student", "backward", "optimizer")}
+                for it in range(a.warmup + a.iters):
+                    if it == a.warmup and device == "cuda":
+                        torch.cuda.reset_peak_memory_stats()
+                    print(f"bench_reference: T={T} {g}: {'warm-up' if it < a.warmup else 'step'} "
+                          f"{it + 1 if it < a.warmup else it - a.warmup + 1}/{a.warmup if it < a.warmup else a.iters}",
+                          file=sys.stderr, flush=True)
+                    sync()
+                    phase = "teacher forward"
+                    t0 = time.perf_counter()
+                    with torch.no_grad():
+                        base_logits = model(input_ids=ids, position_ids=pos, vanilla_forward=True).logits
+                    sync()
+                    t1 = time.perf_counter()
+                    phase = "student forward"
+                    out = model(input_ids=ids, position_ids=pos, labels=labels, base_logits=base_logits)
+                    sync()
+                    t2 = time.perf_counter()
+                    phase = "backward"
+                    out.loss.backward()
+                    sync()
+                    t3 = time.perf_counter()
+                    phase = "optimizer"
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                    sync()
+                    t4 = time.perf_counter()
+                    if it == 0:
+                        row["first_loss"] = float(out.loss)
+                        row["first_base_loss"] = float(out.base_loss) if out.base_loss is not None else None
+                        row["first_cap"] = float(out.retention_loss) if out.retention_loss is not None else None
+                    del out, base_logits
+                    if it < a.warmup:
+                        continue
+                    for k, v in (("step", t4 - t0), ("teacher", t1 - t0), ("student", t2 - t1),
+                                 ("backward", t3 - t2), ("optimizer", t4 - t3)):
+                        times[k].append(v * 1e3)
+                med = {k: statistics.median(v) for k, v in times.items()}
+                row["step_ms"] = med["step"]
+                row["phase_ms"] = {k: med[k] for k in ("teacher", "student", "backward", "optimizer")}
+                row["tokens_per_s"] = T / (med["step"] * 1e-3)
+                row["peak_gb"] = peak_gb(device)
+                print(f"{T:>7} {g:<8} {med['step']:>10.2f} {med['teacher']:>9.2f} {med['student']:>9.2f} "
+                      f"{med['backward']:>9.2f} {med['optimizer']:>9.2f} {row['tokens_per_s']:>10.1f} "
+                      f"{row['peak_gb']:>8.3f} {row['first_loss']:>10.5f}", flush=True)
+            except Exception as e:  # OOM, no CPU backward for FlexAttention, ...: the honest result
+                if os.environ.get("BENCH_REFERENCE_TRACEBACK"):
+                    import traceback
+                    traceback.print_exc()
+                oom = "out of memory, " if isinstance(e, torch.OutOfMemoryError) else ""
+                hint = ""
+                if device == "cpu" and phase in ("student forward", "backward") and "Inductor" in type(e).__name__:
+                    hint = " (FlexAttention with gradients on the CPU: it has no CPU backward)"
+                row = {"seq": T, "gate": g, "error": f"{oom}{phase}: {one_line(e)}{hint}"}
+                print(f"{T:>7} {g:<8} error: {row['error']}", flush=True)
+            finally:
+                model = None
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+            rows.append(row)
+
+    if a.json:
+        result = {"tool": "bench_reference.py (trimkv)", "device": device_line, "model": a.model,
+                  "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                  "versions": {"trimkv": "0.1.5", "torch": torch.__version__,
+                               "transformers": transformers.__version__},
+                  "dtype": str(dtype).replace("torch.", ""), "gate_hidden": a.gate_hidden, "memory": a.memory,
+                  "iters": a.iters, "warmup": a.warmup, "rows": rows}
+        folder = os.path.dirname(os.path.abspath(a.json))
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".bench_reference.")
+        with os.fdopen(fd, "w") as f:
+            json.dump(result, f, indent=2)
+            f.write("\n")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, a.json)
+        print(f"wrote {a.json}")
+
+
+if __name__ == "__main__":
+    main()
