@@ -14,6 +14,7 @@
 
 #include "kernels/base/error.h"
 #include "kernels/cuda/check.h"
+#include "kernels/cuda/grid.cuh"
 #include "kernels/cuda/gates_cuda.h"
 #include "kernels/cuda/gates_rows.h"
 
@@ -28,15 +29,7 @@ using namespace gates_rows;
 float* fptr(Tensor& t) { return static_cast<float*>(t.raw()); }
 const float* fptr(const Tensor& t) { return static_cast<const float*>(t.raw()); }
 
-unsigned elem_blocks(int64_t n) {
-  const int64_t b = (n + kElemThreads - 1) / kElemThreads;
-  return static_cast<unsigned>(b < kMaxElemBlocks ? b : kMaxElemBlocks);
-}
-
-__device__ __forceinline__ int64_t first_index() {
-  return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-}
-__device__ __forceinline__ int64_t grid_stride() { return static_cast<int64_t>(gridDim.x) * blockDim.x; }
+unsigned elem_blocks(int64_t n) { return grid_blocks(n, kElemThreads, kMaxElemBlocks); }
 
 __global__ void bias_silu_kernel(float* a, const float* b, float* s, int64_t N, int64_t n) {
   for (int64_t i = first_index(); i < n; i += grid_stride()) bias_silu_element(a, b, s, N, i);

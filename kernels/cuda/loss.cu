@@ -18,6 +18,7 @@
 
 #include "kernels/base/error.h"
 #include "kernels/cuda/check.h"
+#include "kernels/cuda/grid.cuh"
 #include "kernels/cuda/loss_cuda.h"
 #include "kernels/cuda/loss_rows.h"
 
@@ -31,15 +32,7 @@ constexpr int kElemThreads = 256;
 constexpr int64_t kMaxElemBlocks = 65536;  // grid-stride beyond this
 constexpr int64_t kMaxRowBlocks = 1 << 20;
 
-unsigned elem_blocks(int64_t n) {
-  const int64_t b = (n + kElemThreads - 1) / kElemThreads;
-  return static_cast<unsigned>(b < kMaxElemBlocks ? b : kMaxElemBlocks);
-}
-
-__device__ __forceinline__ int64_t first_index() {
-  return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-}
-__device__ __forceinline__ int64_t grid_stride() { return static_cast<int64_t>(gridDim.x) * blockDim.x; }
+unsigned elem_blocks(int64_t n) { return grid_blocks(n, kElemThreads, kMaxElemBlocks); }
 
 __global__ void gather_kernel(const float* src, const int32_t* pos, int64_t D, int64_t n, float* dst) {
   for (int64_t i = first_index(); i < n; i += grid_stride())

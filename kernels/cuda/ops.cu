@@ -16,6 +16,7 @@
 
 #include "kernels/base/error.h"
 #include "kernels/cuda/check.h"
+#include "kernels/cuda/grid.cuh"
 #include "kernels/cuda/ops_cuda.h"
 #include "kernels/cuda/ops_rows.h"
 
@@ -30,15 +31,7 @@ using namespace ops_rows;
 template <typename T> T* ptr(Tensor& t) { return static_cast<T*>(t.raw()); }
 template <typename T> const T* ptr(const Tensor& t) { return static_cast<const T*>(t.raw()); }
 
-unsigned elem_blocks(int64_t n) {
-  const int64_t b = (n + kElemThreads - 1) / kElemThreads;
-  return static_cast<unsigned>(b < kMaxElemBlocks ? b : kMaxElemBlocks);
-}
-
-__device__ __forceinline__ int64_t first_index() {
-  return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-}
-__device__ __forceinline__ int64_t grid_stride() { return static_cast<int64_t>(gridDim.x) * blockDim.x; }
+unsigned elem_blocks(int64_t n) { return grid_blocks(n, kElemThreads, kMaxElemBlocks); }
 
 // ---- embedding ---------------------------------------------------------------------------
 

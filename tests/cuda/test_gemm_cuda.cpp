@@ -25,9 +25,11 @@
 
 #include "kernels/base/half.h"
 #include "kernels/ops.h"
+#include "tests/cuda/gemm_cases.h"
 #include "tests/cuda/cuda_test.h"
 
 using namespace retain;
+using retain::gemm_test::random_f32;
 
 namespace {
 
@@ -36,17 +38,6 @@ constexpr double kU = 1.0 / (1 << 24);
 Tensor gpu(const Tensor& t) { return t.to(Device::CUDA); }
 Tensor host(const Tensor& t) { return t.device() == Device::CPU ? t : t.to(Device::CPU); }
 
-Tensor random_f32(const Shape& shape, std::mt19937& rng) {  // rows scaled by 10^[-2, 2]
-  Tensor t = Tensor::empty(shape, DType::F32);
-  std::normal_distribution<float> n(0.0f, 1.0f);
-  std::uniform_real_distribution<float> e(-2.0f, 2.0f);
-  const int64_t cols = shape.back(), rows = cols == 0 ? 0 : t.numel() / cols;
-  for (int64_t r = 0; r < rows; ++r) {
-    const float s = std::pow(10.0f, e(rng));
-    for (int64_t c = 0; c < cols; ++c) t.data<float>()[r * cols + c] = s * n(rng);
-  }
-  return t;
-}
 
 Tensor cast_to(const Tensor& t, DType dt) {  // on t's device
   Tensor out = Tensor::empty(t.shape(), dt, t.device());
