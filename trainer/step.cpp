@@ -1,9 +1,8 @@
 #include "trainer/step.h"
 
+#include <chrono>
 #include <cmath>
 #include <optional>
-
-#include <chrono>
 
 #include "kernels/base/error.h"
 #include "kernels/base/nvtx.h"
