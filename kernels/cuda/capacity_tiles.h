@@ -33,11 +33,7 @@
 #include <cmath>
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define RETAIN_CAP_HD __host__ __device__ __forceinline__
-#else
-#define RETAIN_CAP_HD inline
-#endif
+#include "kernels/cuda/host_device.h"
 
 namespace retain::cuda::capacity {
 
@@ -59,10 +55,10 @@ inline constexpr double kNegligibleExponent = 60.0;
 // different values that no real document id (≥ 0) equals.
 inline constexpr int32_t kPadKey = -1;
 inline constexpr int32_t kPadRow = -2;
-RETAIN_CAP_HD int32_t key_doc(int32_t d) { return d < 0 ? kPadKey : d; }
-RETAIN_CAP_HD int32_t row_doc(int32_t d) { return d < 0 ? kPadRow : d; }
+RETAIN_HD int32_t key_doc(int32_t d) { return d < 0 ? kPadKey : d; }
+RETAIN_HD int32_t row_doc(int32_t d) { return d < 0 ? kPadRow : d; }
 
-RETAIN_CAP_HD int64_t tile_count(int64_t T) { return (T + kTile - 1) / kTile; }
+RETAIN_HD int64_t tile_count(int64_t T) { return (T + kTile - 1) / kTile; }
 
 // The document ids among the non-padding tokens of a tile, as [lo, hi], like cpu::DocRange:
 // two tiles can hold an allowed pair only if their ranges intersect (any document layout).
@@ -72,12 +68,12 @@ struct TileDocs {
   int32_t padded;  // 1: some token is padding or the tile is the short last one
 };
 
-RETAIN_CAP_HD bool tile_empty(const TileDocs& a) { return a.lo > a.hi; }
-RETAIN_CAP_HD bool tiles_may_meet(const TileDocs& a, const TileDocs& b) {
+RETAIN_HD bool tile_empty(const TileDocs& a) { return a.lo > a.hi; }
+RETAIN_HD bool tiles_may_meet(const TileDocs& a, const TileDocs& b) {
   return !tile_empty(a) && !tile_empty(b) && a.lo <= b.hi && b.lo <= a.hi;
 }
 // Every pair (t, i) of tile (qb, kb) shares one document: no per-pair document mask needed.
-RETAIN_CAP_HD bool tile_one_document(const TileDocs& q, const TileDocs& k) {
+RETAIN_HD bool tile_one_document(const TileDocs& q, const TileDocs& k) {
   return !q.padded && !k.padded && q.lo == q.hi && k.lo == k.hi && q.lo == k.lo;
 }
 
@@ -85,7 +81,7 @@ RETAIN_CAP_HD bool tile_one_document(const TileDocs& q, const TileDocs& k) {
 // logβ ≤ key_max ≤ 0: its smallest distance t − i is qb·kTile − (kb·kTile + kTile − 1) ≥ 1
 // (a short last key tile only makes distances larger). Monotone in qb: once true for some qb
 // it stays true for every later query tile (the backward stops there).
-RETAIN_CAP_HD bool tile_negligible(int64_t qb, int64_t kb, float key_max) {
+RETAIN_HD bool tile_negligible(int64_t qb, int64_t kb, float key_max) {
   if (qb <= kb) return false;
   const double min_distance = static_cast<double>(qb * kTile - (kb * kTile + kTile - 1));
   return min_distance * static_cast<double>(key_max) < -kNegligibleExponent;
@@ -95,7 +91,7 @@ RETAIN_CAP_HD bool tile_negligible(int64_t qb, int64_t kb, float key_max) {
 // lb, beta, kdoc: the key tile in shared memory (beta = expf(lb), kdoc = key_doc(doc));
 // rdoc: row_doc of the lane's rows (kPadRow for rows ≥ T); acc: float64 sums of the rows.
 // Off the diagonal (every i < t0) with one document: no masks.
-RETAIN_CAP_HD void lane_sums_off_diagonal(const float* lb, const float* beta, const int32_t* kdoc, int64_t i0,
+RETAIN_HD void lane_sums_off_diagonal(const float* lb, const float* beta, const int32_t* kdoc, int64_t i0,
                                           int n, int64_t t0, const int32_t* rdoc, bool one_document,
                                           double* acc) {
   for (int c = 0; c < n; c += kPartial) {
@@ -128,7 +124,7 @@ RETAIN_CAP_HD void lane_sums_off_diagonal(const float* lb, const float* beta, co
 }
 
 // The diagonal tile (keys i0 .. i0+n−1 cover the lane's rows): pairs i < t evaluated directly.
-RETAIN_CAP_HD void lane_sums_diagonal(const float* lb, const int32_t* kdoc, int64_t i0, int n, int64_t t0,
+RETAIN_HD void lane_sums_diagonal(const float* lb, const int32_t* kdoc, int64_t i0, int n, int64_t t0,
                                       const int32_t* rdoc, double* acc) {
   for (int c = 0; c < n; c += kPartial) {
     float p[kRun] = {0, 0, 0, 0};
@@ -146,7 +142,7 @@ RETAIN_CAP_HD void lane_sums_diagonal(const float* lb, const int32_t* kdoc, int6
 
 // The i = t term of every non-padding row: exactly 1 (exp(0·logβ), also for logβ = −inf).
 // Added once per row after the key loop, so that no tile skip can lose it.
-RETAIN_CAP_HD void lane_self_terms(const int32_t* rdoc, double* acc) {
+RETAIN_HD void lane_self_terms(const int32_t* rdoc, double* acc) {
   for (int r = 0; r < kRun; ++r)
     if (rdoc[r] >= 0) acc[r] += 1.0;
 }
@@ -155,7 +151,7 @@ RETAIN_CAP_HD void lane_self_terms(const int32_t* rdoc, double* acc) {
 // Adds Σ_t g_t·(t − i)·exp((t − i)·logβ_i) over the tile's rows t > i with doc_t == doc_i.
 // g, rdoc: the query tile in shared memory (g = 0 and rdoc = kPadRow beyond T); lb, beta,
 // kdoc: the lane's keys (kdoc = kPadKey for keys ≥ T). Off the diagonal every t > every i.
-RETAIN_CAP_HD void lane_grads_off_diagonal(const float* g, const int32_t* rdoc, int64_t t0, int n, int64_t i0,
+RETAIN_HD void lane_grads_off_diagonal(const float* g, const int32_t* rdoc, int64_t t0, int n, int64_t i0,
                                            const float* lb, const float* beta, const int32_t* kdoc,
                                            bool one_document, double* acc) {
   for (int c = 0; c < n; c += kPartial) {
@@ -179,7 +175,7 @@ RETAIN_CAP_HD void lane_grads_off_diagonal(const float* g, const int32_t* rdoc, 
 }
 
 // The diagonal tile: pairs t > i evaluated directly (the t = i term has factor t − i = 0).
-RETAIN_CAP_HD void lane_grads_diagonal(const float* g, const int32_t* rdoc, int64_t t0, int n, int64_t i0,
+RETAIN_HD void lane_grads_diagonal(const float* g, const int32_t* rdoc, int64_t t0, int n, int64_t i0,
                                        const float* lb, const int32_t* kdoc, double* acc) {
   for (int c = 0; c < n; c += kPartial) {
     float p[kRun] = {0, 0, 0, 0};
@@ -199,17 +195,17 @@ RETAIN_CAP_HD void lane_grads_diagonal(const float* g, const int32_t* rdoc, int6
 }
 
 // ---- the hinge of DESIGN §4 (float64, as the CPU) ------------------------------------------
-RETAIN_CAP_HD double local_denominator(int32_t p, double M) {
+RETAIN_HD double local_denominator(int32_t p, double M) {
   const double d = static_cast<double>(p) - M;
   return d > 1.0 ? d : 1.0;
 }
-RETAIN_CAP_HD double global_denominator(int32_t p, double M, double N) {
+RETAIN_HD double global_denominator(int32_t p, double M, double N) {
   const double d = static_cast<double>(p) * N - M * N;
   return d > 1.0 ? d : 1.0;
 }
 // ℓ = max(0, (S − M)/den); 0 where the hinge is flat (S ≤ M).
-RETAIN_CAP_HD double hinge(double excess, double denominator) { return excess > 0 ? excess / denominator : 0.0; }
+RETAIN_HD double hinge(double excess, double denominator) { return excess > 0 ? excess / denominator : 0.0; }
 // ∂ℓ/∂S: 1/den where S > M, else 0 (at S = M exactly the gradient is taken as 0, as on the CPU).
-RETAIN_CAP_HD double hinge_slope(double excess, double denominator) { return excess > 0 ? 1.0 / denominator : 0.0; }
+RETAIN_HD double hinge_slope(double excess, double denominator) { return excess > 0 ? 1.0 / denominator : 0.0; }
 
 }  // namespace retain::cuda::capacity

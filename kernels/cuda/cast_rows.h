@@ -18,7 +18,7 @@ using ops_rows::f16_load;
 
 enum class Type : int { F32, BF16, F16 };
 
-RETAIN_OPS_HD uint32_t f32_bits(float f) {
+RETAIN_HD uint32_t f32_bits(float f) {
 #if defined(__CUDA_ARCH__)
   return __float_as_uint(f);
 #else
@@ -29,7 +29,7 @@ RETAIN_OPS_HD uint32_t f32_bits(float f) {
 }
 
 // half.h's f32_to_bf16: round to nearest even; NaN made quiet with its upper payload kept.
-RETAIN_OPS_HD uint16_t bf16_store(float f) {
+RETAIN_HD uint16_t bf16_store(float f) {
   const uint32_t bits = f32_bits(f);
   if ((bits & 0x7f800000u) == 0x7f800000u && (bits & 0x007fffffu) != 0)
     return static_cast<uint16_t>((bits >> 16) | 0x0040u);
@@ -37,7 +37,7 @@ RETAIN_OPS_HD uint16_t bf16_store(float f) {
 }
 
 // half.h's f32_to_f16: round to nearest even, overflow to inf, any NaN to the quiet 0x7e00.
-RETAIN_OPS_HD uint16_t f16_store(float f) {
+RETAIN_HD uint16_t f16_store(float f) {
   const uint32_t bits = f32_bits(f);
   const uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000u);
   const uint32_t exp = (bits >> 23) & 0xffu;
@@ -60,7 +60,7 @@ RETAIN_OPS_HD uint16_t f16_store(float f) {
   return static_cast<uint16_t>(sign | half);
 }
 
-RETAIN_OPS_HD float load_f32(const void* src, Type t, int64_t i) {
+RETAIN_HD float load_f32(const void* src, Type t, int64_t i) {
   switch (t) {
     case Type::BF16: return bf16_load(static_cast<const uint16_t*>(src)[i]);
     case Type::F16: return f16_load(static_cast<const uint16_t*>(src)[i]);
@@ -68,7 +68,7 @@ RETAIN_OPS_HD float load_f32(const void* src, Type t, int64_t i) {
   }
 }
 
-RETAIN_OPS_HD void store_f32(void* dst, Type t, int64_t i, float v) {
+RETAIN_HD void store_f32(void* dst, Type t, int64_t i, float v) {
   switch (t) {
     case Type::BF16: static_cast<uint16_t*>(dst)[i] = bf16_store(v); break;
     case Type::F16: static_cast<uint16_t*>(dst)[i] = f16_store(v); break;
@@ -78,7 +78,7 @@ RETAIN_OPS_HD void store_f32(void* dst, Type t, int64_t i, float v) {
 
 // Element i of the cast kernel (src and dst types differ; equal types are a plain copy, which
 // keeps a NaN's payload where this round trip would not).
-RETAIN_OPS_HD void cast_element(const void* src, Type st, void* dst, Type dt, int64_t i) {
+RETAIN_HD void cast_element(const void* src, Type st, void* dst, Type dt, int64_t i) {
   store_f32(dst, dt, i, load_f32(src, st, i));
 }
 

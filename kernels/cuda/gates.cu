@@ -29,7 +29,6 @@ using namespace gates_rows;
 float* fptr(Tensor& t) { return static_cast<float*>(t.raw()); }
 const float* fptr(const Tensor& t) { return static_cast<const float*>(t.raw()); }
 
-unsigned elem_blocks(int64_t n) { return grid_blocks(n, kElemThreads, kMaxElemBlocks); }
 
 __global__ void bias_silu_kernel(float* a, const float* b, float* s, int64_t N, int64_t n) {
   for (int64_t i = first_index(); i < n; i += grid_stride()) bias_silu_element(a, b, s, N, i);

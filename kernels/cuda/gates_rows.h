@@ -20,22 +20,16 @@
 #include <cmath>
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define RETAIN_GATES_HD __host__ __device__ __forceinline__
-#else
-#define RETAIN_GATES_HD inline
-#endif
+#include "kernels/cuda/host_device.h"
 
 namespace retain::cuda::gates_rows {
 
-inline constexpr int kElemThreads = 256;          // threads per block of the elementwise kernels
-inline constexpr int64_t kMaxElemBlocks = 65536;  // grid-stride beyond this
 // Tokens per float64 partial of the bias gradient. model/gates/gates.cpp uses this constant for
 // its own blocks, so the two reductions cannot drift apart.
 inline constexpr int64_t kColumnBlock = 256;
 
 // a·b rounded once, never fused into a following add (nvcc contracts a·b + c by default).
-RETAIN_GATES_HD float fmul_rn(float a, float b) {
+RETAIN_HD float fmul_rn(float a, float b) {
 #if defined(__CUDA_ARCH__)
   return __fmul_rn(a, b);
 #else
@@ -44,22 +38,22 @@ RETAIN_GATES_HD float fmul_rn(float a, float b) {
 }
 
 // σ(x) without exponentiating a positive number: no overflow, no loss of 1 − σ.
-RETAIN_GATES_HD float sigmoid(float x) {
+RETAIN_HD float sigmoid(float x) {
   if (x >= 0) return 1.0f / (1.0f + expf(-x));
   const float e = expf(x);
   return e / (1.0f + e);
 }
 
-RETAIN_GATES_HD float silu(float x) { return x * sigmoid(x); }
+RETAIN_HD float silu(float x) { return x * sigmoid(x); }
 
 // silu'(x) = σ(x)·(1 + x·(1 − σ(x))).
-RETAIN_GATES_HD float silu_grad(float x) {
+RETAIN_HD float silu_grad(float x) {
   const float s = sigmoid(x);
   return s * (1.0f + fmul_rn(x, 1.0f - s));
 }
 
 // log σ(x) = min(x, 0) − log1p(exp(−|x|)), min written as the CPU's std::min(x, 0.0f).
-RETAIN_GATES_HD float log_sigmoid(float x) {
+RETAIN_HD float log_sigmoid(float x) {
   const float m = (0.0f < x) ? 0.0f : x;
   return m - log1pf(expf(-fabsf(x)));
 }
@@ -68,14 +62,14 @@ RETAIN_GATES_HD float log_sigmoid(float x) {
 
 // a = x·Wᵀ + b in place on the GEMM output, and s = silu(a): the saved pre-activation and the
 // next layer's input.
-RETAIN_GATES_HD void bias_silu_element(float* a, const float* b, float* s, int64_t N, int64_t i) {
+RETAIN_HD void bias_silu_element(float* a, const float* b, float* s, int64_t N, int64_t i) {
   const float v = a[i] + b[i % N];
   a[i] = v;
   s[i] = silu(v);
 }
 
 // z = x·Wᵀ + b in place on the GEMM output, and logβ = log σ(z).
-RETAIN_GATES_HD void bias_log_sigmoid_element(float* z, const float* b, float* log_beta, int64_t N, int64_t i) {
+RETAIN_HD void bias_log_sigmoid_element(float* z, const float* b, float* log_beta, int64_t N, int64_t i) {
   const float v = z[i] + b[i % N];
   z[i] = v;
   log_beta[i] = log_sigmoid(v);
@@ -84,16 +78,16 @@ RETAIN_GATES_HD void bias_log_sigmoid_element(float* z, const float* b, float* l
 // ---- backward ---------------------------------------------------------------------------------
 
 // ∂logσ(z)/∂z = 1 − σ(z) = σ(−z).
-RETAIN_GATES_HD float log_sigmoid_backward_element(float dlog_beta, float z) { return dlog_beta * sigmoid(-z); }
+RETAIN_HD float log_sigmoid_backward_element(float dlog_beta, float z) { return dlog_beta * sigmoid(-z); }
 
 // da = ds·silu'(a).
-RETAIN_GATES_HD float times_silu_grad_element(float ds, float a) { return ds * silu_grad(a); }
+RETAIN_HD float times_silu_grad_element(float ds, float a) { return ds * silu_grad(a); }
 
 // Number of kColumnBlock-token blocks of T tokens.
-RETAIN_GATES_HD int64_t column_blocks(int64_t T) { return (T + kColumnBlock - 1) / kColumnBlock; }
+RETAIN_HD int64_t column_blocks(int64_t T) { return (T + kColumnBlock - 1) / kColumnBlock; }
 
 // Σ dy[t, j] over the tokens t of block `block`, in token order, in float64.
-RETAIN_GATES_HD double column_block_partial(const float* dy, int64_t T, int64_t N, int64_t block, int64_t j) {
+RETAIN_HD double column_block_partial(const float* dy, int64_t T, int64_t N, int64_t block, int64_t j) {
   const int64_t end = (block + 1) * kColumnBlock < T ? (block + 1) * kColumnBlock : T;
   double acc = 0.0;
   for (int64_t t = block * kColumnBlock; t < end; ++t) acc += dy[t * N + j];
@@ -102,11 +96,11 @@ RETAIN_GATES_HD double column_block_partial(const float* dy, int64_t T, int64_t 
 
 // The blocks' partials of column j (partials [blocks, N]) in block order, added to db[j] with one
 // float32 rounding.
-RETAIN_GATES_HD double column_total(const double* partials, int64_t blocks, int64_t N, int64_t j) {
+RETAIN_HD double column_total(const double* partials, int64_t blocks, int64_t N, int64_t j) {
   double s = 0.0;
   for (int64_t b = 0; b < blocks; ++b) s += partials[b * N + j];
   return s;
 }
-RETAIN_GATES_HD float add_total(float db, double total) { return static_cast<float>(db + total); }
+RETAIN_HD float add_total(float db, double total) { return static_cast<float>(db + total); }
 
 }  // namespace retain::cuda::gates_rows

@@ -21,6 +21,7 @@
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/cublas_check.h"
 #include "kernels/cuda/gemm_cuda.h"
+#include "kernels/cuda/grid.cuh"
 #include "kernels/cuda/memory.h"
 
 namespace retain::cuda {
@@ -28,8 +29,6 @@ namespace retain::cuda {
 namespace {
 
 using cast_rows::Type;
-using ops_rows::kElemThreads;
-using ops_rows::kMaxElemBlocks;
 
 // Where every retain kernel, copy and allocation is queued (kernels/cuda/memory.cu), so the
 // GEMMs are ordered after the work that produced their inputs without any event.
@@ -43,14 +42,12 @@ constexpr size_t kLtWorkspaceBytes = size_t{32} << 20;
 
 // Types as template arguments, so the per-element switches of cast_rows.h fold away.
 template <Type S, Type D> __global__ void cast_kernel(const void* src, void* dst, int64_t n) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride)
+  for (int64_t i = first_index(); i < n; i += grid_stride())
     cast_rows::cast_element(src, S, dst, D, i);
 }
 
 template <Type S, Type D> void launch_cast(const void* src, void* dst, int64_t n) {
-  const int64_t blocks = (n + kElemThreads - 1) / kElemThreads;
-  cast_kernel<S, D><<<static_cast<unsigned>(blocks < kMaxElemBlocks ? blocks : kMaxElemBlocks), kElemThreads, 0,
+  cast_kernel<S, D><<<elem_blocks(n), kElemThreads, 0,
                       kStream>>>(src, dst, n);
   CUDA_CHECK(cudaGetLastError());
 }

@@ -1,14 +1,12 @@
-// Grid-stride launches, shared by the elementwise and row kernels (ops.cu, gates.cu, loss.cu):
-// a grid of at most `max_blocks` blocks covers any n, each thread stepping by the grid's size.
+// Grid-stride loops, shared by the elementwise and row kernels (ops.cu, gates.cu, loss.cu,
+// gemm.cu): a grid of elem_blocks(n) blocks (kernels/cuda/host_device.h) covers any n, each
+// thread stepping by the grid's size.
 #pragma once
 #include <cstdint>
 
-namespace retain::cuda {
+#include "kernels/cuda/host_device.h"
 
-inline unsigned grid_blocks(int64_t n, int threads, int64_t max_blocks) {
-  const int64_t b = (n + threads - 1) / threads;
-  return static_cast<unsigned>(b < max_blocks ? b : max_blocks);
-}
+namespace retain::cuda {
 
 __device__ __forceinline__ int64_t first_index() {
   return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;

@@ -16,13 +16,9 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "kernels/kvpop.h"
+#include "kernels/cuda/host_device.h"
 
-#if defined(__CUDACC__)
-#define RETAIN_KVPOP_HD __host__ __device__ __forceinline__
-#else
-#define RETAIN_KVPOP_HD inline
-#endif
+#include "kernels/kvpop.h"
 
 namespace retain::cuda::kvpop_tiles {
 
@@ -48,22 +44,22 @@ inline constexpr int kKeyStride = kKeyTile + 1;  // shared keys are [hd][kKeyStr
                                                  // per-thread reads free of bank conflicts
 inline constexpr int32_t kNoDoc = -1;      // padding or beyond T: never a key's document
 
-RETAIN_KVPOP_HD int64_t key_tile_count(int64_t T) { return (T + kKeyTile - 1) / kKeyTile; }
+RETAIN_HD int64_t key_tile_count(int64_t T) { return (T + kKeyTile - 1) / kKeyTile; }
 
 // Dynamic shared memory of the target kernel: keys [hd][kKeyStride], queries [kQueryTile][hd],
 // lse [kQueryTile] (floats), then key and query documents (int32).
-RETAIN_KVPOP_HD size_t target_shared_bytes(int64_t hd) {
+RETAIN_HD size_t target_shared_bytes(int64_t hd) {
   return sizeof(float) * static_cast<size_t>(hd * kKeyStride + kQueryTile * hd + kQueryTile) +
          sizeof(int32_t) * static_cast<size_t>(kKeyTile + kQueryTile);
 }
 
 // The document of token t as a key or query: kNoDoc for padding and for t ≥ T.
-RETAIN_KVPOP_HD int32_t token_doc(const int32_t* doc, int64_t T, int64_t t) {
+RETAIN_HD int32_t token_doc(const int32_t* doc, int64_t T, int64_t t) {
   return t < T && doc[t] >= 0 ? doc[t] : kNoDoc;
 }
 
 // The tile's last key that is not padding (index in the tile, −1 when there is none).
-RETAIN_KVPOP_HD int last_real_key(const int32_t* key_docs) {
+RETAIN_HD int last_real_key(const int32_t* key_docs) {
   for (int j = kKeyTile - 1; j >= 0; --j)
     if (key_docs[j] >= 0) return j;
   return -1;
@@ -73,7 +69,7 @@ RETAIN_KVPOP_HD int last_real_key(const int32_t* key_docs) {
 // Documents are contiguous runs, and the tile's last real key (position last_key, document
 // last_doc) has the run that ends last: once q0 is past last_key and outside that run, no later
 // query belongs to any of the tile's documents. Uniform over the block (no thread-local input).
-RETAIN_KVPOP_HD bool query_tile_needed(const int32_t* doc, int64_t T, int64_t q0, int64_t last_key, int32_t last_doc) {
+RETAIN_HD bool query_tile_needed(const int32_t* doc, int64_t T, int64_t q0, int64_t last_key, int32_t last_doc) {
   if (last_key < 0 || q0 >= T) return false;
   return q0 <= last_key || doc[q0] == last_doc;
 }
@@ -81,7 +77,7 @@ RETAIN_KVPOP_HD bool query_tile_needed(const int32_t* doc, int64_t T, int64_t q0
 // One key against the staged query tile (queries q0 .. q0 + kQueryTile − 1): s[i] = q_i·k·scale −
 // lse_i where the pair counts (same document, dq ≥ t + w), −inf elsewhere; returns max_i s[i].
 // tile_q [kQueryTile][hd]; key: the thread's key in shared memory, element x at key[x·kKeyStride].
-RETAIN_KVPOP_HD float key_scores(const float* tile_q, const float* tile_lse, const int32_t* tile_doc, int64_t q0,
+RETAIN_HD float key_scores(const float* tile_q, const float* tile_lse, const int32_t* tile_doc, int64_t q0,
                                  const float* key, int64_t hd, int64_t t, int32_t key_doc, int64_t w, float scale,
                                  float* s) {
   float mx = -INFINITY;
@@ -101,7 +97,7 @@ RETAIN_KVPOP_HD float key_scores(const float* tile_q, const float* tile_lse, con
 
 // Adds a query tile's terms (scores s, their max mx) to the running float64 log-sum-exp (M, S)
 // of one (key, head): a float32 partial Σ expf(s_i − mx) of ≤ 64 terms in [0, 1], rescaled once.
-RETAIN_KVPOP_HD void lse_add_tile(const float* s, float mx, double& M, double& S) {
+RETAIN_HD void lse_add_tile(const float* s, float mx, double& M, double& S) {
   if (mx == -INFINITY) return;  // no pair in this tile
   float p = 0.0f;
   for (int i = 0; i < kQueryTile; ++i) p += expf(s[i] - mx);  // expf(−inf) = 0
@@ -115,7 +111,7 @@ RETAIN_KVPOP_HD void lse_add_tile(const float* s, float mx, double& M, double& S
 }
 
 // log Σ = M + log S, −inf when no term was added (the key has no target for this head).
-RETAIN_KVPOP_HD double lse_value(double M, double S) { return S > 0 ? M + log(S) : -INFINITY; }
+RETAIN_HD double lse_value(double M, double S) { return S > 0 ? M + log(S) : -INFINITY; }
 
 // ======================= chunkwise mLSTM (kvpop::mlstm_scores[_backward]) ======================
 // The CPU reference's scheme (kernels/cpu/kvpop_mlstm.cpp; docs/math.md "KVPOP"), every value
@@ -133,8 +129,8 @@ inline constexpr int kThreads = 64;       // threads of the per-token and per-ch
 inline constexpr int kMaxHeadDim = 256;   // largest d (static shared arrays of the readouts)
 static_assert(kThreads == kChunk, "one thread per token of a chunk");
 
-RETAIN_KVPOP_HD int64_t chunk_count(int64_t T) { return (T + kChunk - 1) / kChunk; }
-RETAIN_KVPOP_HD int64_t chunk_end(int64_t T, int64_t c) {  // the chunk's last token
+RETAIN_HD int64_t chunk_count(int64_t T) { return (T + kChunk - 1) / kChunk; }
+RETAIN_HD int64_t chunk_end(int64_t T, int64_t c) {  // the chunk's last token
   const int64_t e = (c + 1) * kChunk;
   return (e < T ? e : T) - 1;
 }
@@ -165,7 +161,7 @@ struct ScanOut {
 
 // The CPU scan's recurrence over tokens [c0, c1), starting from `in` (the state after c0 − 1,
 // used only when c0 continues that token's run). Writes per-token results when out != nullptr.
-RETAIN_KVPOP_HD ScanState scan_tokens(const int32_t* doc, const float* log_f, const float* igate, int64_t c0,
+RETAIN_HD ScanState scan_tokens(const int32_t* doc, const float* log_f, const float* igate, int64_t c0,
                                       int64_t c1, int64_t w, ScanState in, const ScanOut* out) {
   ScanState s = in;
   s.restarts = 0;
@@ -202,18 +198,18 @@ RETAIN_KVPOP_HD ScanState scan_tokens(const int32_t* doc, const float* log_f, co
 // A chunk's summary for the carry pass: the scan from the neutral state (F = 0, m = −inf), so
 // that, if no run starts in the chunk, its end state from any `before` is
 // F = before.F + A, m = max(before.m + A, B) (the max-plus form of m_t = max(log f_t + m_{t−1}, ĩ_t)).
-RETAIN_KVPOP_HD ScanState scan_summary(const int32_t* doc, const float* log_f, const float* igate, int64_t c0,
+RETAIN_HD ScanState scan_summary(const int32_t* doc, const float* log_f, const float* igate, int64_t c0,
                                        int64_t c1, int64_t w) {
   return scan_tokens(doc, log_f, igate, c0, c1, w, ScanState{-1, 0.0, -INFINITY, 0, 0}, nullptr);
 }
-RETAIN_KVPOP_HD ScanState scan_compose(const ScanState& before, const ScanState& chunk) {
+RETAIN_HD ScanState scan_compose(const ScanState& before, const ScanState& chunk) {
   if (chunk.restarts) return chunk;
   const double keep = before.m + chunk.F;
   return ScanState{before.start, before.F + chunk.F, keep > chunk.m ? keep : chunk.m, before.restarts, 0};
 }
 // The carry pass (one thread, over the nc chunk summaries in order): carry_in[c] = the state
 // after chunk c − 1's last token. O(T/64) sequential steps.
-RETAIN_KVPOP_HD void scan_carries(const ScanState* summary, int64_t nc, ScanState* carry_in) {
+RETAIN_HD void scan_carries(const ScanState* summary, int64_t nc, ScanState* carry_in) {
   ScanState s{0, 0.0, 0.0, 1, 0};  // before token 0: never used (token 0 starts a run)
   for (int64_t c = 0; c < nc; ++c) {
     carry_in[c] = s;
@@ -231,15 +227,15 @@ struct ScanView {
   const uint8_t* readout;
 };
 
-RETAIN_KVPOP_HD bool same_run(const ScanView& s, int64_t a, int64_t b) {
+RETAIN_HD bool same_run(const ScanView& s, int64_t a, int64_t b) {
   return s.doc[a] >= 0 && s.start[a] == s.start[b];
 }
 // exp(F_t − F_p + m_p − m_t) ≤ 1: carries the stabilized state after token p to t (same run).
-RETAIN_KVPOP_HD double carry_factor(const ScanView& s, int64_t p, int64_t t) {
+RETAIN_HD double carry_factor(const ScanView& s, int64_t p, int64_t t) {
   return exp(s.F[t] - s.F[p] + s.m[p] - s.m[t]);
 }
 // a_{t,j} = exp(F_t − F_j + ĩ_j − m_t) ≤ 1: the weight of key j in the state at t.
-RETAIN_KVPOP_HD double a_weight(const ScanView& s, const float* igate, int64_t t, int64_t j) {
+RETAIN_HD double a_weight(const ScanView& s, const float* igate, int64_t t, int64_t j) {
   return exp(s.F[t] - s.F[j] + static_cast<double>(igate[j]) - s.m[t]);
 }
 // The factor that carries the previous chunk's end state into token t, or 0 when t's run
@@ -248,7 +244,7 @@ struct Carry {
   bool on;
   double g;
 };
-RETAIN_KVPOP_HD Carry chunk_carry(const ScanView& s, int64_t t) {
+RETAIN_HD Carry chunk_carry(const ScanView& s, int64_t t) {
   const int64_t c = t / kChunk, ep = c * kChunk - 1;
   if (c == 0 || !same_run(s, ep, t)) return Carry{false, 0.0};
   return Carry{true, carry_factor(s, ep, t)};
@@ -258,29 +254,29 @@ RETAIN_KVPOP_HD Carry chunk_carry(const ScanView& s, int64_t t) {
 // into chunk c's end token (0 when its run starts in the chunk, or it is padding); and backwards
 // dstate_c = rfactor_c·dstate_{c+1} + (terms of the readouts in chunk c + 1), rfactor_c = the
 // carry from e to chunk c + 1's end when that is in e's run.
-RETAIN_KVPOP_HD double chunk_factor(const ScanView& s, int64_t T, int64_t c) {
+RETAIN_HD double chunk_factor(const ScanView& s, int64_t T, int64_t c) {
   const Carry cc = chunk_carry(s, chunk_end(T, c));
   return cc.on ? cc.g : 0.0;
 }
-RETAIN_KVPOP_HD double reverse_factor(const ScanView& s, int64_t T, int64_t c) {
+RETAIN_HD double reverse_factor(const ScanView& s, int64_t T, int64_t c) {
   if ((c + 1) * kChunk >= T) return 0.0;
   const int64_t e = chunk_end(T, c), e1 = chunk_end(T, c + 1);
   return same_run(s, e, e1) ? carry_factor(s, e, e1) : 0.0;
 }
 
 // Keys of chunk c in its end state: [max(c0, start_e), e], empty when e is padding.
-RETAIN_KVPOP_HD Range chunk_sources(const ScanView& s, int64_t T, int64_t c) {
+RETAIN_HD Range chunk_sources(const ScanView& s, int64_t T, int64_t c) {
   const int64_t c0 = c * kChunk, e = chunk_end(T, c);
   if (s.doc[e] < 0) return Range{e + 1, e + 1};
   return Range{s.start[e] > c0 ? s.start[e] : c0, e + 1};
 }
 // Keys that readout t takes from its own chunk: [max(c0, start_t), t].
-RETAIN_KVPOP_HD Range readout_keys(const ScanView& s, int64_t t) {
+RETAIN_HD Range readout_keys(const ScanView& s, int64_t t) {
   const int64_t c0 = t / kChunk * kChunk;
   return Range{s.start[t] > c0 ? s.start[t] : c0, t + 1};
 }
 // Tokens of chunk c + 1 in chunk c's end token e's run (the readouts there read e's state).
-RETAIN_KVPOP_HD Range chunk_readers(const ScanView& s, int64_t T, int64_t c) {
+RETAIN_HD Range chunk_readers(const ScanView& s, int64_t T, int64_t c) {
   const int64_t e = chunk_end(T, c);
   int64_t hi = e + 1;
   const int64_t e1 = (c + 1) * kChunk < T ? chunk_end(T, c + 1) : e;
@@ -288,7 +284,7 @@ RETAIN_KVPOP_HD Range chunk_readers(const ScanView& s, int64_t T, int64_t c) {
   return Range{e + 1, hi};
 }
 // Tokens of j's chunk at or after j in j's run (the readouts there take key j directly).
-RETAIN_KVPOP_HD Range key_readers(const ScanView& s, int64_t T, int64_t j) {
+RETAIN_HD Range key_readers(const ScanView& s, int64_t T, int64_t j) {
   const int64_t e = chunk_end(T, j / kChunk);
   int64_t hi = j;
   while (hi <= e && same_run(s, j, hi)) ++hi;
@@ -299,7 +295,7 @@ RETAIN_KVPOP_HD Range key_readers(const ScanView& s, int64_t T, int64_t j) {
 // Entry idx of a state: C[x, y] at x·r + y (idx < d·r), n[x] at d·r + x.
 // The chunk's own term of entry idx: Σ_{j ∈ src} aw_j·k_j[x]·v_j[y] (or ·1 for n), aw_j =
 // a_{e,j} staged per j (aw[j − src.lo]).
-RETAIN_KVPOP_HD double state_term(const float* k, const float* v, int64_t d, int64_t r, const double* aw, Range src,
+RETAIN_HD double state_term(const float* k, const float* v, int64_t d, int64_t r, const double* aw, Range src,
                                   int64_t idx) {
   double acc = 0.0;
   if (idx < d * r) {
@@ -313,7 +309,7 @@ RETAIN_KVPOP_HD double state_term(const float* k, const float* v, int64_t d, int
 }
 // The same for the backward's reverse state of chunk c: Σ over readers t of wt_t·Q_t[x]·gnum_t[y]
 // (gden_t for n), wt_t = exp(F_t − F_e + m_e − m_t) for readouts (0 otherwise), Q_t = q̃_u/√d.
-RETAIN_KVPOP_HD double reverse_state_term(const uint8_t* readout, const float* q, const double* gnum,
+RETAIN_HD double reverse_state_term(const uint8_t* readout, const float* q, const double* gnum,
                                           const double* gden, int64_t d, int64_t r, int64_t w, double inv_sqrt_d,
                                           const double* wt, Range readers, int64_t idx) {
   double acc = 0.0;
@@ -327,10 +323,10 @@ RETAIN_KVPOP_HD double reverse_state_term(const uint8_t* readout, const float* q
   return acc;
 }
 // One step of the chain over chunks: state_c = factor_c·state_{c∓1} + term_c.
-RETAIN_KVPOP_HD double chain_step(double factor, double previous, double term) { return fma(factor, previous, term); }
+RETAIN_HD double chain_step(double factor, double previous, double term) { return fma(factor, previous, term); }
 // The chain of one state entry (one thread): state [nc, S] holds the chunk terms and is
 // overwritten with the states, in increasing c (forward) or decreasing c (reverse).
-RETAIN_KVPOP_HD void chain_entry(double* state, const double* factor, int64_t nc, int64_t S, int64_t idx,
+RETAIN_HD void chain_entry(double* state, const double* factor, int64_t nc, int64_t S, int64_t idx,
                                  bool reverse) {
   double previous = 0.0;
   for (int64_t n = 0; n < nc; ++n) {
@@ -343,11 +339,11 @@ RETAIN_KVPOP_HD void chain_entry(double* state, const double* factor, int64_t nc
 
 // ---- readouts ----------------------------------------------------------------------------------
 // Q[x] = q̃_u[x]/√d, one x per thread.
-RETAIN_KVPOP_HD double query_entry(const float* q, int64_t u, int64_t d, double inv_sqrt_d, int64_t x) {
+RETAIN_HD double query_entry(const float* q, int64_t u, int64_t d, double inv_sqrt_d, int64_t x) {
   return q[u * d + x] * inv_sqrt_d;
 }
 // a_{t,j}·(k_j·Q): key j's weight in readout t's sums (one j per thread).
-RETAIN_KVPOP_HD double readout_key_weight(const ScanView& s, const float* k, const float* igate, int64_t d,
+RETAIN_HD double readout_key_weight(const ScanView& s, const float* k, const float* igate, int64_t d,
                                           const double* Q, int64_t t, int64_t j) {
   double z = 0.0;
   for (int64_t x = 0; x < d; ++x) z = fma(static_cast<double>(k[j * d + x]), Q[x], z);
@@ -355,7 +351,7 @@ RETAIN_KVPOP_HD double readout_key_weight(const ScanView& s, const float* k, con
 }
 // num[y] = g·Σ_x Q[x]·C_prev[x, y] + Σ_j az_j·v_j[y] (prev = the previous chunk's state, or
 // null when not carried); y = r gives den = g·Σ_x Q[x]·n_prev[x] + Σ_j az_j.
-RETAIN_KVPOP_HD double readout_sum(const double* prev, double g, const double* Q, const double* az, const float* v,
+RETAIN_HD double readout_sum(const double* prev, double g, const double* Q, const double* az, const float* v,
                                    Range keys, int64_t d, int64_t r, int64_t y) {
   double acc = 0.0;
   if (prev)
@@ -370,21 +366,21 @@ struct Norm {
   double D, em;
   bool den_branch;
 };
-RETAIN_KVPOP_HD Norm readout_norm(double den, double m_t) {
+RETAIN_HD Norm readout_norm(double den, double m_t) {
   const double em = exp(-m_t), a = fabs(den);
   const bool den_branch = a >= em;
   return Norm{(den_branch ? a : em) + static_cast<double>(retain::kvpop::kReadoutEps), em, den_branch};
 }
-RETAIN_KVPOP_HD double silu(double x) { return x / (1.0 + exp(-x)); }
-RETAIN_KVPOP_HD double silu_grad(double x) {
+RETAIN_HD double silu(double x) { return x / (1.0 + exp(-x)); }
+RETAIN_HD double silu_grad(double x) {
   const double sg = 1.0 / (1.0 + exp(-x));
   return sg * (1.0 + x * (1.0 - sg));
 }
 // w_o[y]·silu(num[y]/D): one term of the score (summed after b_o in increasing y, as the CPU).
-RETAIN_KVPOP_HD double score_term(float w_o, double num, const Norm& nrm) {
+RETAIN_HD double score_term(float w_o, double num, const Norm& nrm) {
   return static_cast<double>(w_o) * silu(num / nrm.D);
 }
-RETAIN_KVPOP_HD double score_value(float b_o, const double* terms, int64_t r) {
+RETAIN_HD double score_value(float b_o, const double* terms, int64_t r) {
   double out = b_o;
   for (int64_t y = 0; y < r; ++y) out += terms[y];
   return out;
@@ -396,7 +392,7 @@ RETAIN_KVPOP_HD double score_value(float b_o, const double* terms, int64_t r) {
 struct ReadoutGradY {
   double dwo, gnum, gh_h, gnum_num;
 };
-RETAIN_KVPOP_HD ReadoutGradY readout_grad_y(double ds, float w_o, double num, const Norm& nrm) {
+RETAIN_HD ReadoutGradY readout_grad_y(double ds, float w_o, double num, const Norm& nrm) {
   const double h = num / nrm.D, gh = ds * static_cast<double>(w_o) * silu_grad(h), gn = gh / nrm.D;
   return ReadoutGradY{ds * silu(h), gn, gh * h, gn * num};
 }
@@ -406,7 +402,7 @@ RETAIN_KVPOP_HD ReadoutGradY readout_grad_y(double ds, float w_o, double num, co
 struct ReadoutGrad {
   double gden, gF, gm;
 };
-RETAIN_KVPOP_HD ReadoutGrad readout_grad(const double* gh_h, const double* gnum_num, int64_t r, double den,
+RETAIN_HD ReadoutGrad readout_grad(const double* gh_h, const double* gnum_num, int64_t r, double den,
                                          const Norm& nrm) {
   double gh_dot_h = 0.0, R = 0.0;
   for (int64_t y = 0; y < r; ++y) {
@@ -419,14 +415,14 @@ RETAIN_KVPOP_HD ReadoutGrad readout_grad(const double* gh_h, const double* gnum_
   return ReadoutGrad{gden, R, -R + (nrm.den_branch ? 0.0 : -gM * nrm.em)};
 }
 // a_{t,j}·(gden + Σ_y gnum[y]·v_j[y]): key j's coefficient in dQ (one j per thread).
-RETAIN_KVPOP_HD double readout_key_coef(const ScanView& s, const float* v, const float* igate, int64_t r,
+RETAIN_HD double readout_key_coef(const ScanView& s, const float* v, const float* igate, int64_t r,
                                         const double* gn, double gd, int64_t t, int64_t j) {
   double coef = gd;
   for (int64_t y = 0; y < r; ++y) coef = fma(gn[y], static_cast<double>(v[j * r + y]), coef);
   return a_weight(s, igate, t, j) * coef;
 }
 // dQ[x] = g·(n_prev[x]·gden + Σ_y C_prev[x, y]·gnum[y]) + Σ_j coef_j·k_j[x] (one x per thread).
-RETAIN_KVPOP_HD double readout_dq(const double* prev, double g, const double* gn, double gd, const double* coef,
+RETAIN_HD double readout_dq(const double* prev, double g, const double* gn, double gd, const double* coef,
                                   const float* k, Range keys, int64_t d, int64_t r, int64_t x) {
   double acc = 0.0;
   if (prev) {
@@ -444,7 +440,7 @@ RETAIN_KVPOP_HD double readout_dq(const double* prev, double g, const double* gn
 struct KeyReader {
   double ac, az;
 };
-RETAIN_KVPOP_HD KeyReader key_reader(const ScanView& s, const float* q, const float* k, const float* v,
+RETAIN_HD KeyReader key_reader(const ScanView& s, const float* q, const float* k, const float* v,
                                      const float* igate, const double* gnum, const double* gden, int64_t d, int64_t r,
                                      int64_t w, double inv_sqrt_d, int64_t t, int64_t j) {
   if (!s.readout[t]) return KeyReader{0.0, 0.0};
@@ -457,7 +453,7 @@ RETAIN_KVPOP_HD KeyReader key_reader(const ScanView& s, const float* q, const fl
 }
 // dk_j[x] = Σ_t ac_t·Q_t[x] + b·(dn_e[x] + Σ_y dC_e[x, y]·v_j[y]), b = a_{e,j}, e = the chunk's end
 // (dstate = its reverse state, null when e is outside j's run). One x per thread.
-RETAIN_KVPOP_HD double key_dk(const uint8_t* readout, const float* q, const float* v, const double* ac,
+RETAIN_HD double key_dk(const uint8_t* readout, const float* q, const float* v, const double* ac,
                               Range readers, const double* dstate, double b, int64_t d, int64_t r, int64_t w,
                               double inv_sqrt_d, int64_t j, int64_t x) {
   double acc = 0.0;
@@ -471,7 +467,7 @@ RETAIN_KVPOP_HD double key_dk(const uint8_t* readout, const float* q, const floa
   return acc;
 }
 // dv_j[y] = Σ_t az_t·gnum_t[y] + b·Σ_x dC_e[x, y]·k_j[x]. One y per thread.
-RETAIN_KVPOP_HD double key_dv(const uint8_t* readout, const float* k, const double* gnum, const double* az,
+RETAIN_HD double key_dv(const uint8_t* readout, const float* k, const double* gnum, const double* az,
                               Range readers, const double* dstate, double b, int64_t d, int64_t r, int64_t j,
                               int64_t y) {
   double acc = 0.0;
@@ -485,7 +481,7 @@ RETAIN_KVPOP_HD double key_dv(const uint8_t* readout, const float* k, const doub
   return acc;
 }
 // k̃_j·dk_j: ∂/∂ĩ_j from the key side (and −∂/∂F_j), summed in increasing x by thread 0.
-RETAIN_KVPOP_HD double key_dot(const float* k, const double* dk, int64_t d, int64_t j) {
+RETAIN_HD double key_dot(const float* k, const double* dk, int64_t d, int64_t j) {
   double acc = 0.0;
   for (int64_t x = 0; x < d; ++x) acc = fma(static_cast<double>(k[j * d + x]), dk[x], acc);
   return acc;
@@ -499,10 +495,10 @@ struct Suffix {
   double m, F;           // the sums at the chunk's first token (with nothing carried in)
   int32_t through_m, through_F;  // every link from the chunk's end + 1 back to its first token
 };
-RETAIN_KVPOP_HD bool link_m(const ScanView& s, int64_t T, int64_t t) {
+RETAIN_HD bool link_m(const ScanView& s, int64_t T, int64_t t) {
   return t < T && s.doc[t] >= 0 && s.forget_branch[t] && s.start[t] != t;
 }
-RETAIN_KVPOP_HD bool link_F(const ScanView& s, int64_t T, int64_t t) {
+RETAIN_HD bool link_F(const ScanView& s, int64_t T, int64_t t) {
   return t < T && s.doc[t] >= 0 && s.start[t] != t;
 }
 // The recurrences over [c0, c1) from the carried sums at c1 (in.m, in.F: S at token c1), in
@@ -510,7 +506,7 @@ RETAIN_KVPOP_HD bool link_F(const ScanView& s, int64_t T, int64_t t) {
 // branch ? 0 : S_m[t]), d log f_t = (forget branch ? S_m[t] : 0) + S_F[t] (0 for padding).
 // The per-token values: gm (∂/∂m_t from t's readout) and gF − kdk (∂/∂F_t: the readout side
 // minus the key side), all zero where they do not apply.
-RETAIN_KVPOP_HD Suffix suffix_tokens(const ScanView& s, int64_t T, const double* gm, const double* gF,
+RETAIN_HD Suffix suffix_tokens(const ScanView& s, int64_t T, const double* gm, const double* gF,
                                      const double* kdk, int64_t c0, int64_t c1, Suffix in, float* d_igate,
                                      float* d_log_f) {
   double Sm = in.m, SF = in.F;
@@ -530,10 +526,10 @@ RETAIN_KVPOP_HD Suffix suffix_tokens(const ScanView& s, int64_t T, const double*
   return Suffix{Sm, SF, through_m, through_F};
 }
 // The carry pass (one thread, decreasing c): the sums at chunk c + 1's first token.
-RETAIN_KVPOP_HD Suffix suffix_compose(const Suffix& later_in, const Suffix& chunk) {
+RETAIN_HD Suffix suffix_compose(const Suffix& later_in, const Suffix& chunk) {
   return Suffix{chunk.m + (chunk.through_m ? later_in.m : 0.0), chunk.F + (chunk.through_F ? later_in.F : 0.0), 0, 0};
 }
-RETAIN_KVPOP_HD void suffix_carries(const Suffix* summary, int64_t nc, Suffix* carry_in) {
+RETAIN_HD void suffix_carries(const Suffix* summary, int64_t nc, Suffix* carry_in) {
   if (nc == 0) return;
   carry_in[nc - 1] = Suffix{0.0, 0.0, 0, 0};  // nothing after the last chunk
   for (int64_t c = nc - 2; c >= 0; --c) carry_in[c] = suffix_compose(carry_in[c + 1], summary[c + 1]);
@@ -541,7 +537,7 @@ RETAIN_KVPOP_HD void suffix_carries(const Suffix* summary, int64_t nc, Suffix* c
 
 // ---- dw_o, db_o: column sums in a fixed order ---------------------------------------------------
 // Σ_{t ∈ [t0, t1)} part[t, col] in increasing t (part [T, cols]).
-RETAIN_KVPOP_HD double column_sum(const double* part, int64_t cols, int64_t t0, int64_t t1, int64_t col) {
+RETAIN_HD double column_sum(const double* part, int64_t cols, int64_t t0, int64_t t1, int64_t col) {
   double acc = 0.0;
   for (int64_t t = t0; t < t1; ++t) acc += part[t * cols + col];
   return acc;

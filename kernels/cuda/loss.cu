@@ -28,11 +28,8 @@ namespace {
 
 using namespace loss_rows;
 
-constexpr int kElemThreads = 256;
-constexpr int64_t kMaxElemBlocks = 65536;  // grid-stride beyond this
 constexpr int64_t kMaxRowBlocks = 1 << 20;
 
-unsigned elem_blocks(int64_t n) { return grid_blocks(n, kElemThreads, kMaxElemBlocks); }
 
 __global__ void gather_kernel(const float* src, const int32_t* pos, int64_t D, int64_t n, float* dst) {
   for (int64_t i = first_index(); i < n; i += grid_stride())

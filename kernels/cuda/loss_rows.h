@@ -29,11 +29,7 @@
 #include <cmath>
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define RETAIN_LOSS_HD __host__ __device__ __forceinline__
-#else
-#define RETAIN_LOSS_HD inline
-#endif
+#include "kernels/cuda/host_device.h"
 
 namespace retain::cuda::loss_rows {
 
@@ -43,21 +39,21 @@ static_assert(1 << kLossTreeLevels == kLossThreads);
 
 // ---- float64 arithmetic with one rounding per operation ------------------------------------
 
-RETAIN_LOSS_HD double add(double a, double b) {
+RETAIN_HD double add(double a, double b) {
 #if defined(__CUDA_ARCH__)
   return __dadd_rn(a, b);
 #else
   return a + b;
 #endif
 }
-RETAIN_LOSS_HD double sub(double a, double b) {
+RETAIN_HD double sub(double a, double b) {
 #if defined(__CUDA_ARCH__)
   return __dsub_rn(a, b);
 #else
   return a - b;
 #endif
 }
-RETAIN_LOSS_HD double mul(double a, double b) {
+RETAIN_HD double mul(double a, double b) {
 #if defined(__CUDA_ARCH__)
   return __dmul_rn(a, b);
 #else
@@ -67,12 +63,12 @@ RETAIN_LOSS_HD double mul(double a, double b) {
 
 // std::max's comparison (a NaN in the running maximum stays; a NaN logit is skipped), which
 // the CPU uses; fmaxf would treat NaN differently.
-RETAIN_LOSS_HD float max_of(float m, float x) { return m < x ? x : m; }
+RETAIN_HD float max_of(float m, float x) { return m < x ? x : m; }
 
 // e = exp(x − m) in float64. The CUDA exp is within 1 ulp of the host's (glibc), so the GPU's
 // exponentials may differ from the CPU's in the last bit: within the bounds of the tests, not
 // bit for bit.
-RETAIN_LOSS_HD double shifted_exp(float x, double m) { return exp(sub(static_cast<double>(x), m)); }
+RETAIN_HD double shifted_exp(float x, double m) { return exp(sub(static_cast<double>(x), m)); }
 
 // ---- row maxima ------------------------------------------------------------------------------
 
@@ -80,7 +76,7 @@ struct RowMax {
   float t, s;
 };
 
-RETAIN_LOSS_HD RowMax row_max_partial(const float* t, const float* s, int64_t V, int tid) {
+RETAIN_HD RowMax row_max_partial(const float* t, const float* s, int64_t V, int tid) {
   RowMax m{-INFINITY, -INFINITY};
   for (int64_t v = tid; v < V; v += kLossThreads) {
     m.t = max_of(m.t, t[v]);
@@ -90,7 +86,7 @@ RETAIN_LOSS_HD RowMax row_max_partial(const float* t, const float* s, int64_t V,
 }
 
 // One level of the block's tree: slot i (< s) takes slot i + s.
-RETAIN_LOSS_HD void fold_max(RowMax* slots, int i, int s) {
+RETAIN_HD void fold_max(RowMax* slots, int i, int s) {
   slots[i].t = max_of(slots[i].t, slots[i + s].t);
   slots[i].s = max_of(slots[i].s, slots[i + s].s);
 }
@@ -102,20 +98,20 @@ struct RowSums {
 };
 
 // One logit's terms, added in the CPU's order (which the CPU loop calls too).
-RETAIN_LOSS_HD void accumulate(RowSums& r, double et, double es, float t, float s) {
+RETAIN_HD void accumulate(RowSums& r, double et, double es, float t, float s) {
   r.zt = add(r.zt, et);
   r.zs = add(r.zs, es);
   r.a = add(r.a, mul(et, sub(static_cast<double>(t), static_cast<double>(s))));
 }
 
-RETAIN_LOSS_HD RowSums row_sums_partial(const float* t, const float* s, int64_t V, double mt, double ms, int tid) {
+RETAIN_HD RowSums row_sums_partial(const float* t, const float* s, int64_t V, double mt, double ms, int tid) {
   RowSums r{0.0, 0.0, 0.0};
   for (int64_t v = tid; v < V; v += kLossThreads)
     accumulate(r, shifted_exp(t[v], mt), shifted_exp(s[v], ms), t[v], s[v]);
   return r;
 }
 
-RETAIN_LOSS_HD void fold_sums(RowSums* slots, int i, int s) {
+RETAIN_HD void fold_sums(RowSums* slots, int i, int s) {
   slots[i].zt = add(slots[i].zt, slots[i + s].zt);
   slots[i].zs = add(slots[i].zs, slots[i + s].zs);
   slots[i].a = add(slots[i].a, slots[i + s].a);
@@ -128,7 +124,7 @@ struct RowLoss {
 };
 
 // target_logit: the student's logit of the target, s_y (read before any gradient overwrites it).
-RETAIN_LOSS_HD RowLoss row_loss(const RowSums& r, double mt, double ms, double target_logit) {
+RETAIN_HD RowLoss row_loss(const RowSums& r, double mt, double ms, double target_logit) {
   const double lse_t = add(mt, log(r.zt)), lse_s = add(ms, log(r.zs));
   return {add(sub(r.a / r.zt, lse_t), lse_s), sub(lse_s, target_logit)};
 }
@@ -138,23 +134,23 @@ RETAIN_LOSS_HD RowLoss row_loss(const RowSums& r, double mt, double ms, double t
 struct GradScales {
   double kl, ntp, q;  // kl_scale, ntp_scale, and kl_scale + ntp_scale (q's coefficient)
 };
-RETAIN_LOSS_HD GradScales grad_scales(double kl_scale, double ntp_scale) {
+RETAIN_HD GradScales grad_scales(double kl_scale, double ntp_scale) {
   return {kl_scale, ntp_scale, add(kl_scale, ntp_scale)};
 }
 
 // g = q·(e_s/Z_s) − kl·(e_t/Z_t) for v ≠ y; e_t, e_s are the float32-rounded exponentials.
-RETAIN_LOSS_HD float logit_gradient(float et, float es, double inv_zt, double inv_zs, const GradScales& c) {
+RETAIN_HD float logit_gradient(float et, float es, double inv_zt, double inv_zs, const GradScales& c) {
   return static_cast<float>(sub(mul(c.q, mul(es, inv_zs)), mul(c.kl, mul(et, inv_zt))));
 }
 // The same at v = y, less ntp_scale (the one-hot).
-RETAIN_LOSS_HD float target_gradient(float et, float es, double inv_zt, double inv_zs, const GradScales& c) {
+RETAIN_HD float target_gradient(float et, float es, double inv_zt, double inv_zs, const GradScales& c) {
   return static_cast<float>(sub(sub(mul(c.q, mul(es, inv_zs)), mul(c.kl, mul(et, inv_zt))), c.ntp));
 }
 
 // The GPU's third pass at logit v: the exponentials again (not stored between passes: that
 // would cost two more [c, V] writes), rounded to float32 as the CPU stores them, then the
 // gradient.
-RETAIN_LOSS_HD float gradient_at(float t, float s, double mt, double ms, double inv_zt, double inv_zs, bool target,
+RETAIN_HD float gradient_at(float t, float s, double mt, double ms, double inv_zt, double inv_zs, bool target,
                                  const GradScales& c) {
   const float et = static_cast<float>(shifted_exp(t, mt)), es = static_cast<float>(shifted_exp(s, ms));
   return target ? target_gradient(et, es, inv_zt, inv_zs, c) : logit_gradient(et, es, inv_zt, inv_zs, c);

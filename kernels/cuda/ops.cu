@@ -31,7 +31,6 @@ using namespace ops_rows;
 template <typename T> T* ptr(Tensor& t) { return static_cast<T*>(t.raw()); }
 template <typename T> const T* ptr(const Tensor& t) { return static_cast<const T*>(t.raw()); }
 
-unsigned elem_blocks(int64_t n) { return grid_blocks(n, kElemThreads, kMaxElemBlocks); }
 
 // ---- embedding ---------------------------------------------------------------------------
 

@@ -16,21 +16,15 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__CUDACC__)
-#define RETAIN_OPS_HD __host__ __device__ __forceinline__
-#else
-#define RETAIN_OPS_HD inline
-#endif
+#include "kernels/cuda/host_device.h"
 
 namespace retain::cuda::ops_rows {
 
 inline constexpr int kRowThreads = 128;        // threads per row block (a power of two)
-inline constexpr int kElemThreads = 256;       // threads per block of the elementwise kernels
-inline constexpr int64_t kMaxElemBlocks = 65536;  // grid-stride beyond this
 
 // ---- 16-bit float loads (bit for bit as kernels/base/half.h, which is host-only) ----------
 
-RETAIN_OPS_HD float bits_to_f32(uint32_t bits) {
+RETAIN_HD float bits_to_f32(uint32_t bits) {
 #if defined(__CUDA_ARCH__)
   return __uint_as_float(bits);
 #else
@@ -40,10 +34,10 @@ RETAIN_OPS_HD float bits_to_f32(uint32_t bits) {
 #endif
 }
 
-RETAIN_OPS_HD float bf16_load(uint16_t h) { return bits_to_f32(static_cast<uint32_t>(h) << 16); }
+RETAIN_HD float bf16_load(uint16_t h) { return bits_to_f32(static_cast<uint32_t>(h) << 16); }
 
 // IEEE binary16 → binary32, exact for every input (subnormals, inf, NaN).
-RETAIN_OPS_HD float f16_load(uint16_t h) {
+RETAIN_HD float f16_load(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu;
   uint32_t mant = h & 0x3ffu;
   if (exp == 0x1f) return bits_to_f32(sign | 0x7f800000u | (mant << 13));
@@ -62,7 +56,7 @@ RETAIN_OPS_HD float f16_load(uint16_t h) {
 enum class TableType : int { F32, BF16, F16 };
 
 // out[i] for flat index i = t·D + j: table[ids[t], j] widened to float32.
-RETAIN_OPS_HD float embedding_element(const void* table, TableType type, const int32_t* ids, int64_t D, int64_t i) {
+RETAIN_HD float embedding_element(const void* table, TableType type, const int32_t* ids, int64_t D, int64_t i) {
   const int64_t t = i / D, j = i % D, src = static_cast<int64_t>(ids[t]) * D + j;
   switch (type) {
     case TableType::BF16: return bf16_load(static_cast<const uint16_t*>(table)[src]);
@@ -71,7 +65,7 @@ RETAIN_OPS_HD float embedding_element(const void* table, TableType type, const i
   }
 }
 
-RETAIN_OPS_HD bool bad_id(const int32_t* ids, int64_t t, int64_t V) { return ids[t] < 0 || ids[t] >= V; }
+RETAIN_HD bool bad_id(const int32_t* ids, int64_t t, int64_t V) { return ids[t] < 0 || ids[t] >= V; }
 
 // ---- RMSNorm -----------------------------------------------------------------------------
 
@@ -82,7 +76,7 @@ struct RowPartials {
 
 // Thread `tid`'s partial sums of one row, in the order the kernel adds them. dy == nullptr:
 // forward (dot stays 0).
-RETAIN_OPS_HD RowPartials row_partials(const float* x, const float* w, const float* dy, int64_t D, int tid) {
+RETAIN_HD RowPartials row_partials(const float* x, const float* w, const float* dy, int64_t D, int tid) {
   RowPartials p{0.0f, 0.0f};
   for (int64_t j = tid; j < D; j += kRowThreads) {
     const float xj = x[j];
@@ -93,24 +87,24 @@ RETAIN_OPS_HD RowPartials row_partials(const float* x, const float* w, const flo
 }
 
 // One level of the block's pairwise tree: slot i (< s) takes slot i + s.
-RETAIN_OPS_HD void fold_pair(RowPartials* slots, int i, int s) {
+RETAIN_HD void fold_pair(RowPartials* slots, int i, int s) {
   slots[i].ss += slots[i + s].ss;
   slots[i].dot += slots[i + s].dot;
 }
 
 // r = 1/sqrt(mean(x²) + eps), IEEE sqrt and division (the CPU forms it in float64).
-RETAIN_OPS_HD float rms_inverse(float ss, int64_t D, float eps) {
+RETAIN_HD float rms_inverse(float ss, int64_t D, float eps) {
   return 1.0f / sqrtf(ss / static_cast<float>(D) + eps);
 }
 
 // Forward element j: w·(x·r), the CPU's order of products.
-RETAIN_OPS_HD float rmsnorm_element(float x, float w, float r) { return w * (x * r); }
+RETAIN_HD float rmsnorm_element(float x, float w, float r) { return w * (x * r); }
 
 // Backward element j: r·(w·dy) − x·c with c = r³·⟨w⊙dy, x⟩/D.
-RETAIN_OPS_HD float rmsnorm_backward_coef(float dot, float r, int64_t D) {
+RETAIN_HD float rmsnorm_backward_coef(float dot, float r, int64_t D) {
   return dot * r * r * r / static_cast<float>(D);
 }
-RETAIN_OPS_HD float rmsnorm_backward_element(float x, float w, float dy, float r, float c) {
+RETAIN_HD float rmsnorm_backward_element(float x, float w, float dy, float r, float c) {
   return r * (w * dy) - c * x;
 }
 
@@ -121,13 +115,13 @@ RETAIN_OPS_HD float rmsnorm_backward_element(float x, float w, float dy, float r
 struct Rotation {
   float c, s;
 };
-RETAIN_OPS_HD Rotation rope_rotation(int32_t pos, float inv_freq, float attention_factor, float sign) {
+RETAIN_HD Rotation rope_rotation(int32_t pos, float inv_freq, float attention_factor, float sign) {
   const float angle = static_cast<float>(pos) * inv_freq;  // float32, as HF
   return {cosf(angle) * attention_factor, sign * (sinf(angle) * attention_factor)};
 }
 
 // Thread i of T·(d/2) owns (t, j) = (i / half, i % half) and rotates that pair in every head.
-RETAIN_OPS_HD void rope_pair(float* x, const int32_t* positions, const float* inv_freq, float attention_factor,
+RETAIN_HD void rope_pair(float* x, const int32_t* positions, const float* inv_freq, float attention_factor,
                              float sign, int64_t heads, int64_t d, int64_t i) {
   const int64_t half = d / 2, t = i / half, j = i % half;
   const Rotation r = rope_rotation(positions[t], inv_freq[j], attention_factor, sign);
@@ -141,13 +135,13 @@ RETAIN_OPS_HD void rope_pair(float* x, const int32_t* positions, const float* in
 
 // ---- SwiGLU and the residual add ---------------------------------------------------------
 
-RETAIN_OPS_HD float swiglu_element(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+RETAIN_HD float swiglu_element(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 
 // dgate and dup of element i from gate g, up u, dout o (kernels/cpu/ops_backward.cpp's formulas).
 struct SwigluGrad {
   float dgate, dup;
 };
-RETAIN_OPS_HD SwigluGrad swiglu_backward_element(float g, float u, float o) {
+RETAIN_HD SwigluGrad swiglu_backward_element(float g, float u, float o) {
   const float e = expf(-fabsf(g));  // σ without exponentiating a positive number
   const float sig = g >= 0 ? 1.0f / (1.0f + e) : e / (1.0f + e);
   return {o * u * (sig * (1.0f + g * (1.0f - sig))), o * (g * sig)};

@@ -35,12 +35,11 @@ namespace {
 // Every index a grid-stride kernel of kernels/cuda/gates.cu visits for n items, thread by thread.
 template <typename F> void for_each_thread(int64_t n, F&& f) {
   if (n == 0) return;  // no launch
-  const int64_t want = (n + rows::kElemThreads - 1) / rows::kElemThreads;
-  const int64_t blocks = want < rows::kMaxElemBlocks ? want : rows::kMaxElemBlocks;
-  const int64_t stride = blocks * rows::kElemThreads;
+  const int64_t blocks = cuda::elem_blocks(n);  // the launch's grid
+  const int64_t stride = blocks * cuda::kElemThreads;
   for (int64_t block = 0; block < blocks; ++block)
-    for (int64_t tid = 0; tid < rows::kElemThreads; ++tid)
-      for (int64_t i = block * rows::kElemThreads + tid; i < n; i += stride) f(i);
+    for (int64_t tid = 0; tid < cuda::kElemThreads; ++tid)
+      for (int64_t i = block * cuda::kElemThreads + tid; i < n; i += stride) f(i);
 }
 
 void bias_silu(Tensor& a, const Tensor& b, Tensor& s) {
