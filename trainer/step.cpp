@@ -68,6 +68,26 @@ int64_t count_tokens(const Tensor& doc) {
   return n;
 }
 
+}  // namespace
+
+std::vector<MicroBatchShape> micro_batch_shapes(const std::vector<MicroBatch>& micro_batches) {
+  std::vector<MicroBatchShape> out;
+  for (const MicroBatch& mb : micro_batches) {
+    MicroBatchShape shape;
+    const int32_t* doc = mb.doc.data<int32_t>();
+    for (int64_t t = 0; t < mb.doc.numel(); ++t) {
+      if (doc[t] < 0) continue;
+      if (t == 0 || doc[t - 1] != doc[t]) shape.doc_lengths.push_back(0);
+      ++shape.doc_lengths.back();
+    }
+    shape.loss_positions = count_nonzero(loss_positions(mb.doc, mb.target_mask));
+    out.push_back(std::move(shape));
+  }
+  return out;
+}
+
+namespace {
+
 // One phase of the step: an NVTX range, and with a target its wall time added there (the device
 // drained at both edges, so the time is the phase's own work).
 class Phase {

@@ -14,6 +14,7 @@
 #include "model/gates/gates.h"
 #include "model/weights.h"
 #include "trainer/dist/comm.h"
+#include "trainer/flops.h"
 
 namespace retain::trainer {
 
@@ -35,6 +36,10 @@ struct MicroBatch {
 };
 // Splits this rank's batch [B, S] into B / micro_batch micro-batches (B % micro_batch == 0).
 std::vector<MicroBatch> make_micro_batches(const data::PackedBatch& batch, int64_t micro_batch);
+
+// What the FLOP count (trainer/flops.h) needs of each micro-batch: its documents' lengths and
+// its loss positions.
+std::vector<MicroBatchShape> micro_batch_shapes(const std::vector<MicroBatch>& micro_batches);
 
 // Global sums and counts of one step (identical on every rank after the step).
 struct StepLosses {

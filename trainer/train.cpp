@@ -34,7 +34,6 @@
 #include "trainer/flat_params.h"
 #include "trainer/flops.h"
 #include "trainer/kvpop_train.h"
-#include "trainer/loss.h"
 #include "trainer/metrics.h"
 #include "trainer/optim.h"
 #include "trainer/signals.h"
@@ -334,24 +333,6 @@ std::string broadcast_string(dist::Comm& comm, const std::string& s) {
 }
 
 bool stderr_is_tty() { return isatty(STDERR_FILENO) == 1; }
-
-// The FLOP count's view of this rank's micro-batches: document lengths and loss positions.
-std::vector<MicroBatchShape> micro_batch_shapes(const std::vector<MicroBatch>& mbs) {
-  std::vector<MicroBatchShape> out;
-  for (const MicroBatch& mb : mbs) {
-    MicroBatchShape shape;
-    const int32_t* doc = mb.doc.data<int32_t>();
-    for (int64_t t = 0; t < mb.doc.numel(); ++t) {
-      if (doc[t] < 0) continue;
-      if (t == 0 || doc[t - 1] != doc[t]) shape.doc_lengths.push_back(0);
-      ++shape.doc_lengths.back();
-    }
-    const Tensor mask = loss_positions(mb.doc, mb.target_mask);
-    for (int64_t t = 0; t < mask.numel(); ++t) shape.loss_positions += mask.data<uint8_t>()[t] != 0;
-    out.push_back(std::move(shape));
-  }
-  return out;
-}
 
 // GB: the CUDA pool's high-water mark since the step began, or the process's peak resident set.
 double peak_memory_gb(Device device) {

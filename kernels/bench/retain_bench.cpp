@@ -41,7 +41,6 @@
 #include "trainer/dist/comm.h"
 #include "trainer/flat_params.h"
 #include "trainer/flops.h"
-#include "trainer/loss.h"
 #include "trainer/optim.h"
 #include "trainer/step.h"
 
@@ -201,6 +200,13 @@ struct Row {
   double share;   // capacity: fraction of gated fwd+bwd per layer; < 0 otherwise
 };
 
+// An output's folder must exist and be writable: checked before minutes of timing, not after.
+void check_output_folder(const std::string& flag, const std::string& path) {
+  const std::filesystem::path parent = std::filesystem::absolute(path).parent_path();
+  if (!std::filesystem::is_directory(parent)) fail("{} {}: the folder {} does not exist", flag, path, parent.string());
+  if (::access(parent.c_str(), W_OK) != 0) fail("{} {}: the folder {} is not writable", flag, path, parent.string());
+}
+
 int attention(int argc, char** argv) {
   cli::po::options_description opts("Options of retain-bench attention");
   std::string device_name_arg, seq_text, json_path;
@@ -228,13 +234,7 @@ int attention(int argc, char** argv) {
   if (!vm.count("iters")) iters = on_gpu ? 10 : 3;
   if (!vm.count("warmup")) warmup = on_gpu ? 2 : 1;
   const std::vector<int64_t> lengths = parse_lengths(seq_text);
-  // The output is checked before minutes of timing, not after.
-  if (!json_path.empty()) {
-    const std::filesystem::path parent = std::filesystem::absolute(json_path).parent_path();
-    if (!std::filesystem::is_directory(parent))
-      fail("--json {}: the folder {} does not exist", json_path, parent.string());
-    if (::access(parent.c_str(), W_OK) != 0) fail("--json {}: the folder {} is not writable", json_path, parent.string());
-  }
+  if (!json_path.empty()) check_output_folder("--json", json_path);
   if (heads <= 0 || kv_heads <= 0 || heads % kv_heads != 0)
     throw cli::UsageError(fmt::format("--heads {} must be a positive multiple of --kv-heads {}", heads, kv_heads));
   if (head_dim <= 0) throw cli::UsageError("--head-dim must be positive");
@@ -508,25 +508,6 @@ trainer::MicroBatch bench_batch(int64_t T, int64_t docs, int64_t vocab, uint64_t
   return mb;
 }
 
-trainer::MicroBatchShape batch_shape(const trainer::MicroBatch& mb) {
-  trainer::MicroBatchShape shape;
-  const int32_t* doc = mb.doc.data<int32_t>();
-  for (int64_t t = 0; t < mb.doc.numel(); ++t) {
-    if (doc[t] < 0) continue;
-    if (t == 0 || doc[t - 1] != doc[t]) shape.doc_lengths.push_back(0);
-    ++shape.doc_lengths.back();
-  }
-  const Tensor mask = trainer::loss_positions(mb.doc, mb.target_mask);
-  for (int64_t t = 0; t < mask.numel(); ++t) shape.loss_positions += mask.data<uint8_t>()[t] != 0;
-  return shape;
-}
-
-void check_output_folder(const std::string& flag, const std::string& path) {
-  const std::filesystem::path parent = std::filesystem::absolute(path).parent_path();
-  if (!std::filesystem::is_directory(parent)) fail("{} {}: the folder {} does not exist", flag, path, parent.string());
-  if (::access(parent.c_str(), W_OK) != 0) fail("{} {}: the folder {} is not writable", flag, path, parent.string());
-}
-
 int train(int argc, char** argv) {
   cli::po::options_description opts("Options of retain-bench train");
   std::string model_dir, device_arg, seq_text, gate_text, json_path, dump_path;
@@ -630,7 +611,7 @@ int train(int argc, char** argv) {
       std::vector<float> values(static_cast<size_t>(n)), grads(static_cast<size_t>(n));
       trainer::flatten_values(gates, values.data());
       trainer::AdamW adam(n, trainer::AdamWConfig{});
-      const double flops = trainer::step_flops(mc, dims, {batch_shape(mbs[0])}).total();
+      const double flops = trainer::step_flops(mc, dims, trainer::micro_batch_shapes(mbs)).total();
 
       TrainRow row;
       row.seq = T;
