@@ -72,11 +72,28 @@ Tensor layer_attention(Tensor& q3, Tensor& k3, Tensor& v3, const Tensor* log_bet
 
 }  // namespace
 
+void qwen3_mlp(const Qwen3Config& c, const LayerWeights& w, Tensor& x) {
+  const int64_t T = x.dim(0), D = c.hidden_size, I = c.intermediate_size;
+  const float eps = static_cast<float>(c.rms_norm_eps);
+  auto f32 = [&x](const Shape& shape) { return Tensor::empty(shape, DType::F32, x.device()); };
+  for (int64_t t0 = 0; t0 < T; t0 += kMlpChunkTokens) {
+    const int64_t n = std::min(T, t0 + kMlpChunkTokens) - t0;
+    Tensor xr = x.rows(t0, t0 + n);
+    Tensor h2 = f32({n, D}), g = f32({n, I}), u = f32({n, I}), out = f32({n, D});
+    ops::rmsnorm(xr, w.post_norm, eps, h2);
+    ops::linear(h2, w.gate_proj, g);
+    ops::linear(h2, w.up_proj, u);
+    ops::swiglu(g, u, g);
+    ops::linear(g, w.down_proj, out);
+    ops::add_inplace(xr, out);
+  }
+}
+
 void qwen3_decoder_layer(const Qwen3Config& c, const LayerWeights& w, const RopeParams& rope, const Tensor& positions,
                          const Tensor& doc, const gates::RetentionGates* gates, int64_t layer, Tensor& x,
                          Tensor* log_beta_out, DecoderLayerSaved* saved) {
   const int64_t T = x.dim(0), D = c.hidden_size, H = c.num_attention_heads, K = c.num_key_value_heads,
-                d = c.head_dim, I = c.intermediate_size;
+                d = c.head_dim;
   const float eps = static_cast<float>(c.rms_norm_eps);
   const Device dev = x.device();  // every buffer lives where the residual stream does
   auto f32 = [dev](const Shape& shape) { return Tensor::empty(shape, DType::F32, dev); };
@@ -129,20 +146,8 @@ void qwen3_decoder_layer(const Qwen3Config& c, const LayerWeights& w, const Rope
     if (saved->attention_only) return;
   }
 
-  // MLP block: down(silu(gate(h)) * up(h)), kMlpChunkTokens tokens at a time: its [T, I]
-  // intermediates would be the largest buffers of a long sequence (128K × 9728 F32 = 5 GB each).
   h = Tensor(), q = Tensor(), k = Tensor(), proj = Tensor();
-  for (int64_t t0 = 0; t0 < T; t0 += kMlpChunkTokens) {
-    const int64_t n = std::min(T, t0 + kMlpChunkTokens) - t0;
-    Tensor xr = x.rows(t0, t0 + n);
-    Tensor h2 = f32({n, D}), g = f32({n, I}), u = f32({n, I}), out = f32({n, D});
-    ops::rmsnorm(xr, w.post_norm, eps, h2);
-    ops::linear(h2, w.gate_proj, g);
-    ops::linear(h2, w.up_proj, u);
-    ops::swiglu(g, u, g);
-    ops::linear(g, w.down_proj, out);
-    ops::add_inplace(xr, out);
-  }
+  qwen3_mlp(c, w, x);
 }
 
 Tensor qwen3_hidden(WeightProvider& weights, const Tensor& ids, const Tensor& doc_ids, const LayerProgress& on_layer,

@@ -57,6 +57,12 @@ struct DecoderLayerSaved {
 // (8192 × 9728 F32 = 318 MB for Qwen3-4B) whatever the sequence length.
 inline constexpr int64_t kMlpChunkTokens = 8192;
 
+// The layer's MLP block in place on the residual stream x F32 [T, D]:
+// x += down(silu(gate(h))·up(h)), h = post_norm(x), kMlpChunkTokens tokens at a time (its
+// [tokens, I] intermediates would be the largest buffers of a long sequence: 128K × 9728 F32 is
+// 5 GB each). Shared by qwen3_decoder_layer and the bounded-cache decoder (model/infer).
+void qwen3_mlp(const Qwen3Config& config, const LayerWeights& w, Tensor& x);
+
 // Decoder layer `layer`, in place on the residual stream x F32 [T, D]; retention-gated when
 // `gates`. positions = ops::document_positions(doc). Runs on x's device: the weights,
 // positions, doc (and the gates' mirror) must be there too; on CUDA, attention rounds q, k, v

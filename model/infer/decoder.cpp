@@ -101,8 +101,7 @@ Tensor Decoder::feed(std::span<const int32_t> ids, bool all_logits) {
   // retain-forward's logits.
   Tensor h = Tensor::empty({T, D}, DType::F32), q = Tensor::empty({T, H * d}, DType::F32),
          k = Tensor::empty({T, K * d}, DType::F32), v = Tensor::empty({T, K * d}, DType::F32),
-         attn = Tensor::empty({T, H, d}, DType::F32), proj = Tensor::empty({T, D}, DType::F32),
-         g = Tensor::empty({T, I}, DType::F32), u = Tensor::empty({T, I}, DType::F32);
+         attn = Tensor::empty({T, H, d}, DType::F32), proj = Tensor::empty({T, D}, DType::F32);
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
     const LayerWeights& w = w_.layer(l);
     ops::rmsnorm(x, w.input_norm, eps, h);
@@ -146,12 +145,7 @@ Tensor Decoder::feed(std::span<const int32_t> ids, bool all_logits) {
                       policy_->needs_attention_sums() ? &cl.attn_sum : nullptr);
     ops::linear(attn.reshape({T, H * d}), w.o_proj, proj);
     ops::add_inplace(x, proj);
-    ops::rmsnorm(x, w.post_norm, eps, h);
-    ops::linear(h, w.gate_proj, g);
-    ops::linear(h, w.up_proj, u);
-    ops::swiglu(g, u, g);
-    ops::linear(g, w.down_proj, proj);
-    ops::add_inplace(x, proj);
+    qwen3_mlp(c, w, x);
   }
   seen_ += T;
   Tensor last = all_logits ? x : x.rows(T - 1, T).clone();
