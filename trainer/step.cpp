@@ -120,7 +120,8 @@ void accumulate_stats(const Tensor& log_beta_any, const Tensor& doc_any, const T
   const int64_t L = log_beta_any.dim(0), T = log_beta_any.dim(1), K = log_beta_any.dim(2);
   Tensor S_any = Tensor::empty(log_beta_any.shape(), DType::F32, log_beta_any.device());
   ops::capacity_sums(log_beta_any, doc_any, S_any);
-  const Tensor log_beta = log_beta_any.to(Device::CPU), S = S_any.to(Device::CPU);
+  auto host = [](const Tensor& t) { return t.device() == Device::CPU ? t : t.to(Device::CPU); };
+  const Tensor log_beta = host(log_beta_any), S = host(S_any);
   const float* lb = log_beta.data<float>();
   const float* s = S.data<float>();
   const int32_t* d = doc_host.data<int32_t>();
