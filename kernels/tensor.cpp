@@ -162,6 +162,19 @@ Tensor Tensor::rows(int64_t begin, int64_t end) const {
   return t;
 }
 
+Tensor Tensor::view_bytes(size_t byte_offset, const Shape& shape, DType dtype) const {
+  const size_t bytes = static_cast<size_t>(shape_numel(shape)) * dtype_size(dtype);
+  RETAIN_CHECK(byte_offset <= nbytes() && bytes <= nbytes() - byte_offset && byte_offset % dtype_size(dtype) == 0,
+               "view_bytes: {} {} at byte {} of a {}-byte tensor", dtype_name(dtype), shape_str(shape), byte_offset,
+               nbytes());
+  Tensor t = *this;
+  t.shape_ = shape;
+  t.numel_ = shape_numel(shape);
+  t.dtype_ = dtype;
+  t.data_ = static_cast<char*>(data_) + byte_offset;
+  return t;
+}
+
 Tensor Tensor::to(Device device) const {
   Tensor t = empty(shape_, dtype_, device);
   t.copy_from(*this);

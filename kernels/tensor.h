@@ -80,6 +80,10 @@ class Tensor {
   Tensor reshape(const Shape& shape) const;
   // Rows [begin, end) of dimension 0, as a view sharing this tensor's memory.
   Tensor rows(int64_t begin, int64_t end) const;
+  // This tensor's bytes from `byte_offset` on, read as a `dtype` tensor of `shape` (a view
+  // sharing its memory and device): how one flat buffer holds tensors of several dtypes. The
+  // range must lie inside this tensor and the offset be a multiple of dtype's size.
+  Tensor view_bytes(size_t byte_offset, const Shape& shape, DType dtype) const;
   // Deep copy to `device` (CPU<->CUDA needs a CUDA build).
   Tensor to(Device device) const;
   // Copies src's bytes into this tensor's memory, across devices when they differ. Same dtype

@@ -2,6 +2,7 @@
 // default stream (every retain kernel and copy runs there). The pool keeps what is freed
 // (release threshold: unlimited), so a step that allocates and frees the same layer-sized
 // buffers 36 times pays the driver once; its statistics are what the trainer reports as peak.
+#include <atomic>
 #include <cstdint>
 
 #include "kernels/cuda/check.h"
@@ -29,12 +30,15 @@ void keep_freed_memory() {
   (void)done;
 }
 
+std::atomic<bool> allocated_on_device{false};
+
 }  // namespace
 
 void* device_alloc(size_t bytes) {
   void* p = nullptr;
   if (bytes == 0) return nullptr;
   keep_freed_memory();
+  allocated_on_device.store(true, std::memory_order_relaxed);
   CUDA_CHECK(cudaMallocAsync(&p, bytes, cudaStreamLegacy));
   return p;
 }
@@ -66,6 +70,16 @@ int device_count() noexcept {
 }
 
 bool built() noexcept { return true; }
+
+bool is_device_pointer(const void* p) noexcept {
+  if (p == nullptr || !allocated_on_device.load(std::memory_order_relaxed)) return false;
+  cudaPointerAttributes a{};
+  if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+    cudaGetLastError();  // plain host memory on old drivers: not sticky, but cleared anyway
+    return false;
+  }
+  return a.type == cudaMemoryTypeDevice;
+}
 
 void synchronize() { CUDA_CHECK(cudaDeviceSynchronize()); }
 

@@ -13,6 +13,11 @@ void copy_to_host(void* dst, const void* src, size_t bytes);
 void copy_device_to_device(void* dst, const void* src, size_t bytes);
 void memset_device(void* dst, int value, size_t bytes);
 int device_count() noexcept;
+// True when `p` points into device memory (cudaMalloc/cudaMallocAsync, managed memory
+// excluded): what a communicator must stage through the host for a host-only transport.
+// False for host memory, for null, always in a build without CUDA, and before this process's
+// first device_alloc (so a CPU-only process never creates a CUDA context just to ask).
+bool is_device_pointer(const void* p) noexcept;
 bool built() noexcept;
 // Waits for all work queued on the current device.
 void synchronize();

@@ -21,5 +21,6 @@ std::string device_name() { no_cuda(); }
 DeviceMemoryStats device_memory_stats() { no_cuda(); }
 void reset_device_memory_peak() { no_cuda(); }
 bool built() noexcept { return false; }
+bool is_device_pointer(const void*) noexcept { return false; }
 
 }  // namespace retain::cuda

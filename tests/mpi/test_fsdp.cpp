@@ -357,6 +357,82 @@ TEST_P(FsdpForward, ChunkedGathersGiveTheSameForward) {
 INSTANTIATE_TEST_SUITE_P(Models, FsdpForward, ::testing::Values("tied", "untied"),
                          [](const auto& p) { return std::string(p.param); });
 
+// ---- the GPU layout (BF16 matrices), on the CPU ---------------------------------------------
+
+// What DeviceWeightProvider holds, on the host, from whole tensors: projections and lm_head
+// BF16, norms F32, the embedding as stored. The reference for FsdpOptions{CPU, BF16}, whose
+// layout is the one FSDP uses on GPUs.
+class Bf16Reference final : public WeightProvider {
+ public:
+  explicit Bf16Reference(std::shared_ptr<const Qwen3Checkpoint> ckpt) : ckpt_(std::move(ckpt)) {
+    const Qwen3Config& c = config();
+    layers_.resize(static_cast<size_t>(c.num_hidden_layers));
+    for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+      const auto tensors = layer_tensors(c, l);
+      const auto fields = layer_fields(layers_[static_cast<size_t>(l)]);
+      for (size_t i = 0; i < tensors.size(); ++i) {
+        const Tensor t = ckpt_->tensor(tensors[i].first);
+        *fields[i] = t.to_dtype(t.ndim() == 1 ? DType::F32 : DType::BF16);
+      }
+    }
+    embedding_ = ckpt_->tensor(names::kEmbed).clone();
+    lm_head_ = ckpt_->tensor(c.tie_word_embeddings ? names::kEmbed : names::kLmHead).to_dtype(DType::BF16);
+    final_norm_ = ckpt_->tensor(names::kFinalNorm).to_dtype(DType::F32);
+  }
+  const Qwen3Config& config() const override { return ckpt_->config(); }
+  const LayerWeights& layer(int64_t l) override { return layers_[static_cast<size_t>(l)]; }
+  const Tensor& embedding() override { return embedding_; }
+  const Tensor& final_norm() override { return final_norm_; }
+  const Tensor& lm_head() override { return lm_head_; }
+
+ private:
+  std::shared_ptr<const Qwen3Checkpoint> ckpt_;
+  std::vector<LayerWeights> layers_;
+  Tensor embedding_, final_norm_, lm_head_;
+};
+
+::testing::AssertionResult same_bytes(const Tensor& got, const Tensor& want) {
+  if (got.dtype() != want.dtype())
+    return ::testing::AssertionFailure() << "dtype " << dtype_name(got.dtype()) << ", want " << dtype_name(want.dtype());
+  if (got.shape() != want.shape())
+    return ::testing::AssertionFailure() << "shape " << shape_str(got.shape()) << ", want " << shape_str(want.shape());
+  if (got.device() != Device::CPU) return ::testing::AssertionFailure() << "not on the CPU";
+  if (std::memcmp(got.raw(), want.raw(), want.nbytes()) != 0) return ::testing::AssertionFailure() << "bytes differ";
+  return ::testing::AssertionSuccess();
+}
+
+class FsdpBf16 : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(FsdpBf16, LayersAndGlobalsEqualTheDeviceLayout) {
+  const auto ckpt = open_model(GetParam());
+  FsdpWeightProvider fsdp(ckpt, comm(), {Device::CPU, DType::BF16});
+  Bf16Reference want(ckpt);
+  for (int64_t l : training_step(ckpt->config().num_hidden_layers)) {
+    LayerWeights got = fsdp.layer(l), ref = want.layer(l);
+    const auto g = layer_fields(got), w = layer_fields(ref);
+    for (size_t i = 0; i < g.size(); ++i) EXPECT_TRUE(same_bytes(*g[i], *w[i])) << "layer " << l << " " << kFieldNames[i];
+  }
+  EXPECT_TRUE(same_bytes(fsdp.final_norm(), want.final_norm()));
+  EXPECT_TRUE(same_bytes(fsdp.embedding(), want.embedding()));
+  EXPECT_TRUE(same_bytes(fsdp.lm_head(), want.lm_head()));
+  // A tied head shares the gathered embedding only when the embedding is stored as BF16.
+  const bool shared = ckpt->config().tie_word_embeddings && want.embedding().dtype() == DType::BF16;
+  EXPECT_EQ(fsdp.lm_head().raw() == fsdp.embedding().raw(), shared);
+}
+
+// The views' dtypes and shapes serve the whole forward (the CPU GEMMs read BF16 weights).
+TEST_P(FsdpBf16, ForwardEqualsTheDeviceLayout) {
+  const auto ckpt = open_model(GetParam());
+  const auto [ids, doc] = batch(ckpt->config().vocab_size, 23);
+  Bf16Reference ref(ckpt);
+  const Tensor want = qwen3_forward(ref, ids, doc);
+  FsdpWeightProvider fsdp(ckpt, comm(), {Device::CPU, DType::BF16});
+  for (int pass = 0; pass < 2; ++pass) EXPECT_TRUE(same_bits(qwen3_forward(fsdp, ids, doc), want)) << "pass " << pass;
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, FsdpBf16, ::testing::Values("tied", "untied"),
+                         [](const auto& p) { return std::string(p.param); });
+
 // ---- memory: about 1/N of the model per rank --------------------------------------------------
 
 // F32 bytes of the whole model (each tensor once; a tied head is the embedding).

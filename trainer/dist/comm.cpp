@@ -1,12 +1,18 @@
-// Argument checks shared by every backend, and the choice of backend.
-#include <cmath>
+// Argument checks shared by every backend, the staging of buffers of the other memory kind,
+// and the choice of backend.
 #include "trainer/dist/comm.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <utility>
+#include <vector>
 
 #include "kernels/base/error.h"
+#include "kernels/cuda/memory.h"
+#include "kernels/tensor.h"
 
 namespace retain::dist {
 namespace {
@@ -35,15 +41,118 @@ void check_ptr(const char* op, const char* what, const void* p) {
 
 namespace {
 
+// A caller's buffer as the backend takes it: the buffer itself when it is of the backend's
+// native memory kind, else a temporary of that kind (host bytes, or a device tensor) that
+// copies the caller's contents in on request and back out after the collective.
+class Staged {
+ public:
+  Staged(const void* user, size_t bytes, bool native_device)
+      : user_(const_cast<void*>(user)), bytes_(bytes) {
+    const bool on_device = cuda::is_device_pointer(user);
+    if (on_device == native_device) return;
+    staged_ = true;
+    user_on_device_ = on_device;
+    if (native_device)
+      device_ = Tensor::empty({static_cast<int64_t>(bytes)}, DType::U8, Device::CUDA);
+    else
+      host_.resize(bytes);
+  }
+  Staged(const Staged&) = delete;
+  Staged& operator=(const Staged&) = delete;
+  Staged(Staged&&) = default;
+
+  bool staged() const { return staged_; }
+  char* ptr() {
+    if (!staged_) return static_cast<char*>(user_);
+    return user_on_device_ ? host_.data() : static_cast<char*>(device_.raw());
+  }
+  // The caller's bytes [offset, offset + n) into the stand-in.
+  void copy_in(size_t offset = 0, size_t n = SIZE_MAX) {
+    if (!staged_) return;
+    n = std::min(n, bytes_ - offset);
+    const char* src = static_cast<const char*>(user_) + offset;
+    if (user_on_device_)
+      cuda::copy_to_host(host_.data() + offset, src, n);
+    else
+      cuda::copy_to_device(static_cast<char*>(device_.raw()) + offset, src, n);
+  }
+  // The stand-in's bytes back into the caller's buffer (after the collective is done).
+  void copy_out() {
+    if (!staged_) return;
+    char* dst = static_cast<char*>(user_);
+    if (user_on_device_)
+      cuda::copy_to_device(dst, host_.data(), bytes_);
+    else
+      cuda::copy_to_host(dst, device_.raw(), bytes_);
+  }
+
+ private:
+  void* user_;
+  size_t bytes_;
+  bool staged_ = false, user_on_device_ = false;
+  std::vector<char> host_;
+  Tensor device_;
+};
+
+// An all_gather's send and recv as the backend takes them. In place (send inside recv at this
+// rank's block) stays in place: only recv is staged, with this rank's block copied in.
+struct StagedGather {
+  StagedGather(const Comm& comm, const void* send, void* recv, size_t block) {
+    const size_t n = static_cast<size_t>(comm.size());
+    const size_t mine = static_cast<size_t>(comm.rank()) * block;
+    in_place = send == static_cast<const char*>(recv) + mine;
+    out.emplace_back(recv, block * n, comm.native_device_buffers());
+    if (in_place) {
+      out[0].copy_in(mine, block);
+      send_ptr = out[0].ptr() + mine;
+    } else {
+      in.emplace_back(send, block, comm.native_device_buffers());
+      in[0].copy_in();
+      send_ptr = in[0].ptr();
+    }
+  }
+  bool staged() const { return out[0].staged() || (!in.empty() && in[0].staged()); }
+  char* recv_ptr() { return out[0].ptr(); }
+
+  bool in_place = false;
+  const char* send_ptr = nullptr;
+  std::vector<Staged> in, out;  // zero or one each: Staged is move-only and not default-made
+};
+
+// A nonblocking gather through stand-ins: the backend's request, then the copy out on wait().
+class StagedRequest final : public Request {
+ public:
+  StagedRequest(StagedGather buffers, std::unique_ptr<Request> inner)
+      : buffers_(std::move(buffers)), inner_(std::move(inner)) {}
+  ~StagedRequest() override { inner_.reset(); }  // waits for the collective; the stand-ins outlive it
+  void wait() override {
+    if (done_) return;
+    done_ = true;
+    inner_->wait();
+    buffers_.out[0].copy_out();
+  }
+  bool test() override { return done_ || inner_->test(); }
+
+ private:
+  StagedGather buffers_;
+  std::unique_ptr<Request> inner_;
+  bool done_ = false;
+};
+
+}  // namespace
+
+namespace {
+
 // The checks all_gather and all_gather_async share.
-void check_all_gather(const char* op, const Comm& comm, const float* send, const float* recv,
-                      size_t count_per_rank) {
+void check_all_gather(const char* op, const Comm& comm, const void* send, const void* recv,
+                      size_t count_per_rank, size_t elem_bytes) {
   check_ptr(op, "send", send);
   check_ptr(op, "recv", recv);
   const size_t n = static_cast<size_t>(comm.size());
-  const size_t block = checked_bytes(op, count_per_rank, sizeof(float), 1);
-  const Span out = span_of(recv, checked_bytes(op, count_per_rank, sizeof(float), n));
-  const bool in_place = send == recv + static_cast<size_t>(comm.rank()) * count_per_rank;
+  const size_t block = checked_bytes(op, count_per_rank, elem_bytes, 1);
+  const Span out = span_of(recv, checked_bytes(op, count_per_rank, elem_bytes, n));
+  const bool in_place =
+      send == static_cast<const char*>(recv) + static_cast<size_t>(comm.rank()) * block;
   if (!in_place && overlap(span_of(send, block), out))
     fail("{}: send overlaps recv without being this rank's block of it", op);
 }
@@ -59,15 +168,22 @@ class DoneRequest final : public Request {
 
 void Comm::all_gather(const float* send, float* recv, size_t count_per_rank) {
   if (count_per_rank == 0) return;
-  check_all_gather("all_gather", *this, send, recv, count_per_rank);
-  do_all_gather(send, recv, count_per_rank);
+  check_all_gather("all_gather", *this, send, recv, count_per_rank, sizeof(float));
+  StagedGather b(*this, send, recv, count_per_rank * sizeof(float));
+  do_all_gather(reinterpret_cast<const float*>(b.send_ptr), reinterpret_cast<float*>(b.recv_ptr()),
+                count_per_rank);
+  b.out[0].copy_out();
 }
 
 std::unique_ptr<Request> Comm::all_gather_async(const float* send, float* recv,
                                                 size_t count_per_rank) {
   if (count_per_rank == 0) return std::make_unique<DoneRequest>();
-  check_all_gather("all_gather_async", *this, send, recv, count_per_rank);
-  return do_all_gather_async(send, recv, count_per_rank);
+  check_all_gather("all_gather_async", *this, send, recv, count_per_rank, sizeof(float));
+  StagedGather b(*this, send, recv, count_per_rank * sizeof(float));
+  auto r = do_all_gather_async(reinterpret_cast<const float*>(b.send_ptr),
+                               reinterpret_cast<float*>(b.recv_ptr()), count_per_rank);
+  if (!b.staged()) return r;
+  return std::make_unique<StagedRequest>(std::move(b), std::move(r));
 }
 
 void Comm::all_gather_bytes(const void* send, void* recv, size_t bytes_per_rank) {
@@ -78,7 +194,19 @@ void Comm::all_gather_bytes(const void* send, void* recv, size_t bytes_per_rank)
   const Span out = span_of(recv, checked_bytes("all_gather_bytes", bytes_per_rank, 1, n));
   if (overlap(span_of(send, bytes_per_rank), out))
     fail("all_gather_bytes: send and recv overlap");
-  do_all_gather_bytes(send, recv, bytes_per_rank);
+  StagedGather b(*this, send, recv, bytes_per_rank);
+  do_all_gather_bytes(b.send_ptr, b.recv_ptr(), bytes_per_rank);
+  b.out[0].copy_out();
+}
+
+std::unique_ptr<Request> Comm::all_gather_bytes_async(const void* send, void* recv,
+                                                      size_t bytes_per_rank) {
+  if (bytes_per_rank == 0) return std::make_unique<DoneRequest>();
+  check_all_gather("all_gather_bytes_async", *this, send, recv, bytes_per_rank, 1);
+  StagedGather b(*this, send, recv, bytes_per_rank);
+  auto r = do_all_gather_bytes_async(b.send_ptr, b.recv_ptr(), bytes_per_rank);
+  if (!b.staged()) return r;
+  return std::make_unique<StagedRequest>(std::move(b), std::move(r));
 }
 
 void Comm::reduce_scatter(const float* send, float* recv, size_t count_per_rank) {
@@ -86,28 +214,44 @@ void Comm::reduce_scatter(const float* send, float* recv, size_t count_per_rank)
   check_ptr("reduce_scatter", "send", send);
   check_ptr("reduce_scatter", "recv", recv);
   const size_t n = static_cast<size_t>(size());
-  const Span in = span_of(send, checked_bytes("reduce_scatter", count_per_rank, sizeof(float), n));
-  if (overlap(in, span_of(recv, count_per_rank * sizeof(float))))
+  const size_t in_bytes = checked_bytes("reduce_scatter", count_per_rank, sizeof(float), n);
+  if (overlap(span_of(send, in_bytes), span_of(recv, count_per_rank * sizeof(float))))
     fail("reduce_scatter: send and recv overlap");
-  do_reduce_scatter(send, recv, count_per_rank);
+  Staged in(send, in_bytes, native_device_buffers());
+  Staged out(recv, count_per_rank * sizeof(float), native_device_buffers());
+  in.copy_in();
+  do_reduce_scatter(reinterpret_cast<const float*>(in.ptr()), reinterpret_cast<float*>(out.ptr()),
+                    count_per_rank);
+  out.copy_out();
 }
+
+namespace {
+// An in-place reduction on `buf` through a stand-in when its memory kind is not the backend's.
+template <typename T, typename Op>
+void reduce_in_place(const Comm& comm, T* buf, size_t count, Op op) {
+  Staged b(buf, count * sizeof(T), comm.native_device_buffers());
+  b.copy_in();
+  op(reinterpret_cast<T*>(b.ptr()));
+  b.copy_out();
+}
+}  // namespace
 
 void Comm::all_reduce(float* buf, size_t count) {
   if (count == 0) return;
   check_ptr("all_reduce", "buf", buf);
-  do_all_reduce(buf, count);
+  reduce_in_place(*this, buf, count, [&](float* p) { do_all_reduce(p, count); });
 }
 
 void Comm::all_reduce(double* buf, size_t count) {
   if (count == 0) return;
   check_ptr("all_reduce", "buf", buf);
-  do_all_reduce(buf, count);
+  reduce_in_place(*this, buf, count, [&](double* p) { do_all_reduce(p, count); });
 }
 
 void Comm::all_reduce_max(double* buf, size_t count) {
   if (count == 0) return;
   check_ptr("all_reduce_max", "buf", buf);
-  do_all_reduce_max(buf, count);
+  reduce_in_place(*this, buf, count, [&](double* p) { do_all_reduce_max(p, count); });
 }
 
 void Comm::broadcast(void* buf, size_t bytes, int root) {
@@ -115,7 +259,7 @@ void Comm::broadcast(void* buf, size_t bytes, int root) {
     fail("broadcast: root {} is not a rank of this {}-rank world", root, size());
   if (bytes == 0) return;
   check_ptr("broadcast", "buf", buf);
-  do_broadcast(buf, bytes, root);
+  reduce_in_place(*this, static_cast<char*>(buf), bytes, [&](char* p) { do_broadcast(p, bytes, root); });
 }
 
 void Comm::barrier() { do_barrier(); }
@@ -144,6 +288,14 @@ bool launched_by_mpirun() {
   }
   return false;
 }
+
+#if !RETAIN_HAVE_NCCL
+bool nccl_built() noexcept { return false; }
+std::unique_ptr<Comm> make_nccl_comm(std::unique_ptr<Comm>) {
+  fail("this build of retain has no NCCL backend (CUDA or NCCL was not found at configure time): use the MPI "
+       "backend");
+}
+#endif
 
 std::unique_ptr<Comm> make_comm() {
   return launched_by_mpirun() ? make_mpi_comm() : make_local_comm();

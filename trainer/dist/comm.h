@@ -1,10 +1,19 @@
 // The communicator the trainer's ranks talk through. One interface, several backends:
 //   - MPI   (host buffers), used when the process was started by mpirun/mpiexec;
 //   - local (a one-rank world, plain copies), used for a plain run, which needs no MPI runtime;
-//   - NCCL  (device buffers; the NCCL id goes out over MPI), added later.
+//   - NCCL  (device buffers, comm_nccl.cpp): the NCCL id goes out over an MPI (or local) comm
+//           it wraps, and collectives run on a communication stream of their own.
 // Every collective must be called by all ranks in the same order with the same counts (and
 // root); blocking ones return when done, all_gather_async returns a Request to wait on.
 // Reductions are sums unless named otherwise. Buffers of `count == 0` may be null.
+//
+// Host or device buffers, on every backend. Each backend has a native kind (MPI and local:
+// host memory; NCCL: device memory); a buffer of the other kind is staged through a temporary
+// one of the native kind (a copy in, a copy out). So the trainer's host-side gate gradients go
+// through NCCL, and device weights through MPI (two ranks sharing one GPU, as tests do).
+// "Done" for a device buffer on a device-native backend is stream-ordered: the host does not
+// wait, and work queued afterwards on the legacy default stream (where every retain kernel
+// runs) sees the result. Anything staged through the host is done when the call returns.
 #pragma once
 #include <climits>
 #include <cstddef>
@@ -44,7 +53,9 @@ class Comm {
 
   virtual int rank() const = 0;
   virtual int size() const = 0;
-  virtual std::string_view backend() const = 0;  // "mpi", "local", ...
+  virtual std::string_view backend() const = 0;  // "mpi", "local", "nccl"
+  // True when the backend takes device buffers natively (NCCL); host buffers are then staged.
+  virtual bool native_device_buffers() const { return false; }
 
   // Rank 0 alone prints: `if (comm.is_main_rank()) spdlog::info(...)`.
   bool is_main_rank() const { return rank() == 0; }
@@ -63,6 +74,11 @@ class Comm {
   // all_gather of raw bytes (any trivially copyable data: int32 token ids, uint8 masks):
   // recv[r * bytes_per_rank + i] = send_of_rank_r[i]. send and recv must not overlap.
   void all_gather_bytes(const void* send, void* recv, size_t bytes_per_rank);
+
+  // all_gather_bytes without blocking, with all_gather's in-place rule (send == recv +
+  // rank() * bytes_per_rank, or no overlap) and all_gather_async's buffer ownership: what the
+  // FSDP provider gathers its mixed bf16/f32 layers with.
+  std::unique_ptr<Request> all_gather_bytes_async(const void* send, void* recv, size_t bytes_per_rank);
 
   // send holds size() * count_per_rank; recv[i] = sum over ranks r of
   // send_of_rank_r[rank() * count_per_rank + i]. send and recv must not overlap.
@@ -110,6 +126,8 @@ class Comm {
   virtual std::unique_ptr<Request> do_all_gather_async(const float* send, float* recv,
                                                        size_t count_per_rank) = 0;
   virtual void do_all_gather_bytes(const void* send, void* recv, size_t bytes_per_rank) = 0;
+  virtual std::unique_ptr<Request> do_all_gather_bytes_async(const void* send, void* recv,
+                                                             size_t bytes_per_rank) = 0;
   virtual void do_reduce_scatter(const float* send, float* recv, size_t count_per_rank) = 0;
   virtual void do_all_reduce(float* buf, size_t count) = 0;
   virtual void do_all_reduce(double* buf, size_t count) = 0;
@@ -137,5 +155,16 @@ std::unique_ptr<Comm> make_local_comm();
 // An MPI comm over a duplicate of MPI_COMM_WORLD (errors return, and throw retain::Error).
 // Initializes MPI if nobody has; the last MPI comm destroyed finalizes it in that case.
 std::unique_ptr<Comm> make_mpi_comm();
+
+// True when this build has the NCCL backend (CUDA and NCCL found at configure time).
+bool nccl_built() noexcept;
+
+// An NCCL comm over the same ranks as `host` (an MPI or local comm), on the calling thread's
+// current CUDA device: bind the GPU first (retain::bind_local_gpu). Collective over `host`:
+// rank 0 makes the NCCL id and broadcasts it through `host`, which the NCCL comm then keeps for
+// barrier, abort and its watchdog. Two ranks on one GPU cannot share an NCCL communicator (NCCL
+// refuses duplicate devices): use the MPI backend, which stages device buffers, for that.
+// Without NCCL in the build: a retain::Error saying so.
+std::unique_ptr<Comm> make_nccl_comm(std::unique_ptr<Comm> host);
 
 }  // namespace retain::dist

@@ -210,6 +210,14 @@ class MpiComm final : public Comm {
     gather(send, recv, bytes, MPI_BYTE, 1, nullptr);
   }
 
+  std::unique_ptr<Request> do_all_gather_bytes_async(const void* send, void* recv,
+                                                     size_t bytes) override {
+    auto request = std::make_unique<MpiRequest>(watchdog_.get());
+    Watched watched(watchdog_.get(), "all_gather_bytes_async");
+    gather(send, recv, bytes, MPI_BYTE, 1, request.get());
+    return request;
+  }
+
   // all_gather of `count` elements of `type` (`elem` bytes each) per rank, in max_chunk()
   // pieces. Blocking when `pending` is null; otherwise nonblocking, and the requests (with
   // the datatypes they use) go to `pending`.

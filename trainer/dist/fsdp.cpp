@@ -11,25 +11,28 @@ namespace retain::dist {
 
 namespace {
 
-// Every tensor of a flat vector starts on a 64-byte boundary (SIMD loads, BLAS), and so
-// does every rank's block of a gathered buffer (Tensor allocations are 64-byte aligned).
-constexpr int64_t kAlignFloats = 16;
+// Every tensor of a flat vector starts on a 64-byte boundary (SIMD loads, BLAS, vector loads
+// on the GPU), and so does every rank's block of a gathered buffer (allocations are 64-byte
+// aligned). Element sizes (2, 4) divide 64, so shard boundaries never split an element.
+constexpr int64_t kAlignBytes = 64;
 
 int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
-// Elements [begin, begin + n) of checkpoint tensor `src` (F32, BF16 or F16) as F32 into dst.
-// The conversion is Tensor::to_dtype, as LocalWeightProvider's, so values are identical.
-void convert_slice(const Tensor& src, int64_t begin, int64_t n, float* dst) {
+// Elements [begin, begin + n) of checkpoint tensor `src` (F32, BF16 or F16) converted to
+// `dtype` into dst. The conversion is Tensor::to_dtype, as LocalWeightProvider's and
+// DeviceWeightProvider's (elementwise), so values are identical to theirs.
+void convert_slice(const Tensor& src, int64_t begin, int64_t n, DType dtype, char* dst) {
   const char* bytes =
       static_cast<const char*>(src.raw()) + static_cast<size_t>(begin) * dtype_size(src.dtype());
+  const size_t out_bytes = static_cast<size_t>(n) * dtype_size(dtype);
+  if (src.dtype() == dtype) {
+    std::memcpy(dst, bytes, out_bytes);
+    return;
+  }
   // A read-only view: to_dtype only reads it, and src keeps the mapping alive meanwhile.
   const Tensor part = Tensor::view(const_cast<char*>(bytes), {n}, src.dtype(), nullptr);
-  if (src.dtype() == DType::F32) {
-    std::memcpy(dst, bytes, static_cast<size_t>(n) * sizeof(float));
-  } else {
-    const Tensor f = part.to_dtype(DType::F32);
-    std::memcpy(dst, f.data<float>(), static_cast<size_t>(n) * sizeof(float));
-  }
+  const Tensor converted = part.to_dtype(dtype);
+  std::memcpy(dst, converted.raw(), out_bytes);
 }
 
 }  // namespace
@@ -71,18 +74,38 @@ int64_t LayerPrefetchPolicy::observe(int64_t l) {
 
 // ---- FsdpWeightProvider ---------------------------------------------------------------------
 
-FsdpWeightProvider::FsdpWeightProvider(std::shared_ptr<const Qwen3Checkpoint> ckpt, Comm& comm)
-    : ckpt_(std::move(ckpt)), comm_(comm), policy_(ckpt_ ? ckpt_->config().num_hidden_layers : 0) {
+FsdpWeightProvider::FsdpWeightProvider(std::shared_ptr<const Qwen3Checkpoint> ckpt, Comm& comm,
+                                       FsdpOptions options)
+    : ckpt_(std::move(ckpt)),
+      comm_(comm),
+      options_(options),
+      policy_(ckpt_ ? ckpt_->config().num_hidden_layers : 0) {
   RETAIN_CHECK(ckpt_ != nullptr, "FsdpWeightProvider: null checkpoint");
+  const DType mm = options_.matmul_dtype;
+  RETAIN_CHECK(mm == DType::F32 || mm == DType::BF16, "FsdpWeightProvider: matmul weights must be F32 or BF16, not {}",
+               dtype_name(mm));
+  if (options_.device == Device::CUDA && cuda_device_count() == 0)
+    fail("{}: no CUDA device to hold the model's shards ({})", ckpt_->dir(),
+         cuda_built() ? "cudaGetDeviceCount found none" : "this build has no CUDA support");
   check_same_model_everywhere();
   const Qwen3Config& c = config();
   layers_.reserve(static_cast<size_t>(c.num_hidden_layers));
-  for (int64_t l = 0; l < c.num_hidden_layers; ++l)
-    layers_.push_back(make_unit(layer_tensors(c, l)));
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    std::vector<TensorSpec> specs;
+    for (auto& [name, shape] : layer_tensors(c, l)) {
+      const DType dtype = shape.size() == 1 ? DType::F32 : mm;  // norms F32, projections matmul
+      specs.push_back({std::move(name), std::move(shape), dtype});
+    }
+    layers_.push_back(make_unit(std::move(specs)));
+  }
   const Shape vd{c.vocab_size, c.hidden_size};
-  embed_ = make_unit({{names::kEmbed, vd}});
-  if (!c.tie_word_embeddings) head_ = make_unit({{names::kLmHead, vd}});
-  final_norm_ = ckpt_->tensor(names::kFinalNorm).to_dtype(DType::F32);  // a copy, never a view
+  const DType embed_dtype = mm == DType::F32 ? DType::F32 : ckpt_->tensor(names::kEmbed).dtype();
+  embed_ = make_unit({{names::kEmbed, vd, embed_dtype}});
+  if (!c.tie_word_embeddings)
+    head_ = make_unit({{names::kLmHead, vd, mm}});
+  else if (embed_dtype != mm)  // tied, but the GEMM wants another dtype than the lookup table
+    head_ = make_unit({{names::kEmbed, vd, mm}});
+  final_norm_ = ckpt_->tensor(names::kFinalNorm).to_dtype(DType::F32).to(options_.device);  // a copy
 }
 
 FsdpWeightProvider::~FsdpWeightProvider() {
@@ -108,29 +131,30 @@ void FsdpWeightProvider::check_same_model_everywhere() const {
           ckpt_->dir(), r);
 }
 
-FsdpWeightProvider::Unit FsdpWeightProvider::make_unit(
-    std::vector<std::pair<std::string, Shape>> tensors) const {
+FsdpWeightProvider::Unit FsdpWeightProvider::make_unit(std::vector<TensorSpec> tensors) const {
   Unit u;
   int64_t total = 0;
-  for (auto& [name, shape] : tensors) {
-    total = round_up(total, kAlignFloats);
+  for (auto& [name, shape, dtype] : tensors) {
+    total = round_up(total, kAlignBytes);
     const int64_t offset = total;
-    total += shape_numel(shape);
-    u.pieces.push_back({std::move(name), std::move(shape), offset});
+    total += shape_numel(shape) * static_cast<int64_t>(dtype_size(dtype));
+    u.pieces.push_back({std::move(name), std::move(shape), dtype, offset});
   }
   const int64_t n = comm_.size();
-  u.shard_len = round_up((total + n - 1) / n, kAlignFloats);
-  u.shard = Tensor::zeros({u.shard_len}, DType::F32);  // padding stays zero
-  // This rank's range of the flat vector, and the part of each tensor that falls in it:
-  // only those bytes of the mapping are read.
+  u.shard_len = round_up((total + n - 1) / n, kAlignBytes);
+  Tensor host = Tensor::zeros({u.shard_len}, DType::U8);  // padding stays zero
+  // This rank's byte range of the flat vector, and the elements of each tensor that fall in
+  // it: only those bytes of the mapping are read.
   const int64_t lo = comm_.rank() * u.shard_len, hi = lo + u.shard_len;
-  float* dst = u.shard.data<float>();
+  char* dst = static_cast<char*>(host.raw());
   for (const Piece& p : u.pieces) {
-    const int64_t begin = std::max(lo, p.offset),
-                  end = std::min(hi, p.offset + shape_numel(p.shape));
+    const auto elem = static_cast<int64_t>(dtype_size(p.dtype));
+    const int64_t begin = std::max(lo, p.offset), end = std::min(hi, p.offset + shape_numel(p.shape) * elem);
     if (begin >= end) continue;
-    convert_slice(ckpt_->tensor(p.name), begin - p.offset, end - begin, dst + (begin - lo));
+    convert_slice(ckpt_->tensor(p.name), (begin - p.offset) / elem, (end - begin) / elem, p.dtype,
+                  dst + (begin - lo));
   }
+  u.shard = options_.device == Device::CPU ? std::move(host) : host.to(options_.device);
   return u;
 }
 
@@ -141,19 +165,20 @@ std::unique_ptr<Request> FsdpWeightProvider::start_gather(const Unit& unit, Tens
     return nullptr;
   }
   const int64_t full = unit.shard_len * comm_.size();
-  if (buffer.numel() != full) buffer = Tensor::empty({full}, DType::F32);
-  const float* send = unit.shard.data<float>();
-  float* recv = buffer.data<float>();
-  const auto count = static_cast<size_t>(unit.shard_len);
+  if (buffer.numel() != full || buffer.device() != options_.device)
+    buffer = Tensor::empty({full}, DType::U8, options_.device);
+  const void* send = unit.shard.raw();
+  void* recv = buffer.raw();
+  const auto bytes = static_cast<size_t>(unit.shard_len);
   if (blocking) {
-    comm_.all_gather(send, recv, count);
+    comm_.all_gather_bytes(send, recv, bytes);
     return nullptr;
   }
-  return comm_.all_gather_async(send, recv, count);
+  return comm_.all_gather_bytes_async(send, recv, bytes);
 }
 
 Tensor FsdpWeightProvider::view_of(const Tensor& buffer, const Piece& piece) const {
-  return buffer.rows(piece.offset, piece.offset + shape_numel(piece.shape)).reshape(piece.shape);
+  return buffer.view_bytes(static_cast<size_t>(piece.offset), piece.shape, piece.dtype);
 }
 
 void FsdpWeightProvider::settle(Slot& slot) {
@@ -226,7 +251,7 @@ const Tensor& FsdpWeightProvider::gathered_global(const Unit& unit, Global& g) {
 const Tensor& FsdpWeightProvider::embedding() { return gathered_global(embed_, embed_full_); }
 
 const Tensor& FsdpWeightProvider::lm_head() {
-  return config().tie_word_embeddings ? embedding() : gathered_global(head_, head_full_);
+  return head_.pieces.empty() ? embedding() : gathered_global(head_, head_full_);
 }
 
 void FsdpWeightProvider::release_global() {

@@ -1,14 +1,27 @@
-// FSDP-sharded frozen weights (DESIGN §2): each rank keeps 1/N of every parameter, as F32,
-// and all-gathers what the model asks for just before it is used, one layer at a time,
+// FSDP-sharded frozen weights (DESIGN §2): each rank keeps 1/N of every parameter and
+// all-gathers what the model asks for just before it is used, one layer at a time,
 // prefetching the layer it will probably ask for next.
 //
-// Layout. Every layer is one flat F32 vector (its 11 tensors in LayerWeights order, each
-// starting on a 64-byte boundary), padded with zeros to N equal shards (N = world size);
-// rank r keeps shard r, converted from the checkpoint's BF16/F16/F32 once at construction
-// by reading only its own slice of the memory-mapped file. The embedding and (untied)
-// lm_head are sharded the same way, as one vector each. The final norm ([D]) is small and
-// kept whole on every rank. With N = 1 nothing is copied: the "gathered" buffers are views
-// of the shards, so a one-rank run holds the model once, in F32.
+// Where and in what dtype (FsdpOptions). On the CPU every tensor is F32 (LocalWeightProvider's
+// values). On a GPU (Device::CUDA) the shards and the gathered buffers live in device memory
+// and the dtypes are DeviceWeightProvider's: projections and lm_head in the matmul dtype (BF16:
+// half the bytes to keep and to gather), norms F32, the embedding as the checkpoint stores it
+// (F32 when the matmul dtype is F32). A tied lm_head shares the embedding when their dtypes
+// agree and is a unit of its own otherwise.
+//
+// Layout. Every layer is one flat byte vector (its 11 tensors in LayerWeights order, each
+// starting on a 64-byte boundary, each in its own dtype), padded with zeros to N equal shards
+// (N = world size); rank r keeps shard r, converted from the checkpoint's BF16/F16/F32 once at
+// construction by reading only its own slice of the memory-mapped file (shard boundaries fall
+// on 64-byte boundaries, so never inside an element). The embedding and the lm_head are
+// sharded the same way, as one vector each. The final norm ([D]) is small and kept whole on
+// every rank. With N = 1 nothing is copied: the "gathered" buffers are views of the shards,
+// so a one-rank run holds the model once.
+//
+// On a GPU with the NCCL comm, a prefetch runs on the communication stream after the compute
+// already queued (the buffer it overwrites held the layer before last, whose kernels may still
+// be running) and is waited for by compute, not by the host: layer l+1's gather overlaps layer
+// l's kernels. With the MPI comm, device buffers are staged through the host (comm.h).
 //
 // Collectives. Every call that may gather (layer, embedding, lm_head, release_global, the
 // constructor and the destructor) is a collective over `comm`: every rank must make the same
@@ -21,13 +34,15 @@
 //   layer(l)             views into one of two layer buffers, valid until the next layer()
 //                        call (the same contract as LocalWeightProvider). The other buffer
 //                        receives the prefetch meanwhile.
-//   embedding()/lm_head() F32 [V, D], gathered on first request and kept until the next
+//   embedding()/lm_head() [V, D], gathered on first request and kept until the next
 //                        layer() call or release_global(), whichever comes first, then freed
 //                        (when tied, both are the same tensor). So: embedding() before layer 0,
 //                        lm_head() for a whole loss phase (teacher and student hidden states,
 //                        logits and their gradient in chunks) as long as no layer() call comes
 //                        in between. Asking again after a release gathers again.
 //   final_norm()         F32 [D], valid for the provider's lifetime.
+// (On a GPU, "valid" is stream-ordered: kernels queued on the compute stream while a view is
+// valid read the right weights, whenever they run.)
 //
 // Prefetch. After serving layer l, the provider starts a nonblocking all_gather of the layer
 // it expects next (LayerPrefetchPolicy): l+1 going up, l-1 going down, and at the first or
@@ -82,17 +97,24 @@ struct FsdpStats {
   int64_t global_gathers = 0;   // embedding / lm_head all_gathers
 };
 
+// Where the provider keeps the weights, and the dtype of the matrices the GEMMs read.
+struct FsdpOptions {
+  Device device = Device::CPU;
+  DType matmul_dtype = DType::F32;  // F32 or BF16 (BF16 on CPU too: tests the GPU layout there)
+};
+
 class FsdpWeightProvider : public WeightProvider {
  public:
   // Collective. Every rank must open the same checkpoint; the constructor checks that all
   // ranks see the same configuration and tensor sizes (every rank fails alike otherwise).
-  FsdpWeightProvider(std::shared_ptr<const Qwen3Checkpoint> ckpt, Comm& comm);
+  FsdpWeightProvider(std::shared_ptr<const Qwen3Checkpoint> ckpt, Comm& comm, FsdpOptions options = {});
   // Collective: waits for a prefetch still in flight.
   ~FsdpWeightProvider() override;
   FsdpWeightProvider(const FsdpWeightProvider&) = delete;
   FsdpWeightProvider& operator=(const FsdpWeightProvider&) = delete;
 
   const Qwen3Config& config() const override { return ckpt_->config(); }
+  Device device() const override { return options_.device; }
   const LayerWeights& layer(int64_t l) override;
   const Tensor& embedding() override;
   const Tensor& final_norm() override { return final_norm_; }
@@ -106,16 +128,23 @@ class FsdpWeightProvider : public WeightProvider {
   const FsdpStats& stats() const { return stats_; }
 
  private:
-  // One sharded flat vector: its tensors' names, shapes and offsets, and this rank's shard.
+  // One sharded flat byte vector: its tensors' names, shapes, dtypes and byte offsets, and
+  // this rank's shard.
   struct Piece {
-    std::string name;
+    std::string name;  // the checkpoint tensor it is converted from
     Shape shape;
-    int64_t offset;
+    DType dtype;
+    int64_t offset;  // bytes
   };
   struct Unit {
     std::vector<Piece> pieces;
-    int64_t shard_len = 0;  // floats per rank; the full vector is N * shard_len
-    Tensor shard;           // F32 [shard_len]
+    int64_t shard_len = 0;  // bytes per rank; the full vector is N * shard_len
+    Tensor shard;           // U8 [shard_len] on the provider's device
+  };
+  struct TensorSpec {
+    std::string name;
+    Shape shape;
+    DType dtype;
   };
   // A layer buffer: the layer it holds (or is receiving), its views, a gather in flight.
   struct Slot {
@@ -131,7 +160,7 @@ class FsdpWeightProvider : public WeightProvider {
     Tensor full;
   };
 
-  Unit make_unit(std::vector<std::pair<std::string, Shape>> tensors) const;
+  Unit make_unit(std::vector<TensorSpec> tensors) const;
   // Starts gathering `unit` into `buffer` (allocated if needed; with one rank, the shard
   // itself); null when nothing is left to wait for.
   std::unique_ptr<Request> start_gather(const Unit& unit, Tensor& buffer, bool blocking);
@@ -143,8 +172,9 @@ class FsdpWeightProvider : public WeightProvider {
 
   std::shared_ptr<const Qwen3Checkpoint> ckpt_;
   Comm& comm_;
+  FsdpOptions options_;
   std::vector<Unit> layers_;
-  Unit embed_, head_;  // head_ has no pieces when tied
+  Unit embed_, head_;  // head_ has no pieces when the lm_head is the embedding
   Tensor final_norm_;
   Global embed_full_, head_full_;  // gathered globals (empty when released)
   std::array<Slot, 2> slots_;

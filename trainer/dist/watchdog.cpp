@@ -7,6 +7,7 @@
 #include <cstring>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <fmt/format.h>
@@ -43,7 +44,8 @@ struct CollectiveWatchdog::Reply {
   char op[32];
 };
 
-CollectiveWatchdog::CollectiveWatchdog(MPI_Comm world, double timeout_seconds) : timeout_(timeout_seconds) {
+CollectiveWatchdog::CollectiveWatchdog(MPI_Comm world, double timeout_seconds, std::function<void()> before_abort)
+    : timeout_(timeout_seconds), before_abort_(std::move(before_abort)) {
   MPI_CHECK(MPI_Comm_dup(world, &side_));
   MPI_CHECK(MPI_Comm_set_errhandler(side_, MPI_ERRORS_RETURN));
   MPI_CHECK(MPI_Comm_rank(side_, &rank_));
@@ -170,6 +172,7 @@ void CollectiveWatchdog::investigate(uint64_t seq, const char* op, double waited
 void CollectiveWatchdog::end_job(const std::string& line) {
   std::fprintf(stderr, "%s: error: %s\n", program_invocation_short_name, line.c_str());
   std::fflush(stderr);
+  if (before_abort_) before_abort_();
   MPI_Abort(MPI_COMM_WORLD, kExitCode);
   std::_Exit(kExitCode);
 }

@@ -17,19 +17,25 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
+#include <string>
 #include <thread>
 
 namespace retain::dist {
 
 class CollectiveWatchdog {
  public:
-  // Collective over `world` (it is duplicated for the watchdog's messages).
-  CollectiveWatchdog(MPI_Comm world, double timeout_seconds);
+  // Collective over `world` (it is duplicated for the watchdog's messages). `before_abort`, if
+  // set, runs on the watchdog's thread just before it ends the job (the NCCL backend aborts its
+  // communicator there).
+  CollectiveWatchdog(MPI_Comm world, double timeout_seconds, std::function<void()> before_abort = {});
   ~CollectiveWatchdog();
   CollectiveWatchdog(const CollectiveWatchdog&) = delete;
   CollectiveWatchdog& operator=(const CollectiveWatchdog&) = delete;
 
-  // The main thread around a collective: enter (counted or not), then leave.
+  // The main thread around a collective: enter (counted or not), then leave. The NCCL backend
+  // enters when it queues a collective and leaves (from its monitor thread) when the latest
+  // queued one has completed on the device.
   void enter(const char* op, bool counted = true);
   void leave();
 
@@ -46,6 +52,7 @@ class CollectiveWatchdog {
   MPI_Comm side_ = MPI_COMM_NULL;
   int rank_ = 0, size_ = 1;
   double timeout_;
+  std::function<void()> before_abort_;
   int64_t query_id_ = 0;                    // the watchdog thread's own
   std::atomic<uint64_t> seq_{0};            // collectives entered (counted ones)
   std::atomic<bool> inside_{false};         // in a collective now
