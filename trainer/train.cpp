@@ -122,17 +122,28 @@ data::LoaderOptions loader_options(const TrainConfig& cfg, const Inputs& in, con
   return o;
 }
 
-// On CUDA every rank holds the whole model on its own GPU (data parallel; sharding over GPUs is
-// the multi-GPU issue's). On the CPU, one rank reads the mapped checkpoint layer by layer;
-// several shard it (FSDP, collective).
+// On CUDA one rank holds the whole model on its GPU; several shard it over their GPUs (FSDP,
+// bf16 matrices, gathers on the comm's stream with NCCL, staged through the host with MPI). On
+// the CPU, one rank reads the mapped checkpoint layer by layer; several shard it (FSDP, F32).
 void make_weight_provider(const TrainConfig& cfg, Inputs& in, dist::Comm& comm) {
   if (cfg.device == Device::CUDA) {
     collectively(comm, [&] {
       const int gpu = bind_local_gpu();
-      in.weights = std::make_unique<DeviceWeightProvider>(in.model);
+      double gb = 0;
+      if (comm.size() == 1) {
+        auto whole = std::make_unique<DeviceWeightProvider>(in.model);
+        gb = static_cast<double>(whole->bytes()) / 1e9;
+        in.weights = std::move(whole);
+      } else {
+        auto sharded = std::make_unique<dist::FsdpWeightProvider>(in.model, comm,
+                                                                  dist::FsdpOptions{Device::CUDA, DType::BF16});
+        gb = static_cast<double>(sharded->shard_bytes()) / 1e9;
+        in.weights = std::move(sharded);
+      }
       if (comm.is_main_rank())
-        spdlog::info("device cuda:{} ({}); the model's weights take {:.2f} GB there", gpu, cuda::device_name(),
-                     static_cast<double>(static_cast<DeviceWeightProvider&>(*in.weights).bytes()) / 1e9);
+        spdlog::info("device cuda:{} ({}); {} {:.2f} GB there ({} comm)", gpu, cuda::device_name(),
+                     comm.size() == 1 ? "the model's weights take" : "this rank's weight shards take", gb,
+                     comm.backend());
     });
     return;
   }
@@ -543,7 +554,10 @@ int run_training(const TrainConfig& cfg, dist::Comm& comm) {
     materialize();
 
     const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+    const dist::CommTimes comm_times = comm.take_device_times();  // local; never blocks
     if (main_rank) {
+      m.comm_ms = comm_times.busy_seconds * 1e3;
+      m.comm_exposed_ms = comm_times.exposed_seconds * 1e3;
       m.step = step;
       m.total_steps = cfg.steps;
       m.lr = lr;

@@ -34,6 +34,7 @@ nlohmann::json to_json(const TrainConfig& c) {
       {"stop_after", c.stop_after},
       {"seq_len", c.seq_len},
       {"timeout", c.timeout},
+      {"comm", c.comm},
       {"device", std::string(device_name(c.device))},
   };
   if (c.kvpop) {  // only kvpop runs have them, so gate runs' configs are as before

@@ -46,6 +46,7 @@ struct TrainConfig {
   int64_t stop_after = 0;  // > 0: save and stop after this many steps of this invocation (time-sliced jobs)
   int64_t seq_len = 0;  // 0: the dataset's; otherwise must equal it
   double timeout = 0;   // > 0: a collective waiting this many seconds ends the job (Comm::set_timeout)
+  std::string comm = "auto";  // --comm: auto, mpi or nccl (the backend actually used: Comm::backend())
   // Where the step computes (--device). Not part of the trajectory: a run may resume on the
   // other device (the numbers then differ by rounding, bf16 on CUDA).
   Device device = Device::CPU;

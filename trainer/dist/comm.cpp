@@ -291,7 +291,7 @@ bool launched_by_mpirun() {
 
 #if !RETAIN_HAVE_NCCL
 bool nccl_built() noexcept { return false; }
-std::unique_ptr<Comm> make_nccl_comm(std::unique_ptr<Comm>) {
+std::unique_ptr<Comm> make_nccl_comm(Comm&) {
   fail("this build of retain has no NCCL backend (CUDA or NCCL was not found at configure time): use the MPI "
        "backend");
 }

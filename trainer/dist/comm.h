@@ -17,6 +17,7 @@
 #pragma once
 #include <climits>
 #include <cstddef>
+#include <limits>
 #include <memory>
 #include <string_view>
 
@@ -43,6 +44,12 @@ class Request {
 
  protected:
   Request() = default;
+};
+
+// Device time spent on collectives (Comm::take_device_times), in seconds; NaN = not measured.
+struct CommTimes {
+  double busy_seconds = std::numeric_limits<double>::quiet_NaN();     // the comm stream in collectives
+  double exposed_seconds = std::numeric_limits<double>::quiet_NaN();  // compute stalled waiting for them
 };
 
 class Comm {
@@ -111,6 +118,13 @@ class Comm {
   // ignores it. MPI: needs MPI_THREAD_MULTIPLE (a thread answers the peers' questions).
   void set_timeout(double seconds);
 
+  // The device time of the collectives completed since the last call, where the backend can
+  // measure it (NCCL, with CUDA events); NaN for host backends. busy: time the communication
+  // stream spent in collectives; exposed: time compute waited for them, i.e. what overlapping
+  // did not hide. Never blocks: a collective still running is counted at a later call. Local
+  // (any rank may call it alone).
+  virtual CommTimes take_device_times() { return {}; }
+
   // Most elements handed to one backend call (bytes for broadcast and all_gather_bytes);
   // larger buffers go in pieces. MPI takes int counts, so the default is INT_MAX. Tests
   // lower it to exercise the chunked paths. Every rank must use the same value.
@@ -159,12 +173,12 @@ std::unique_ptr<Comm> make_mpi_comm();
 // True when this build has the NCCL backend (CUDA and NCCL found at configure time).
 bool nccl_built() noexcept;
 
-// An NCCL comm over the same ranks as `host` (an MPI or local comm), on the calling thread's
-// current CUDA device: bind the GPU first (retain::bind_local_gpu). Collective over `host`:
-// rank 0 makes the NCCL id and broadcasts it through `host`, which the NCCL comm then keeps for
-// barrier, abort and its watchdog. Two ranks on one GPU cannot share an NCCL communicator (NCCL
+// An NCCL comm over the same ranks as `host` (an MPI or local comm, which must outlive it), on
+// the calling thread's current CUDA device: bind the GPU first (retain::bind_local_gpu).
+// Collective over `host`: rank 0 makes the NCCL id and broadcasts it through `host`, which the
+// NCCL comm then uses for barrier, abort and its watchdog. Two ranks on one GPU cannot share an NCCL communicator (NCCL
 // refuses duplicate devices): use the MPI backend, which stages device buffers, for that.
 // Without NCCL in the build: a retain::Error saying so.
-std::unique_ptr<Comm> make_nccl_comm(std::unique_ptr<Comm> host);
+std::unique_ptr<Comm> make_nccl_comm(Comm& host);
 
 }  // namespace retain::dist

@@ -29,6 +29,7 @@
 #include <string_view>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include "kernels/base/error.h"
 #include "kernels/cuda/check.h"
@@ -73,10 +74,55 @@ std::string_view call_name(std::string_view call) {
     if (r_ != ncclSuccess) nccl_fail(rank_, #call, r_, comm_, __FILE__, __LINE__); \
   } while (0)
 
-// One collective's completion on the communication stream: wait() makes compute wait for it.
+// Pairs of timing events whose elapsed times add up to one of CommTimes' figures.
+class EventTimer {
+ public:
+  ~EventTimer() {
+    for (auto [a, b] : pairs_) {
+      cudaEventDestroy(a);
+      cudaEventDestroy(b);
+    }
+  }
+  // Records the start of an interval on `stream`; end() records its end.
+  void begin(cudaStream_t stream) {
+    if (pairs_.size() >= 1024) harvest();  // nobody asks: fold what completed, keep memory bounded
+    cudaEvent_t a = nullptr, b = nullptr;
+    CUDA_CHECK(cudaEventCreate(&a));
+    CUDA_CHECK(cudaEventCreate(&b));
+    CUDA_CHECK(cudaEventRecord(a, stream));
+    pairs_.push_back({a, b});
+  }
+  void end(cudaStream_t stream) { CUDA_CHECK(cudaEventRecord(pairs_.back().second, stream)); }
+  // Seconds of the completed intervals since the last take (the others wait for a later one).
+  double take() {
+    harvest();
+    return std::exchange(seconds_, 0.0);
+  }
+
+ private:
+  void harvest() {
+    size_t kept = 0;
+    for (auto [a, b] : pairs_) {
+      if (cudaEventQuery(b) != cudaSuccess) {  // not done yet (cudaErrorNotReady is not sticky)
+        pairs_[kept++] = {a, b};
+        continue;
+      }
+      float ms = 0;
+      if (cudaEventElapsedTime(&ms, a, b) == cudaSuccess) seconds_ += ms * 1e-3;
+      cudaEventDestroy(a);
+      cudaEventDestroy(b);
+    }
+    pairs_.resize(kept);
+  }
+  std::vector<std::pair<cudaEvent_t, cudaEvent_t>> pairs_;
+  double seconds_ = 0;
+};
+
+// One collective's completion on the communication stream: wait() makes compute wait for it,
+// timing the stall on `exposed` (compute's stream: events around the wait).
 class NcclRequest final : public Request {
  public:
-  explicit NcclRequest(cudaEvent_t done) : done_(done) {}
+  NcclRequest(cudaEvent_t done, EventTimer* exposed, std::mutex* mu) : done_(done), exposed_(exposed), mu_(mu) {}
   ~NcclRequest() override {
     if (done_ != nullptr) {  // a collective cannot be abandoned: compute still waits for it
       cudaStreamWaitEvent(cudaStreamLegacy, done_, 0);
@@ -86,9 +132,12 @@ class NcclRequest final : public Request {
   void wait() override {
     if (done_ == nullptr) return;
     const cudaEvent_t e = std::exchange(done_, nullptr);
+    std::lock_guard lock(*mu_);
+    exposed_->begin(cudaStreamLegacy);
     const cudaError_t err = cudaStreamWaitEvent(cudaStreamLegacy, e, 0);
+    exposed_->end(cudaStreamLegacy);
     cudaEventDestroy(e);  // released once the event has completed
-    if (err != cudaSuccess) fail("cudaStreamWaitEvent after all_gather_async: {}", cudaGetErrorString(err));
+    if (err != cudaSuccess) fail("cudaStreamWaitEvent after a collective: {}", cudaGetErrorString(err));
   }
   bool test() override {
     if (done_ == nullptr) return true;
@@ -100,18 +149,19 @@ class NcclRequest final : public Request {
 
  private:
   cudaEvent_t done_;
+  EventTimer* exposed_;
+  std::mutex* mu_;
 };
 
 class NcclComm final : public Comm {
  public:
-  explicit NcclComm(std::unique_ptr<Comm> host) : host_(std::move(host)) {
-    RETAIN_CHECK(host_ != nullptr, "make_nccl_comm: null host comm");
-    rank_ = host_->rank();
-    size_ = host_->size();
+  explicit NcclComm(Comm& host) : host_(host) {
+    rank_ = host_.rank();
+    size_ = host_.size();
     CUDA_CHECK(cudaGetDevice(&device_));
     ncclUniqueId id{};
     if (rank_ == 0) NCCL_CHECK(ncclGetUniqueId(&id));
-    host_->broadcast(&id, sizeof id, 0);
+    host_.broadcast(&id, sizeof id, 0);
     NCCL_CHECK(ncclCommInitRank(&comm_, size_, id, rank_));
     CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     CUDA_CHECK(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming));
@@ -148,7 +198,9 @@ class NcclComm final : public Comm {
     CUDA_CHECK(cudaEventRecord(ready_, cudaStreamLegacy));
     CUDA_CHECK(cudaStreamWaitEvent(stream_, ready_, 0));
     if (watchdog_) watchdog_->enter(op);
+    busy_.begin(stream_);
     NCCL_CHECK(call(stream_));
+    busy_.end(stream_);
     CUDA_CHECK(cudaEventRecord(latest_, stream_));
     watched_ = true;
     cudaEvent_t done = nullptr;
@@ -159,21 +211,30 @@ class NcclComm final : public Comm {
   // A blocking collective: compute waits for it; the host does not.
   template <typename Call>
   void run(const char* op, Call&& call) {
-    NcclRequest(enqueue(op, std::forward<Call>(call))).wait();
+    request(enqueue(op, std::forward<Call>(call))).wait();
+  }
+  NcclRequest request(cudaEvent_t done) { return NcclRequest(done, &exposed_, &mu_); }
+  std::unique_ptr<Request> async_request(cudaEvent_t done) {
+    return std::make_unique<NcclRequest>(done, &exposed_, &mu_);
+  }
+
+  CommTimes take_device_times() override {
+    std::lock_guard lock(mu_);
+    return {busy_.take(), exposed_.take()};
   }
 
   void do_all_gather(const float* send, float* recv, size_t count) override {
     run("all_gather", [&](cudaStream_t s) { return ncclAllGather(send, recv, count, ncclFloat, comm_, s); });
   }
   std::unique_ptr<Request> do_all_gather_async(const float* send, float* recv, size_t count) override {
-    return std::make_unique<NcclRequest>(enqueue(
+    return async_request(enqueue(
         "all_gather_async", [&](cudaStream_t s) { return ncclAllGather(send, recv, count, ncclFloat, comm_, s); }));
   }
   void do_all_gather_bytes(const void* send, void* recv, size_t bytes) override {
     run("all_gather_bytes", [&](cudaStream_t s) { return ncclAllGather(send, recv, bytes, ncclUint8, comm_, s); });
   }
   std::unique_ptr<Request> do_all_gather_bytes_async(const void* send, void* recv, size_t bytes) override {
-    return std::make_unique<NcclRequest>(enqueue(
+    return async_request(enqueue(
         "all_gather_bytes_async",
         [&](cudaStream_t s) { return ncclAllGather(send, recv, bytes, ncclUint8, comm_, s); }));
   }
@@ -195,14 +256,14 @@ class NcclComm final : public Comm {
     run("broadcast", [&](cudaStream_t s) { return ncclBroadcast(buf, buf, bytes, ncclUint8, root, comm_, s); });
   }
   // A host-side meeting point: the host comm's barrier (device work is not waited for).
-  void do_barrier() override { host_->barrier(); }
+  void do_barrier() override { host_.barrier(); }
 
   void do_set_timeout(double seconds) override {
-    host_->set_timeout(seconds);  // the id broadcast and barriers are host collectives
+    host_.set_timeout(seconds);  // the id broadcast and barriers are host collectives
     std::lock_guard lock(mu_);
     watchdog_.reset();
     watched_ = false;
-    if (seconds == 0 || size_ == 1 || host_->backend() != "mpi") return;  // one rank waits for nobody
+    if (seconds == 0 || size_ == 1 || host_.backend() != "mpi") return;  // one rank waits for nobody
     // The job ends right after the hook (MPI_Abort), so the monitor's next poll of the aborted
     // communicator never comes.
     watchdog_ = std::make_unique<CollectiveWatchdog>(MPI_COMM_WORLD, seconds, [this] {
@@ -218,7 +279,7 @@ class NcclComm final : public Comm {
     if (monitor_.joinable()) monitor_.join();
     ncclCommAbort(comm_);
     comm_ = nullptr;
-    host_->abort(code);
+    host_.abort(code);
   }
 
   // Polls the communicator's asynchronous error and, for the watchdog, the completion of the
@@ -247,13 +308,14 @@ class NcclComm final : public Comm {
     }
   }
 
-  std::unique_ptr<Comm> host_;
+  Comm& host_;
   int rank_ = 0, size_ = 1, device_ = 0;
   ncclComm_t comm_ = nullptr;
   cudaStream_t stream_ = nullptr;
   cudaEvent_t ready_ = nullptr;   // compute's progress, for the communication stream to wait on
   cudaEvent_t latest_ = nullptr;  // the end of the latest queued collective
-  std::mutex mu_;                 // enqueue vs the monitor's completion check
+  std::mutex mu_;                 // enqueue and waits vs the monitor and the timers' readers
+  EventTimer busy_, exposed_;     // collectives on the comm stream; compute's waits for them
   bool watched_ = false;          // the watchdog was told of a collective not yet seen complete
   std::unique_ptr<CollectiveWatchdog> watchdog_;
   std::atomic<bool> stop_{false};
@@ -262,6 +324,6 @@ class NcclComm final : public Comm {
 
 }  // namespace
 
-std::unique_ptr<Comm> make_nccl_comm(std::unique_ptr<Comm> host) { return std::make_unique<NcclComm>(std::move(host)); }
+std::unique_ptr<Comm> make_nccl_comm(Comm& host) { return std::make_unique<NcclComm>(host); }
 
 }  // namespace retain::dist

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdio>
 #include <iostream>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -46,10 +47,22 @@ constexpr const char* kUsage =
     "--config FILE reads options from TOML (`lr = 3e-3`, `global_batch = 8`); the command line\n"
     "wins. Every run writes RUN_DIR/config.toml: `--config RUN_DIR/config.toml --out NEW` repeats it.";
 
-int run(int argc, char** argv, dist::Comm& comm) {
+// An NCCL comm over the ranks of `host` when --comm asks for one (auto: on cuda with several
+// ranks), else null: the run uses `host` itself.
+std::unique_ptr<dist::Comm> nccl_comm_if_wanted(const trainer::TrainConfig& c, dist::Comm& host) {
+  const bool nccl = c.comm == "nccl" ||
+                    (c.comm == "auto" && c.device == Device::CUDA && host.size() > 1 && dist::nccl_built());
+  if (!nccl) return nullptr;
+  bind_local_gpu();  // NCCL's communicator belongs to the current device
+  return dist::make_nccl_comm(host);
+}
+
+// `nccl` receives the NCCL comm when the run uses one (main keeps it, to abort through it).
+int run(int argc, char** argv, dist::Comm& host_comm, std::unique_ptr<dist::Comm>& nccl) {
   trainer::TrainConfig c;
   std::string gate = "trimkv";
   std::string device;
+  double timeout = 0;  // c.timeout once the device is known (its default depends on it)
   cli::po::options_description opts("Options");
   opts.add_options()
       ("model", cli::po::value(&c.model_dir)->required(), "frozen Qwen3 (Hugging Face directory)")
@@ -86,12 +99,15 @@ int run(int argc, char** argv, dist::Comm& comm) {
       ("log-every", cli::po::value(&c.log_every)->default_value(1), "metrics line every N steps")
       ("stop-after", cli::po::value(&c.stop_after)->default_value(0),
        "save a checkpoint and exit after N steps of this invocation (0: run to --steps)")
-      ("timeout", cli::po::value(&c.timeout)->default_value(0),
+      ("timeout", cli::po::value(&timeout),
        "end the job (exit 75) when a collective has waited this many seconds for a rank that hung or "
-       "stopped, naming it; set it well above the longest step (0: wait forever)")
+       "stopped, naming it; set it well above the longest step (default: 600 on cuda, 0 = wait forever on cpu)")
       ("device", cli::po::value(&device),
-       "cpu or cuda (default: $RETAIN_DEVICE, else cuda when a GPU is visible, else cpu). On cuda every rank "
-       "holds the whole model in bf16 on the GPU of its node-local rank (data parallel)")
+       "cpu or cuda (default: $RETAIN_DEVICE, else cuda when a GPU is visible, else cpu). On cuda each rank uses "
+       "the GPU of its node-local rank; one rank holds the whole model in bf16, several shard it (FSDP)")
+      ("comm", cli::po::value(&c.comm)->default_value("auto"),
+       "auto, mpi or nccl: the collectives' backend. auto: nccl on cuda with several ranks (when built with "
+       "NCCL), else mpi. mpi on cuda stages device buffers through the host (slow; lets ranks share a GPU)")
       ("resume", cli::po::bool_switch(&c.resume), "continue the run in --out from its latest checkpoint")
       ("dump-grads", cli::po::value(&c.dump_grads), "write one step's gradients to FILE.safetensors and exit")
       ("config", cli::po::value<std::string>(), "read options from a TOML file (keys = option names; the command line wins)");
@@ -113,7 +129,7 @@ int run(int argc, char** argv, dist::Comm& comm) {
     cli::po::store(cli::po::command_line_parser(file_args).options(opts).run(), vm);
   }
   if (vm.count("help")) {
-    if (comm.is_main_rank()) std::cout << kUsage << "\n\n" << opts << "\n";
+    if (host_comm.is_main_rank()) std::cout << kUsage << "\n\n" << opts << "\n";
     return 0;
   }
   cli::po::notify(vm);
@@ -154,12 +170,20 @@ int run(int argc, char** argv, dist::Comm& comm) {
     throw cli::UsageError("--weight-decay and --clip must be ≥ 0");
   if (c.save_every <= 0 || c.log_every <= 0 || c.keep_last < 0 || c.stop_after < 0 || c.seq_len < 0)
     throw cli::UsageError("--save-every and --log-every must be ≥ 1; --keep-last, --stop-after and --seq-len ≥ 0");
-  if (!(c.timeout >= 0) || !std::isfinite(c.timeout))
-    throw cli::UsageError(fmt::format("--timeout must be a finite number of seconds ≥ 0, got {}", c.timeout));
+  if (!(timeout >= 0) || !std::isfinite(timeout))
+    throw cli::UsageError(fmt::format("--timeout must be a finite number of seconds ≥ 0, got {}", timeout));
+  if (c.comm != "auto" && c.comm != "mpi" && c.comm != "nccl")
+    throw cli::UsageError(fmt::format("--comm: unknown backend '{}' (expected auto, mpi or nccl)", c.comm));
   if (!device.empty() && device != "cpu" && device != "cuda")
     throw cli::UsageError(fmt::format("--device: unknown device '{}' (expected cpu or cuda)", device));
   if (c.kvpop && device == "cuda") throw cli::UsageError("--gate kvpop trains on the CPU only so far: use --device cpu");
   c.device = c.kvpop ? Device::CPU : resolve_device(device);  // a missing GPU: one line, exit 1
+  if (c.comm == "nccl" && c.device != Device::CUDA) throw cli::UsageError("--comm nccl needs --device cuda");
+  // A GPU step is seconds, so 10 minutes in one collective means a rank is gone; a CPU step of a
+  // large model can legitimately keep ranks waiting longer.
+  c.timeout = vm.count("timeout") ? timeout : c.device == Device::CUDA ? 600.0 : 0.0;
+  nccl = nccl_comm_if_wanted(c, host_comm);  // collective: every rank chooses alike
+  dist::Comm& comm = nccl ? *nccl : host_comm;
   comm.set_timeout(c.timeout);  // every rank parsed the same argv: collective, before any other
   if (!c.dump_grads.empty()) {
     trainer::dump_gradients(c, comm);
@@ -194,8 +218,9 @@ int main(int argc, char** argv) {
   }
   const bool main_rank = comm->is_main_rank();
   if (!main_rank) spdlog::set_level(spdlog::level::err);  // rank 0 alone prints progress
+  std::unique_ptr<dist::Comm> nccl;  // over `comm`'s ranks, when the run uses NCCL; goes first
   try {
-    const int code = run(argc, argv, *comm);
+    const int code = run(argc, argv, *comm, nccl);
     if (code == 0 && trainer::stop_signal() != 0 && comm->size() > 1) leave_soon_after_a_stop_signal();
     return code;
   } catch (const trainer::CollectiveError& e) {
@@ -218,6 +243,6 @@ int main(int argc, char** argv) {
     const std::string line = fmt::format("retain-train: error: rank {}: {}\n", comm->rank(), e.what());
     if (::write(STDERR_FILENO, line.data(), line.size()) < 0) {
     }
-    comm->abort(1);
+    (nccl ? *nccl : *comm).abort(1);  // NCCL's communicator too: peers in a collective get an error
   }
 }
