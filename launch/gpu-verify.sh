@@ -2,20 +2,24 @@
 # The whole GPU verification in one call: the CUDA kernel tests (small shapes, long packed
 # sequences vs float64), compute-sanitizer memcheck/racecheck/synccheck/initcheck on small
 # shapes, the attention benchmark against FlexAttention and SDPA (Qwen3-4B shapes, 1 and 16
-# documents), and Nsight Compute metrics of the attention kernels. Logs and JSON under --out,
-# a summary table printed last (and in OUT/summary.txt).
+# documents), the communicator and FSDP on device buffers (one rank; two ranks sharing the GPU
+# where mpirun exists), the training step at Qwen3 shapes (retain-bench train), and Nsight
+# Compute metrics of the attention kernels. Logs and JSON under --out, a summary table printed
+# last (and in OUT/summary.txt).
 #
 # usage: launch/gpu-verify.sh [--bundle DIR] [--out DIR] [--only PHASES] [--seq LIST] [--iters N]
 #   --bundle DIR  run the programs of a launch/gpu-bundle.sh folder (a GPU machine without
 #                 retain's build dependencies); default: build with launch/build.sh, use build/bin
 #   --out DIR     where logs go (default $OUT if set, else build/gpu-verify)
-#   --only LIST   comma-separated phases: tests,sanitizers,bench,ncu (default all)
+#   --only LIST   comma-separated phases: tests,sanitizers,bench,train,ncu (default all)
+#   --train-models LIST  Qwen3 shapes for the train phase: 0.6B,1.7B,4B (default all three)
 #   --seq LIST    benchmark sequence lengths (default 8192,32768,131072)
 #   --iters N     timed benchmark iterations (default 5)
 # Exit status: 0 when every phase that ran passed, 1 otherwise.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-bundle="" out="${OUT:-build/gpu-verify}" only="tests,sanitizers,bench,ncu" seq="8192,32768,131072" iters=5
+bundle="" out="${OUT:-build/gpu-verify}" only="tests,sanitizers,bench,train,ncu" seq="8192,32768,131072" iters=5
+train_models="0.6B,1.7B,4B"
 while [ $# -gt 0 ]; do
   case "$1" in
     --bundle) bundle=$2; shift 2 ;;
@@ -23,7 +27,8 @@ while [ $# -gt 0 ]; do
     --only) only=$2; shift 2 ;;
     --seq) seq=$2; shift 2 ;;
     --iters) iters=$2; shift 2 ;;
-    -h|--help) sed -n 2,16p "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --train-models) train_models=$2; shift 2 ;;
+    -h|--help) sed -n 2,19p "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "gpu-verify: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -72,6 +77,15 @@ if phase tests; then
   step "test_gates_cuda (gate MLPs fwd/bwd vs CPU)" "$log" 600 "$bin/test_gates_cuda" --gtest_color=no
   step "test_step_cuda (the training step vs the CPU step)" "$log" 600 "$bin/test_step_cuda" --gtest_color=no
   step "test_gated_attention_long (32K, 128K vs float64)" "$log" 600 "$bin/test_gated_attention_long" --gtest_color=no
+  step "test_comm_cuda (collectives on device buffers, NCCL, FSDP on the GPU; 1 rank)" "$log" 300 \
+    env RETAIN_TEST_WORLD_SIZE=1 "$bin/test_comm_cuda" --gtest_color=no
+  if command -v mpirun >/dev/null; then  # two ranks on one GPU: the MPI backend stages device buffers
+    step "test_comm_cuda (2 ranks sharing the GPU, staged MPI)" "$log" 300 env RETAIN_TEST_WORLD_SIZE=2 \
+      OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl=self,vader OMPI_MCA_pml=ob1 \
+      OMPI_MCA_btl_vader_single_copy_mechanism=none mpirun -np 2 --oversubscribe "$bin/test_comm_cuda" --gtest_color=no
+  else
+    echo "test_comm_cuda with 2 ranks: not run (no mpirun on this machine)" | tee -a "$summary"
+  fi
   grep -q "SKIPPED" "$log" && { echo "gpu-verify: some GPU tests skipped (see tests.log)" | tee -a "$summary"; status=1; }
 fi
 
@@ -103,6 +117,33 @@ if phase bench; then
   done
   step "bench: capacity, 36 layers at 128K" "$log" 300 "$bin/retain-bench" attention --device cuda --seq 131072 \
     --layers 36 --iters 3 --warmup 1
+fi
+
+if phase train; then
+  # The training step at Qwen3 shapes (random bf16 weights from retain-make-tiny; the step's cost
+  # does not depend on the values): tokens/s, TFLOP/s, MFU, peak memory, per phase.
+  log=$out/train.log
+  models=$out/models
+  mkdir -p "$models"
+  for m in ${train_models//,/ }; do
+    case "$m" in  # layers hidden heads kv-heads intermediate (head_dim 128, vocab 151936, YaRN x4)
+      0.6B) shape="--layers 28 --hidden 1024 --heads 16 --kv-heads 8 --intermediate 3072 --tie" ;;
+      1.7B) shape="--layers 28 --hidden 2048 --heads 16 --kv-heads 8 --intermediate 6144 --tie" ;;
+      4B) shape="--layers 36 --hidden 2560 --heads 32 --kv-heads 8 --intermediate 9728 --tie" ;;
+      *) echo "gpu-verify: unknown --train-models entry '$m'" >&2; status=1; continue ;;
+    esac
+    # shellcheck disable=SC2086
+    step "train: make Qwen3-$m shapes" "$log" 600 "$bin/retain-make-tiny" --out "$models/qwen3-$m" $shape \
+      --head-dim 128 --vocab 151936 --yarn-factor 4 --seed 1
+    for gate in trimkv dbtrimkv; do
+      step "train: retain-bench train Qwen3-$m $gate 8K,32K" "$log" 600 "$bin/retain-bench" train --device cuda \
+        --model "$models/qwen3-$m" --seq 8192,32768 --gate $gate --docs 1 --iters 3 --warmup 1 \
+        --json "$out/train-$m-$gate.json"
+    done
+    step "train: retain-bench train Qwen3-$m trimkv 128K" "$log" 600 "$bin/retain-bench" train --device cuda \
+      --model "$models/qwen3-$m" --seq 131072 --gate trimkv --docs 1 --iters 2 --warmup 1 --json "$out/train-$m-128k.json"
+    rm -rf "$models/qwen3-$m"
+  done
 fi
 
 if phase ncu; then

@@ -5,9 +5,20 @@
 #
 #   launch/mpirun.sh -np 8 [--hostfile launch/hostfile.example] [--dry-run] -- \
 #       build/bin/retain-train --model DIR --data FILE.h5 --out RUN_DIR ...
+#   launch/mpirun.sh --nproc 8 -- build/bin/retain-train --device cuda ...      # one node, 8 GPUs
+#   launch/mpirun.sh -np 16 --gpus-per-node 8 --hostfile hosts -- build/bin/retain-train --device cuda ...
 #
 # Options: -np N (ranks; one per GPU), --hostfile FILE (nodes and their slots; without it,
-# all ranks run here), --dry-run (print the command only), -h/--help.
+# all ranks run here), --dry-run (print the command only), -h/--help, and:
+#   --nproc N   N ranks on this host (instead of -np; no --hostfile, and not inside a Slurm
+#               allocation of several nodes). When `nvidia-smi -L` works and the program's
+#               arguments say --device cuda, N above the visible GPUs (CUDA_VISIBLE_DEVICES'
+#               entries when set, else nvidia-smi's) is an error; use -np to put several
+#               ranks on one GPU (--comm mpi tests).
+#   --gpus-per-node G   place G ranks on each node (--map-by ppr:G:node), so that a rank's
+#               node-local rank, which picks its GPU, runs 0..G-1 on every node; with
+#               RETAIN_THREADS_PER_RANK=T it is --map-by ppr:G:node:PE=T --bind-to core.
+#               -np must then be at most G x the nodes (on one host, at most G).
 #
 # What it decides, and the environment variables that override it:
 #   transport   RETAIN_MPI_TRANSPORT=auto|shm|tcp|ucx. auto: shared memory only on one host
@@ -26,6 +37,17 @@
 #               machines); ranks waiting in a collective then yield their core.
 #   extra       RETAIN_MPI_EXTRA="...": more mpirun arguments, word-split, added last.
 #   wait policy OMP_WAIT_POLICY (default PASSIVE here): idle OpenMP threads sleep.
+# NCCL (retain-train --device cuda with several ranks) reads its own variables; every NCCL_*
+# variable set here is passed to every rank (-x). The ones that matter most:
+#   NCCL_DEBUG=WARN|INFO      WARN: NCCL's warnings and errors only; INFO adds its set-up (version,
+#                             the network and transports chosen, rings/trees): read it when a run
+#                             hangs at start or is slow between nodes.
+#   NCCL_SOCKET_IFNAME=eth0   the IP interface(s) for NCCL's bootstrap and socket transport (a prefix
+#                             such as ib, or ^docker,lo to exclude); set it when nodes have several.
+#   NCCL_IB_HCA=mlx5_0,mlx5_1 which InfiniBand/RoCE adapters (optionally :port) NCCL uses between nodes.
+#   NCCL_IB_DISABLE=1         no InfiniBand/RoCE: between nodes NCCL uses TCP sockets (slow).
+#   NCCL_P2P_DISABLE=1        no direct GPU-to-GPU copies (NVLink/PCIe P2P) inside a node; data goes
+#                             through host memory (a workaround where P2P is broken, e.g. some VMs).
 # Exit status: mpirun's, except that a SIGINT/SIGTERM the ranks answer by saving and stopping
 # (retain-train, through RETAIN_STOP_FILE in TMPDIR: one host, or a TMPDIR every node shares)
 # exits 0, as a clean stop should for requeue scripts. OpenMPI's help boxes are off (--quiet),
@@ -44,12 +66,22 @@ die() {  # usage errors: exit 2
   exit 2
 }
 
-np="" hostfile="" dry_run=0
+np="" nproc_ranks="" gpus_per_node="" hostfile="" dry_run=0
 while [ $# -gt 0 ]; do
   case "$1" in
     -np | -n | --np)
       [ $# -ge 2 ] || die "$1 needs a number of ranks"
       np=$2
+      shift 2
+      ;;
+    --nproc)
+      [ $# -ge 2 ] || die "$1 needs a number of ranks"
+      nproc_ranks=$2
+      shift 2
+      ;;
+    --gpus-per-node)
+      [ $# -ge 2 ] || die "$1 needs a number of GPUs"
+      gpus_per_node=$2
       shift 2
       ;;
     --hostfile | -hostfile)
@@ -60,12 +92,23 @@ while [ $# -gt 0 ]; do
     --dry-run) dry_run=1; shift ;;
     -h | --help) usage; exit 0 ;;
     --) shift; break ;;
-    -*) die "unknown option '$1' (options: -np N, --hostfile FILE, --dry-run; then -- PROGRAM ARGS...)" ;;
+    -*) die "unknown option '$1' (options: -np N, --nproc N, --gpus-per-node G, --hostfile FILE, --dry-run; then -- PROGRAM ARGS...)" ;;
     *) break ;;
   esac
 done
-[ -n "$np" ] || die "missing -np N"
+if [ -n "$nproc_ranks" ]; then
+  [ -z "$np" ] || die "-np and --nproc exclude each other (--nproc N: N ranks on this host)"
+  [ -z "$hostfile" ] || die "--nproc runs every rank on this host; with --hostfile use -np"
+  [[ "$nproc_ranks" =~ ^[1-9][0-9]*$ ]] || die "--nproc '$nproc_ranks' is not a positive number of ranks"
+  [ "${SLURM_JOB_NUM_NODES:-1}" -le 1 ] ||
+    die "--nproc runs on this host only, but this Slurm allocation has $SLURM_JOB_NUM_NODES nodes; use -np N --gpus-per-node G"
+  np=$nproc_ranks
+fi
+[ -n "$np" ] || die "missing -np N (or --nproc N)"
 [[ "$np" =~ ^[1-9][0-9]*$ ]] || die "-np '$np' is not a positive number of ranks"
+if [ -n "$gpus_per_node" ]; then
+  [[ "$gpus_per_node" =~ ^[1-9][0-9]*$ ]] || die "--gpus-per-node '$gpus_per_node' is not a positive number"
+fi
 [ $# -ge 1 ] || die "missing the program to run (after --)"
 if [ -n "$hostfile" ]; then
   [ -f "$hostfile" ] || die "$hostfile: no such hostfile"
@@ -82,6 +125,32 @@ command -v mpirun >/dev/null || die "mpirun not found (install OpenMPI: launch/i
 # One host or several: a hostfile, or a Slurm allocation of more than one node.
 multi_node=0
 if [ -n "$hostfile" ] || [ "${SLURM_JOB_NUM_NODES:-1}" -gt 1 ]; then multi_node=1; fi
+if [ $multi_node -eq 0 ] && [ -n "$gpus_per_node" ] && [ "$np" -gt "$gpus_per_node" ]; then
+  die "$np ranks do not fit one host at --gpus-per-node $gpus_per_node (name the nodes with --hostfile)"
+fi
+
+# --nproc with --device cuda: one GPU per rank, so no more ranks than visible GPUs (retain-train
+# binds node-local rank modulo the GPUs, and NCCL refuses two ranks on one GPU).
+if [ -n "$nproc_ranks" ] && nvidia-smi -L >/dev/null 2>&1; then
+  wants_cuda=0 prev=""
+  for a in "$@"; do
+    if [ "$a" = --device=cuda ] || { [ "$prev" = --device ] && [ "$a" = cuda ]; }; then wants_cuda=1; fi
+    prev=$a
+  done
+  if [ $wants_cuda -eq 1 ]; then
+    if [ -n "${CUDA_VISIBLE_DEVICES+set}" ]; then
+      IFS=, read -r -a visible <<<"$CUDA_VISIBLE_DEVICES"
+      gpus=0
+      for d in "${visible[@]}"; do if [ -n "${d// /}" ]; then gpus=$((gpus + 1)); fi; done
+      seen="CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES"
+    else
+      gpus=$(nvidia-smi -L | grep -c '^GPU ' || true)
+      seen="nvidia-smi -L"
+    fi
+    [ "$nproc_ranks" -le "$gpus" ] ||
+      die "--nproc $nproc_ranks with --device cuda: $nproc_ranks ranks but $gpus visible GPUs ($seen); one GPU per rank"
+  fi
+fi
 
 args=(mpirun -np "$np")
 [ -n "$hostfile" ] && args+=(--hostfile "$hostfile")
@@ -125,12 +194,17 @@ esac
 
 # Threads and binding.
 exports=()
+# --gpus-per-node G: G ranks per node (ppr), so that node-local rank = GPU; with threads per
+# rank, one --map-by carries both (OpenMPI 4/5 accept ppr:G:node:PE=T).
+map_by=slot
+[ -n "$gpus_per_node" ] && map_by=ppr:$gpus_per_node:node
 if [ -n "${RETAIN_THREADS_PER_RANK:-}" ]; then
   [[ "$RETAIN_THREADS_PER_RANK" =~ ^[1-9][0-9]*$ ]] ||
     die "RETAIN_THREADS_PER_RANK='$RETAIN_THREADS_PER_RANK' is not a positive number"
-  args+=(--map-by "slot:PE=$RETAIN_THREADS_PER_RANK" --bind-to core)
+  args+=(--map-by "$map_by:PE=$RETAIN_THREADS_PER_RANK" --bind-to core)
   exports+=("OMP_NUM_THREADS=$RETAIN_THREADS_PER_RANK")
 else
+  [ -n "$gpus_per_node" ] && args+=(--map-by "$map_by")
   args+=(--bind-to none)
   if [ $multi_node -eq 0 ]; then
     threads=$(( $(nproc) / np ))

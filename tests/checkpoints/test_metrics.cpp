@@ -72,6 +72,8 @@ TEST(Metrics, StepLineShowsThroughputAndMemoryWhenKnown) {
       << format_step_line(m);
   m.mfu = NAN, m.peak_memory_gb = NAN;
   EXPECT_NE(format_step_line(m).find("ETA 20:12 412.5 TFLOP/s MFU n/a β̄"), std::string::npos) << format_step_line(m);
+  m.comm_ms = 30.46, m.comm_exposed_ms = 1.24;  // NCCL's device time in collectives, and the part compute waited for
+  EXPECT_NE(format_step_line(m).find("MFU n/a comm 30.5 ms (1.2 exposed) β̄"), std::string::npos) << format_step_line(m);
 }
 
 TEST(Metrics, StepLineSummarizesManyLayers) {
@@ -106,12 +108,16 @@ TEST(Metrics, JsonLineHasEveryFieldAndTheTime) {
   EXPECT_TRUE(j["tflops"].is_null());
   EXPECT_TRUE(j["mfu"].is_null());
   EXPECT_TRUE(j["peak_memory_gb"].is_null());
-  EXPECT_EQ(j.size(), 18u);  // the 17 fields above + time
-  m.tflops = 412.5, m.mfu = 0.417, m.peak_memory_gb = 47.25;
+  EXPECT_TRUE(j["comm_ms"].is_null());
+  EXPECT_TRUE(j["comm_exposed_ms"].is_null());
+  EXPECT_EQ(j.size(), 20u);  // the 19 fields above + time
+  m.tflops = 412.5, m.mfu = 0.417, m.peak_memory_gb = 47.25, m.comm_ms = 30.5, m.comm_exposed_ms = 1.25;
   const nlohmann::json k = to_json(m);
   EXPECT_EQ(k["tflops"], 412.5);
   EXPECT_EQ(k["mfu"], 0.417);
   EXPECT_EQ(k["peak_memory_gb"], 47.25);
+  EXPECT_EQ(k["comm_ms"], 30.5);
+  EXPECT_EQ(k["comm_exposed_ms"], 1.25);
 
   // "time": UTC ISO-8601 with milliseconds, within a few seconds of now.
   const std::string t = j["time"];
