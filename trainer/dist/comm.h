@@ -127,7 +127,8 @@ class Comm {
 
   // Most elements handed to one backend call (bytes for broadcast and all_gather_bytes);
   // larger buffers go in pieces. MPI takes int counts, so the default is INT_MAX. Tests
-  // lower it to exercise the chunked paths. Every rank must use the same value.
+  // lower it to exercise the chunked paths. Every rank must use the same value. NCCL takes
+  // size_t counts and ignores it (one call per collective).
   void set_max_chunk(size_t elems);
   size_t max_chunk() const { return max_chunk_; }
 
