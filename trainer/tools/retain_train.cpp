@@ -184,7 +184,15 @@ int run(int argc, char** argv, dist::Comm& host_comm, std::unique_ptr<dist::Comm
   c.timeout = vm.count("timeout") ? timeout : c.device == Device::CUDA ? 600.0 : 0.0;
   nccl = nccl_comm_if_wanted(c, host_comm);  // collective: every rank chooses alike
   dist::Comm& comm = nccl ? *nccl : host_comm;
-  comm.set_timeout(c.timeout);  // every rank parsed the same argv: collective, before any other
+  // Every rank parsed the same argv: collective, before any other. The default (cuda) gives way
+  // where the MPI library cannot host the watchdog (no MPI_THREAD_MULTIPLE): every rank alike.
+  try {
+    comm.set_timeout(c.timeout);
+  } catch (const Error& e) {
+    if (vm.count("timeout")) throw;
+    if (comm.is_main_rank()) spdlog::warn("no collective watchdog (--timeout 0): {}", e.what());
+    c.timeout = 0;
+  }
   if (!c.dump_grads.empty()) {
     trainer::dump_gradients(c, comm);
     return 0;
