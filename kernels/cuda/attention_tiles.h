@@ -9,11 +9,7 @@
 
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define RETAIN_HD __host__ __device__ __forceinline__
-#else
-#define RETAIN_HD inline
-#endif
+#include "kernels/cuda/host_device.h"  // RETAIN_HD
 // Full unrolling of the fragment loops in device code (host compilers do not know the pragma).
 #if defined(__CUDA_ARCH__)
 #define RETAIN_UNROLL _Pragma("unroll")
