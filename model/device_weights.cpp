@@ -25,7 +25,7 @@ DeviceWeightProvider::DeviceWeightProvider(std::shared_ptr<const Qwen3Checkpoint
     const auto fields = layer_fields(layers_[static_cast<size_t>(l)]);
     for (size_t i = 0; i < tensors.size(); ++i) {
       const Tensor host = ckpt_->tensor(tensors[i].first);
-      *fields[i] = upload(host, host.ndim() == 1 ? DType::F32 : matmul_dtype);  // norms F32, projections matmul
+      *fields[i] = upload(host, layer_tensor_dtype(host.shape(), matmul_dtype));
     }
   }
   const Tensor embed = ckpt_->tensor(names::kEmbed);

@@ -42,6 +42,13 @@ struct LayerWeights {
 std::vector<std::pair<std::string, Shape>> layer_tensors(const Qwen3Config& config, int64_t l);
 std::array<Tensor*, 11> layer_fields(LayerWeights& w);
 
+// The dtype a GPU provider keeps a layer tensor of `shape` in: norm weights (1-D) F32, which the
+// row ops read; projections the GEMMs' `matmul_dtype`. DeviceWeightProvider and the FSDP
+// provider both follow it, so their weights are the same bytes.
+inline DType layer_tensor_dtype(const Shape& shape, DType matmul_dtype) {
+  return shape.size() == 1 ? DType::F32 : matmul_dtype;
+}
+
 // Every tensor Qwen3ForCausalLM has for `config`, with its shape, in a stable order.
 std::vector<std::pair<std::string, Shape>> expected_tensors(const Qwen3Config& config);
 

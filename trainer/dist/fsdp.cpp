@@ -93,7 +93,7 @@ FsdpWeightProvider::FsdpWeightProvider(std::shared_ptr<const Qwen3Checkpoint> ck
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
     std::vector<TensorSpec> specs;
     for (auto& [name, shape] : layer_tensors(c, l)) {
-      const DType dtype = shape.size() == 1 ? DType::F32 : mm;  // norms F32, projections matmul
+      const DType dtype = layer_tensor_dtype(shape, mm);
       specs.push_back({std::move(name), std::move(shape), dtype});
     }
     layers_.push_back(make_unit(std::move(specs)));
