@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -97,26 +98,24 @@ class Staged {
 // An all_gather's send and recv as the backend takes them. In place (send inside recv at this
 // rank's block) stays in place: only recv is staged, with this rank's block copied in.
 struct StagedGather {
-  StagedGather(const Comm& comm, const void* send, void* recv, size_t block) {
-    const size_t n = static_cast<size_t>(comm.size());
+  StagedGather(const Comm& comm, const void* send, void* recv, size_t block)
+      : out(recv, block * static_cast<size_t>(comm.size()), comm.native_device_buffers()) {
     const size_t mine = static_cast<size_t>(comm.rank()) * block;
-    in_place = send == static_cast<const char*>(recv) + mine;
-    out.emplace_back(recv, block * n, comm.native_device_buffers());
-    if (in_place) {
-      out[0].copy_in(mine, block);
-      send_ptr = out[0].ptr() + mine;
+    if (send == static_cast<const char*>(recv) + mine) {  // in place
+      out.copy_in(mine, block);
+      send_ptr = out.ptr() + mine;
     } else {
-      in.emplace_back(send, block, comm.native_device_buffers());
-      in[0].copy_in();
-      send_ptr = in[0].ptr();
+      in.emplace(send, block, comm.native_device_buffers());
+      in->copy_in();
+      send_ptr = in->ptr();
     }
   }
-  bool staged() const { return out[0].staged() || (!in.empty() && in[0].staged()); }
-  char* recv_ptr() { return out[0].ptr(); }
+  bool staged() const { return out.staged() || (in && in->staged()); }
+  char* recv_ptr() { return out.ptr(); }
 
-  bool in_place = false;
+  Staged out;
+  std::optional<Staged> in;  // none in place
   const char* send_ptr = nullptr;
-  std::vector<Staged> in, out;  // zero or one each: Staged is move-only and not default-made
 };
 
 // A nonblocking gather through stand-ins: the backend's request, then the copy out on wait().
@@ -129,7 +128,7 @@ class StagedRequest final : public Request {
     if (done_) return;
     done_ = true;
     inner_->wait();
-    buffers_.out[0].copy_out();
+    buffers_.out.copy_out();
   }
   bool test() override { return done_ || inner_->test(); }
 
@@ -172,7 +171,7 @@ void Comm::all_gather(const float* send, float* recv, size_t count_per_rank) {
   StagedGather b(*this, send, recv, count_per_rank * sizeof(float));
   do_all_gather(reinterpret_cast<const float*>(b.send_ptr), reinterpret_cast<float*>(b.recv_ptr()),
                 count_per_rank);
-  b.out[0].copy_out();
+  b.out.copy_out();
 }
 
 std::unique_ptr<Request> Comm::all_gather_async(const float* send, float* recv,
@@ -196,7 +195,7 @@ void Comm::all_gather_bytes(const void* send, void* recv, size_t bytes_per_rank)
     fail("all_gather_bytes: send and recv overlap");
   StagedGather b(*this, send, recv, bytes_per_rank);
   do_all_gather_bytes(b.send_ptr, b.recv_ptr(), bytes_per_rank);
-  b.out[0].copy_out();
+  b.out.copy_out();
 }
 
 std::unique_ptr<Request> Comm::all_gather_bytes_async(const void* send, void* recv,
