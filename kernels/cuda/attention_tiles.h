@@ -9,6 +9,7 @@
 
 #include <cstdint>
 
+#include "kernels/cuda/block_spans.h"
 #include "kernels/cuda/host_device.h"  // RETAIN_HD
 // Full unrolling of the fragment loops in device code (host compilers do not know the pragma).
 #if defined(__CUDA_ARCH__)
@@ -108,27 +109,36 @@ RETAIN_HD float block_max_log_beta(const float* log_beta, const int32_t* doc, in
 
 // The tiles a CTA visits: tile_visited, and not negligible when the weight skip is on
 // (lbmax: this KV head's per-block maxima, lbmax[kb·stride]; nullptr: exact, nothing skipped).
+// spans (kernels/cuda/block_spans.h) bound the walks: query block qb meets no key block before
+// spans[qb].key_begin, key block kb no query block from spans[kb].query_end on, so a CTA looks
+// its span up instead of testing every block from 0 (forward, dq) or up to nb (dk/dv).
 struct TileFilter {
   const DocRange* ranges;
+  const spans::BlockSpan* spans;
   const float* lbmax;
   int64_t stride;
   float log_eps;
 };
-RETAIN_HD TileFilter exact_tiles(const DocRange* ranges) { return {ranges, nullptr, 0, 0.0f}; }
+RETAIN_HD TileFilter exact_tiles(const DocRange* ranges, const spans::BlockSpan* block_spans) {
+  return {ranges, block_spans, nullptr, 0, 0.0f};
+}
 RETAIN_HD bool visits(const TileFilter& f, int64_t qb, int64_t kb) {
   return tile_visited(f.ranges, qb, kb) && !(f.lbmax && tile_negligible(f.lbmax[kb * f.stride], qb, kb, f.log_eps));
 }
 
 // The next key block ≥ kb visited by query block qb, or qb + 1 when none is left.
 RETAIN_HD int64_t next_key_block(const TileFilter& f, int64_t qb, int64_t kb) {
+  const int64_t begin = f.spans[qb].key_begin;
+  if (kb < begin) kb = begin;
   while (kb <= qb && !visits(f, qb, kb)) ++kb;
   return kb;
 }
 
 // The next query block ≥ qb that visits key block kb, or nb when none is left.
 RETAIN_HD int64_t next_query_block(const TileFilter& f, int64_t nb, int64_t kb, int64_t qb) {
-  while (qb < nb && !visits(f, qb, kb)) ++qb;
-  return qb;
+  const int64_t end = f.spans[kb].query_end;
+  while (qb < end && !visits(f, qb, kb)) ++qb;
+  return qb < end ? qb : nb;
 }
 
 // The dk/dv kernel's walk for key block kb: every query head h of [h_begin, h_end) (a GQA

@@ -7,7 +7,8 @@
 //   tile_info   per (layer, key tile): max logβ over the tile's non-padding keys per head
 //               (the e^-60 skip) and, for layer 0, the tile's document range.
 //   sums        block = (query tile qb, layer l, head group z): a warp per KV head, a lane per
-//               4 consecutive rows; loops over key tiles kb = 0..qb (never above the diagonal),
+//               4 consecutive rows; loops over key tiles kb = span..qb (never above the diagonal,
+//               never before the first tile that may share a document: kernels/cuda/block_spans.h),
 //               skipping tiles with no shared document or (per head) no term above e^-60; the
 //               key tile (logβ, β = e^logβ, doc) is staged in shared memory and read by
 //               broadcast. Per row: float32 partials of ≤ 64 terms added into float64. Then,
@@ -16,7 +17,7 @@
 //               for the global hinge).
 //   totals      global mode: Σ_{l,κ} S per row in a fixed order, the global hinge and slope.
 //   grads       block = (key tile kb, layer l, head group z): a lane per 4 consecutive keys,
-//               loops over query tiles qb = kb..; the transposed pass
+//               loops over query tiles qb = kb.. (up to the tile's span end); the transposed pass
 //               dlogβ_i = scale·Σ_{t>i} g_t·(t − i)·e^{(t−i)·logβ_i}, float64 per key.
 //   reduce      the per-block loss partials summed in a fixed order (deterministic results).
 // Memory besides inputs and outputs: O(L·T·K/128) tile data, g (L·T·K floats local, T global),
@@ -27,6 +28,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "kernels/cuda/block_spans_cuda.h"
 #include "kernels/cuda/capacity_tiles.h"
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/retention_cuda.h"
@@ -99,6 +101,7 @@ struct SumsArgs {
   int K, W;              // heads, heads per block (= blockDim.x / 32)
   const float* tile_max;  // [L, nb, K]
   const TileDocs* docs;  // [nb]
+  const spans::BlockSpan* spans;  // [nb]
   double M;
   float* S;                       // [L, T, K] or null
   double* part_sum;               // local hinge partials, one per block, or null
@@ -130,7 +133,7 @@ __global__ void __launch_bounds__(32 * kHeadsPerBlock) sums_kernel(SumsArgs a) {
   const TileDocs qd = a.docs[qb];
   const float* head_max = a.tile_max + l * nb * K;
 
-  for (int64_t kb = 0; kb <= qb; ++kb) {
+  for (int64_t kb = a.spans[qb].key_begin; kb <= qb; ++kb) {
     const TileDocs kd = a.docs[kb];
     const bool mine = active && tiles_may_meet(qd, kd) && !tile_negligible(qb, kb, head_max[kb * K + kappa]);
     // Also the barrier after the previous tile's reads: shared memory may be overwritten.
@@ -272,6 +275,7 @@ struct GradArgs {
   int K, W;
   const float* tile_max;
   const TileDocs* docs;
+  const spans::BlockSpan* spans;  // [nb]
   const float* g;        // local: [L, T, K]; global: [T]
   const uint8_t* g_any;  // local: [L, nb, K]; global: [nb]
   bool per_head;         // local (true) or global (false) slopes
@@ -305,7 +309,7 @@ __global__ void __launch_bounds__(32 * kHeadsPerBlock) grads_kernel(GradArgs a) 
   const TileDocs kd = a.docs[kb];
   const float key_max = active ? a.tile_max[(l * nb + kb) * K + kappa] : -INFINITY;
 
-  for (int64_t qb = kb; qb < nb; ++qb) {
+  for (int64_t qb = kb; qb < a.spans[kb].query_end; ++qb) {
     const bool live = active && !tile_negligible(qb, kb, key_max);
     // tile_negligible is monotone in qb: once no head of the block is live, none will be.
     if (!__syncthreads_or(live)) break;
@@ -384,6 +388,7 @@ struct Plan {
   int K, W, Z;
   Tensor tile_max;  // F32 [L, nb, K]
   Tensor docs;      // I32 [nb, 3] = TileDocs
+  Tensor span_table;  // I32 [nb, 2] = spans::BlockSpan
 
   Plan(const Tensor& log_beta, const Tensor& doc)
       : L(log_beta.dim(0)), T(log_beta.dim(1)), nb(tile_count(log_beta.dim(1))), K(static_cast<int>(log_beta.dim(2))) {
@@ -395,8 +400,12 @@ struct Plan {
     tile_info_kernel<<<dim3(static_cast<unsigned>(nb), static_cast<unsigned>(L)), kTile>>>(
         ptr<float>(log_beta), ptr<int32_t>(doc), T, K, nb, ptr<float>(tile_max), tile_docs());
     RETAIN_LAUNCH_CHECK();
+    static_assert(sizeof(spans::BlockSpan) == 2 * sizeof(int32_t), "BlockSpan is stored as 2 int32");
+    span_table = Tensor::empty({nb, 2}, DType::I32, Device::CUDA);
+    spans::device_block_spans(&tile_docs()->lo, &tile_docs()->hi, 3, static_cast<int32_t>(nb), tile_spans());
   }
   TileDocs* tile_docs() { return reinterpret_cast<TileDocs*>(docs.raw()); }
+  spans::BlockSpan* tile_spans() { return reinterpret_cast<spans::BlockSpan*>(span_table.raw()); }
 
   SumsArgs sums_args(const Tensor& log_beta, const Tensor& doc) {
     SumsArgs a{};
@@ -408,6 +417,7 @@ struct Plan {
     a.W = W;
     a.tile_max = ptr<float>(tile_max);
     a.docs = tile_docs();
+    a.spans = tile_spans();
     return a;
   }
   void launch_sums(const SumsArgs& a) const {
@@ -522,6 +532,7 @@ void capacity_loss_backward(const Tensor& log_beta, const Tensor& doc, const Ten
   b.W = plan.W;
   b.tile_max = ptr<float>(plan.tile_max);
   b.docs = plan.tile_docs();
+  b.spans = plan.tile_spans();
   b.g = ptr<float>(g);
   b.g_any = ptr<uint8_t>(g_any);
   b.per_head = local;

@@ -16,7 +16,8 @@
 // Blocks are kBlock = 64 tokens and CTAs have 4 warps; warp w owns rows 16w..16w+15 of the
 // CTA's block (query rows in forward/dq, key rows in dk/dv), i.e. one m16 row-block of every
 // mma. Tiles above the diagonal and tiles whose blocks share no document id are never
-// visited (the per-block document ranges come from a small kernel); tiles strictly below the
+// visited (the per-block document ranges come from a small kernel, and each CTA starts and
+// ends its walk at its block's span, kernels/cuda/block_spans.h); tiles strictly below the
 // diagonal inside one document skip the per-pair mask. Scores are kept in base-2 units
 // (multiplied by log2 e) so that exp is one ex2. Index math lives in attention_tiles.h and is
 // unit-tested on the host (tests/cuda/test_attention_tiles.cpp).
@@ -35,6 +36,7 @@
 
 #include "kernels/cuda/attention_lane.h"
 #include "kernels/cuda/attention_tiles.h"
+#include "kernels/cuda/block_spans_cuda.h"
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/mma.cuh"
 #include "kernels/cuda/retention_cuda.h"
@@ -62,6 +64,7 @@ struct Params {
   const float* log_beta; // [T, K]
   const int32_t* doc;    // [T]
   const DocRange* ranges;  // [nb]
+  const spans::BlockSpan* spans;  // [nb] (kernels/cuda/block_spans.h)
   const float* lbmax;      // [nb, K] per-block max logβ, or nullptr: no weight skip (exact)
   float log_eps;           // the weight skip's log ε (when lbmax is set)
   bf16* out;             // [T, H, d]   forward
@@ -283,7 +286,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const Params p) {
     }
   };
 
-  const TileFilter tiles{p.ranges, p.lbmax ? p.lbmax + kv : nullptr, p.K, p.log_eps};
+  const TileFilter tiles{p.ranges, p.spans, p.lbmax ? p.lbmax + kv : nullptr, p.K, p.log_eps};
   load_tile_async<D>(sQ, p.q + int64_t{h} * D, int64_t{p.H} * D, q0, nq);
   int64_t kb = next_key_block(tiles, qb, 0);
   if (kb <= qb) load_keys(kb, 0);
@@ -393,7 +396,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const Params p) {
 
   load_tile_async<D>(sQ, p.q + int64_t{h} * D, int64_t{p.H} * D, q0, nq);
   load_tile_async<D>(sdO, p.dout + int64_t{h} * D, int64_t{p.H} * D, q0, nq);
-  const TileFilter tiles{p.ranges, p.lbmax ? p.lbmax + kv : nullptr, p.K, p.log_eps};
+  const TileFilter tiles{p.ranges, p.spans, p.lbmax ? p.lbmax + kv : nullptr, p.K, p.log_eps};
   int64_t kb = next_key_block(tiles, qb, 0);
   if (kb <= qb) load_keys(kb, 0);
   cp_async_commit();
@@ -489,7 +492,7 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(const Params p) {
   load_tile_async<D>(sV, p.v + int64_t{kv} * D, int64_t{p.K} * D, i0, nk);
   // The (query head, query block) pairs to visit: heads of the group in order, and for each
   // the query blocks qb ≥ kb that share a document with kb (first .. nb).
-  const TileFilter tiles{p.ranges, p.lbmax ? p.lbmax + kv : nullptr, p.K, p.log_eps};
+  const TileFilter tiles{p.ranges, p.spans, p.lbmax ? p.lbmax + kv : nullptr, p.K, p.log_eps};
   const int64_t first_qb = next_query_block(tiles, p.nb, kb, kb);
   const int h_end = (kv + 1) * p.group;
   int h = first_qb < p.nb ? kv * p.group : h_end;
@@ -586,8 +589,9 @@ void check_aligned(const char* op, const char* what, const Tensor& t) {
   if (reinterpret_cast<uintptr_t>(t.raw()) % 16 != 0) fail("{}: {} is not 16-byte aligned on the device", op, what);
 }
 
-// The per-call tile tables on the device: each block's document range and, with the optional
-// weight skip (0 < ε < 1), each (block, KV head)'s largest logβ.
+// The per-call tile tables on the device: each block's document range, its span of blocks
+// that may share a document (kernels/cuda/block_spans.h), and, with the optional weight skip
+// (0 < ε < 1), each (block, KV head)'s largest logβ.
 class TileTables {
  public:
   TileTables(const char* op, const Tensor& log_beta, const Tensor& doc, float skip_weight_below)
@@ -596,6 +600,7 @@ class TileTables {
         nb_(block_count(T_)),
         skip_(skip_weight_below > 0.0f),
         ranges_(sizeof(DocRange) * static_cast<size_t>(nb_)),
+        spans_(sizeof(spans::BlockSpan) * static_cast<size_t>(nb_)),
         lbmax_(skip_ ? sizeof(float) * static_cast<size_t>(nb_ * K_) : 0) {
     if (!(skip_weight_below >= 0.0f && skip_weight_below < 1.0f))
       fail("{}: skip_weight_below = {} is not in [0, 1) (0 = exact)", op, skip_weight_below);
@@ -603,6 +608,9 @@ class TileTables {
     doc_ranges_kernel<<<static_cast<unsigned>((nb_ + threads - 1) / threads), threads>>>(doc.data<int32_t>(), T_, nb_,
                                                                                        ranges_.as<DocRange>());
     CUDA_CHECK(cudaGetLastError());
+    const DocRange* r = ranges_.as<DocRange>();
+    spans::device_block_spans(&r->lo, &r->hi, sizeof(DocRange) / sizeof(int32_t), static_cast<int32_t>(nb_),
+                              spans_.as<spans::BlockSpan>());
     if (skip_) {
       log_eps_ = std::log(skip_weight_below);
       lbmax_kernel<<<static_cast<unsigned>((nb_ * K_ + threads - 1) / threads), threads>>>(
@@ -610,8 +618,9 @@ class TileTables {
       CUDA_CHECK(cudaGetLastError());
     }
   }
-  const DocRange* ranges() const { return ranges_.as<DocRange>(); }
   void fill(Params& p) const {
+    p.ranges = ranges_.as<DocRange>();
+    p.spans = spans_.as<spans::BlockSpan>();
     p.lbmax = skip_ ? lbmax_.as<float>() : nullptr;
     p.log_eps = log_eps_;
   }
@@ -620,7 +629,7 @@ class TileTables {
   int64_t T_, K_, nb_;
   bool skip_;
   float log_eps_ = 0.0f;
-  Scratch ranges_, lbmax_;
+  Scratch ranges_, spans_, lbmax_;
 };
 
 Params base_params(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& log_beta,
@@ -633,7 +642,6 @@ Params base_params(const char* op, const Tensor& q, const Tensor& k, const Tenso
   p.v = static_cast<const bf16*>(v.raw());
   p.log_beta = log_beta.data<float>();
   p.doc = doc.data<int32_t>();
-  p.ranges = tables.ranges();
   tables.fill(p);
   p.T = q.dim(0);
   p.H = static_cast<int>(q.dim(1));

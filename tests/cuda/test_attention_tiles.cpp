@@ -28,6 +28,7 @@
 #include "kernels/tensor.h"
 
 using namespace retain::cuda::tiles;
+namespace spans = retain::cuda::spans;
 
 namespace {
 
@@ -53,6 +54,12 @@ std::vector<DocRange> ranges_of(const std::vector<int32_t>& doc) {
   std::vector<DocRange> r;
   for (int64_t b = 0; b < block_count(T); ++b) r.push_back(block_doc_range(doc.data(), T, b));
   return r;
+}
+
+// The span table the device builds from the ranges (kernels/cuda/block_spans.cu).
+std::vector<spans::BlockSpan> spans_of(const std::vector<DocRange>& r) {
+  return spans::host_block_spans(&r[0].lo, &r[0].hi, sizeof(DocRange) / sizeof(int32_t),
+                                 static_cast<int32_t>(r.size()));
 }
 
 bool allowed_by_definition(const std::vector<int32_t>& doc, int64_t t, int64_t i) {
@@ -104,6 +111,8 @@ TEST(AttentionTiles, ScheduleVisitsExactlyTheTilesThatMatter) {
       SCOPED_TRACE(::testing::Message() << "T=" << T << " interleaved=" << interleaved);
       const std::vector<int32_t> doc = random_docs(T, rng, interleaved);
       const std::vector<DocRange> r = ranges_of(doc);
+      const std::vector<spans::BlockSpan> sp = spans_of(r);
+      const TileFilter exact = exact_tiles(r.data(), sp.data());
       const int64_t nb = block_count(T);
       // Brute force: which tiles hold an allowed pair.
       std::set<std::pair<int64_t, int64_t>> needed;
@@ -117,8 +126,8 @@ TEST(AttentionTiles, ScheduleVisitsExactlyTheTilesThatMatter) {
       std::set<std::pair<int64_t, int64_t>> visited;
       for (int64_t qb = 0; qb < nb; ++qb) {
         int64_t prev = -1;
-        for (int64_t kb = next_key_block(exact_tiles(r.data()), qb, 0); kb <= qb;
-             kb = next_key_block(exact_tiles(r.data()), qb, kb + 1)) {
+        for (int64_t kb = next_key_block(exact, qb, 0); kb <= qb;
+             kb = next_key_block(exact, qb, kb + 1)) {
           EXPECT_GT(kb, prev);
           prev = kb;
           EXPECT_TRUE(ranges_meet(r[static_cast<size_t>(qb)], r[static_cast<size_t>(kb)]));
@@ -134,10 +143,10 @@ TEST(AttentionTiles, ScheduleVisitsExactlyTheTilesThatMatter) {
       // Key-side walk over a GQA group of 3 heads (4..6): each head sees the transposed set.
       for (int64_t kb = 0; kb < nb; ++kb) {
         std::set<std::pair<int, int64_t>> walk;
-        const int64_t first = next_query_block(exact_tiles(r.data()), nb, kb, kb);
+        const int64_t first = next_query_block(exact, nb, kb, kb);
         const int h_begin = 4, h_end = 7;
         for (HeadBlock at{first < nb ? h_begin : h_end, first}; at.h < h_end;
-             at = next_head_block(exact_tiles(r.data()), nb, kb, first, at)) {
+             at = next_head_block(exact, nb, kb, first, at)) {
           ASSERT_GE(at.qb, kb);
           ASSERT_LT(at.qb, nb);
           EXPECT_TRUE(walk.insert({at.h, at.qb}).second) << "visited twice";
@@ -413,11 +422,14 @@ struct Emu {
   std::vector<float> q, k, v, dout, lb;  // q, k, v, dout already bf16-rounded
   std::vector<int32_t> doc;
   std::vector<DocRange> ranges;
+  std::vector<retain::cuda::spans::BlockSpan> spans;
   bool bf16 = true;   // round P, dS and the outputs to bf16 as the device does
   bool skip = false;  // the optional weight skip, at log_eps, with lbmax [nb, K]
   float log_eps = 0.0f;
   std::vector<float> lbmax;
-  TileFilter filter(int64_t kv) const { return {ranges.data(), skip ? lbmax.data() + kv : nullptr, K, log_eps}; }
+  TileFilter filter(int64_t kv) const {
+    return {ranges.data(), spans.data(), skip ? lbmax.data() + kv : nullptr, K, log_eps};
+  }
   float out_round(float x) const { return bf16 ? round_bf16(x) : x; }
 };
 
@@ -703,6 +715,7 @@ TEST(AttentionTiles, EmulatedKernelsMatchCpuReference) {
     e.doc =
         c.one_plain_document ? std::vector<int32_t>(static_cast<size_t>(c.T), 0) : random_docs(c.T, rng, c.interleaved);
     e.ranges = ranges_of(e.doc);
+    e.spans = spans_of(e.ranges);
 
     // Reference.
     const Tensor q = Tensor::from_vector<float>(e.q, {c.T, c.H, c.d}),
@@ -809,6 +822,7 @@ TEST(AttentionTiles, WeightSkipStaysWithinItsBound) {
     e.doc.assign(static_cast<size_t>(T), 0);
     for (int64_t t = 400; t < T; ++t) e.doc[static_cast<size_t>(t)] = t < 410 ? -1 : 1;  // two documents + padding
     e.ranges = ranges_of(e.doc);
+    e.spans = spans_of(e.ranges);
     e.bf16 = false;
     const float nan = std::numeric_limits<float>::quiet_NaN();
     std::vector<float> out(static_cast<size_t>(T * H * d), nan), lse(static_cast<size_t>(T * H), nan);

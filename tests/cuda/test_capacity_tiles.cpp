@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/cuda/block_spans.h"
 #include "kernels/cuda/capacity_tiles.h"
 #include "kernels/ops.h"
 #include "kernels/retention.h"
@@ -47,6 +48,7 @@ struct TileInfo {
   int64_t nb;
   std::vector<float> tile_max;  // [L, nb, K]
   std::vector<cap::TileDocs> docs;
+  std::vector<retain::cuda::spans::BlockSpan> spans;  // block_spans.cu's table from docs
 
   explicit TileInfo(const Problem& p) : nb(cap::tile_count(p.T)) {
     tile_max.assign(static_cast<size_t>(p.L * nb * p.K), -INFINITY);
@@ -65,6 +67,7 @@ struct TileInfo {
           m = std::max(m, p.lb[(l * p.T + i) * p.K + k]);
         }
     }
+    spans = retain::cuda::spans::host_block_spans(&docs[0].lo, &docs[0].hi, 3, static_cast<int32_t>(nb));
   }
 };
 
@@ -88,7 +91,7 @@ Sums emulate_sums(const Problem& p, const TileInfo& info) {
           int32_t rdoc[cap::kRun];
           for (int r = 0; r < cap::kRun; ++r) rdoc[r] = t0 + r < T ? cap::row_doc(p.doc[t0 + r]) : cap::kPadRow;
           double acc[cap::kRun] = {0, 0, 0, 0};
-          for (int64_t kb = 0; kb <= qb; ++kb) {
+          for (int64_t kb = info.spans[static_cast<size_t>(qb)].key_begin; kb <= qb; ++kb) {
             if (!cap::tiles_may_meet(info.docs[qb], info.docs[kb])) continue;
             if (cap::tile_negligible(qb, kb, info.tile_max[(l * nb + kb) * K + kappa])) {
               out.negligible_skips += lane == 0;
@@ -136,7 +139,7 @@ std::vector<double> emulate_grads(const Problem& p, const TileInfo& info, const 
           }
           double acc[cap::kRun] = {0, 0, 0, 0};
           const float key_max = info.tile_max[(l * nb + kb) * K + kappa];
-          for (int64_t qb = kb; qb < nb; ++qb) {
+          for (int64_t qb = kb; qb < info.spans[static_cast<size_t>(kb)].query_end; ++qb) {
             if (cap::tile_negligible(qb, kb, key_max)) {
               *negligible_breaks += lane == 0;
               break;
