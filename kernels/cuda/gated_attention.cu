@@ -23,7 +23,8 @@
 // unit-tested on the host (tests/cuda/test_attention_tiles.cpp).
 //
 // Numerics: bf16 operands, fp32 accumulators, P and dS rounded to bf16 before their products
-// (as FlashAttention-2); the softmax statistics, D, dS (for dlogβ) and dlogβ stay fp32.
+// (as FlashAttention-2); the softmax statistics, D, dS (for dlogβ) stay fp32; dlogβ is summed
+// in fp32 within a tile and in fp64 across tiles.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -174,6 +175,10 @@ __device__ __forceinline__ float quad_sum(float x) {
   x += __shfl_xor_sync(0xffffffffu, x, 1);
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
+__device__ __forceinline__ double quad_sum(double x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
 
 // Writes a warp's 16 × D fp32 fragment rows (times `mul`) as bf16 to rows `row[x]` of a
 // [rows, stride] matrix starting at `base` (x = 0: this lane's first row, 1: row + 8), for rows
@@ -237,12 +242,6 @@ __global__ void delta_kernel(const bf16* out, const bf16* dout, float* delta, in
 #pragma unroll
   for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
   if (lane == 0) delta[row] = sum;
-}
-
-__global__ void first_not_nonpositive_kernel(const float* x, int64_t n, unsigned long long* first) {
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    if (!(x[i] <= 0.0f)) atomicMin(first, static_cast<unsigned long long>(i));
 }
 
 // ---- forward -----------------------------------------------------------------------------
@@ -502,7 +501,9 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(const Params p) {
 
   float dk_acc[D / 8][4] = {};
   float dv_acc[D / 8][4] = {};
-  float dlb[2] = {0.0f, 0.0f};
+  // dlogβ sums up to T·group terms per key: fp32 within a tile (16 per lane and row), fp64
+  // across tiles, so the error does not grow with T (two fp64 adds per lane per tile).
+  double dlb[2] = {0.0, 0.0};
   int stage = 0;
   while (h < h_end) {
     const HeadBlock next = next_head_block(tiles, p.nb, kb, first_qb, {h, qb});
@@ -521,6 +522,7 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(const Params p) {
     const int64_t q0 = block_begin(qb);
     const bool all_allowed = tile_all_allowed(p.ranges, qb, kb);
 
+    float dlb_tile[2] = {0.0f, 0.0f};
 #pragma unroll 1
     for (int sub = 0; sub < kBlock / kSub; ++sub) {
       const int c0 = sub * kSub;  // query columns c0 .. c0 + kSub of the tile
@@ -528,10 +530,12 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(const Params p) {
       float dp[kSubTiles][4] = {};
       rows_times_rows_t<D, kSubTiles>(s, sK, warp * kRowsPerWarp, q_s, c0, lane);    // K·Qᵀ
       rows_times_rows_t<D, kSubTiles>(dp, sV, warp * kRowsPerWarp, do_s, c0, lane);  // V·dOᵀ
-      key_row_grads(s, dp, lane, i, doc_i, lb2, q0, c0, lse2_s, delta_s, doc_s, all_allowed, p.scale2, dlb);
+      key_row_grads(s, dp, lane, i, doc_i, lb2, q0, c0, lse2_s, delta_s, doc_s, all_allowed, p.scale2, dlb_tile);
       weights_times_rows<D, kSubTiles>(dv_acc, s, do_s, c0, lane);  // Pᵀ·dO
       weights_times_rows<D, kSubTiles>(dk_acc, dp, q_s, c0, lane);  // dSᵀ·Q
     }
+    dlb[0] += static_cast<double>(dlb_tile[0]);
+    dlb[1] += static_cast<double>(dlb_tile[1]);
 
     __syncthreads();
     h = h_next;
@@ -546,7 +550,7 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(const Params p) {
   for (int x = 0; x < 2; ++x) {
     row[x] = i[x] * p.K + kv;
     dlb[x] = quad_sum(dlb[x]);
-    if (in_i[x] && lane % 4 == 0) p.dlog_beta[row[x]] = dlb[x];
+    if (in_i[x] && lane % 4 == 0) p.dlog_beta[row[x]] = static_cast<float>(dlb[x]);
   }
   store_rows<D>(p.dk, D, row, in_i, dk_acc, mul_k, lane);
   store_rows<D>(p.dv, D, row, in_i, dv_acc, mul_v, lane);
@@ -725,22 +729,6 @@ void gated_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
     backward<64>(p);
   else
     backward<128>(p);
-}
-
-int64_t first_not_nonpositive(const Tensor& x) {
-  const int64_t n = x.numel();
-  if (n == 0) return -1;
-  Scratch first(sizeof(unsigned long long));
-  CUDA_CHECK(cudaMemsetAsync(first.as<void>(), 0xff, sizeof(unsigned long long), 0));
-  const int threads = 256;
-  const int64_t blocks = std::min<int64_t>((n + threads - 1) / threads, 4096);
-  first_not_nonpositive_kernel<<<static_cast<unsigned>(blocks), threads>>>(x.data<float>(), n,
-                                                                            first.as<unsigned long long>());
-  CUDA_CHECK(cudaGetLastError());
-  unsigned long long result = 0;
-  CUDA_CHECK(cudaMemcpyAsync(&result, first.as<void>(), sizeof result, cudaMemcpyDeviceToHost, 0));
-  CUDA_CHECK(cudaStreamSynchronize(0));
-  return result == ULLONG_MAX ? -1 : static_cast<int64_t>(result);
 }
 
 }  // namespace retain::cuda

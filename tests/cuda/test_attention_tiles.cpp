@@ -601,7 +601,7 @@ void emulate_dkdv(const Emu& e, const std::vector<float>& lse, const std::vector
       const SmemTile Kt = tile_of(e, e.k, e.K, kv, i0), Vt = tile_of(e, e.v, e.K, kv, i0);
       for (int warp = 0; warp < kWarps; ++warp) {
         Acc dk_acc(static_cast<size_t>(e.d / 8)), dv_acc(static_cast<size_t>(e.d / 8));
-        float dl[32][2] = {};
+        double dl[32][2] = {};  // the kernel's fp64 sums across tiles
         const int64_t first = next_query_block(e.filter(kv), nb, kb, kb);
         const int h_end = static_cast<int>((kv + 1) * group);
         for (HeadBlock at{first < nb ? static_cast<int>(kv * group) : h_end, first}; at.h < h_end;
@@ -617,6 +617,7 @@ void emulate_dkdv(const Emu& e, const std::vector<float>& lse, const std::vector
             doc_q[c] = in ? e.doc[static_cast<size_t>(q0 + c)] : -1;
           }
           const bool all = tile_all_allowed(e.ranges.data(), at.qb, kb);
+          float dl_tile[32][2] = {};  // fp32 within the tile
           for (int c0 = 0; c0 < kBlock; c0 += kSub) {
             Acc s(kSub / 8), dp(kSub / 8);
             rows_times_rows_t(s, Kt, warp * kRowsPerWarp, Q, c0);
@@ -629,21 +630,23 @@ void emulate_dkdv(const Emu& e, const std::vector<float>& lse, const std::vector
               float fs[kSub / 8][4], fd[kSub / 8][4];
               to_lane(s, ln, fs);
               to_lane(dp, ln, fd);
-              key_row_grads(fs, fd, ln, r.pos, r.doc, lb2_i, q0, c0, lse2, dlt, doc_q, all, scale2, dl[ln]);
+              key_row_grads(fs, fd, ln, r.pos, r.doc, lb2_i, q0, c0, lse2, dlt, doc_q, all, scale2, dl_tile[ln]);
               from_lane(s, ln, fs);
               from_lane(dp, ln, fd);
             }
             weights_times_rows(dv_acc, s, dO, c0, e.bf16);
             weights_times_rows(dk_acc, dp, Q, c0, e.bf16);
           }
+          for (int ln = 0; ln < 32; ++ln)
+            for (int x = 0; x < 2; ++x) dl[ln][x] += static_cast<double>(dl_tile[ln][x]);
         }
         for (int ln = 0; ln < 32; ++ln) {
           const LaneRows r = lane_rows(e, i0, warp, ln, nk);
           for (int x = 0; x < 2; ++x) {
             if (!r.in[x]) continue;
-            float sum = 0;
-            for (int o4 = 0; o4 < 4; ++o4) sum += dl[(ln & ~3) + o4][x];
-            dlb[static_cast<size_t>(r.pos[x] * e.K + kv)] = sum;
+            // The quad shuffle's order: (l0 + l1) + (l2 + l3).
+            const double sum = (dl[(ln & ~3) + 0][x] + dl[(ln & ~3) + 1][x]) + (dl[(ln & ~3) + 2][x] + dl[(ln & ~3) + 3][x]);
+            dlb[static_cast<size_t>(r.pos[x] * e.K + kv)] = static_cast<float>(sum);
             for (int nt = 0; nt < e.d / 8; ++nt)
               for (int half = 0; half < 2; ++half) {
                 const size_t at = static_cast<size_t>((r.pos[x] * e.K + kv) * e.d + 8 * nt + c_col(ln, half));
