@@ -3,12 +3,13 @@
 #include "kernels/retention.h"
 
 #include <cmath>
+#include <cstring>
 #include <initializer_list>
 #include <string>
 
 #include "kernels/cpu/retention_cpu.h"
+#include "kernels/deferred_checks.h"
 #include "kernels/require_cpu.h"
-#include "kernels/cuda/memory.h"
 #ifdef RETAIN_CUDA_KERNELS
 #include "kernels/cuda/retention_cuda.h"
 #endif
@@ -35,38 +36,55 @@ void check_length(const char* op, int64_t T) {
   if (T >= (int64_t{1} << 24)) fail("{}: sequence length {} is not below 2^24", op, T);
 }
 
-// The multi-index "2, 0, 5" of flat element x of t.
-std::string index_str(const Tensor& t, int64_t x) {
+// The multi-index "2, 0, 5" of flat element x of a tensor of this shape.
+std::string index_str(const Shape& shape, int64_t x) {
   std::string index;
-  for (int64_t a = t.ndim() - 1, rest = x; a >= 0; --a) {
-    index = fmt::format("{}{}", rest % t.dim(a), index.empty() ? "" : ", " + index);
-    rest /= t.dim(a);
+  for (int64_t a = static_cast<int64_t>(shape.size()) - 1, rest = x; a >= 0; --a) {
+    const int64_t n = shape[static_cast<size_t>(a)];
+    index = fmt::format("{}{}", rest % n, index.empty() ? "" : ", " + index);
+    rest /= n;
   }
   return index;
 }
 
-[[noreturn]] void bad_log_beta(const char* op, const Tensor& log_beta, int64_t x, float value) {
-  fail("{}: log_beta[{}] = {} is not ≤ 0 (it must be a logsigmoid output)", op, index_str(log_beta, x), value);
+std::string bad_log_beta(const char* op, const Shape& shape, int64_t x, float value) {
+  return fmt::format("{}: log_beta[{}] = {} is not ≤ 0 (it must be a logsigmoid output)", op, index_str(shape, x),
+                     value);
+}
+std::string bad_position(const char* op, int64_t t, int32_t value) {
+  return fmt::format("{}: positions[{}] = {} is negative", op, t, value);
 }
 
 // logβ is a logsigmoid output, so ≤ 0 (−inf allowed): that keeps every exp((t − i)·logβ) ≤ 1
-// in the capacity sums, and a NaN or positive value can only come from a bug upstream.
+// in the capacity sums, and a NaN or positive value can only come from a bug upstream. On the
+// CPU the check runs here; on CUDA it is a deferred device scan (kernels/deferred_checks.h)
+// whose verdict the step reads once, with the same message.
 void check_log_beta(const char* op, const Tensor& log_beta) {
+  if (log_beta.device() == Device::CUDA) {
+    ops::defer_value_check(log_beta.raw(), log_beta.numel(), ValueRule::at_most_zero_f32,
+                           [op, shape = log_beta.shape()](int64_t x, uint32_t bits) {
+                             float value = 0;
+                             std::memcpy(&value, &bits, sizeof value);
+                             return bad_log_beta(op, shape, x, value);
+                           });
+    return;
+  }
   const float* lb = log_beta.data<float>();
   for (int64_t x = 0; x < log_beta.numel(); ++x)
-    if (!(lb[x] <= 0.0f)) bad_log_beta(op, log_beta, x, lb[x]);
+    if (!(lb[x] <= 0.0f)) fail("{}", bad_log_beta(op, log_beta.shape(), x, lb[x]));
 }
 
-#ifdef RETAIN_CUDA_KERNELS
-// The same check for a CUDA log_beta: a device scan, then the one offending value copied back.
-void check_log_beta_cuda(const char* op, const Tensor& log_beta) {
-  const int64_t x = cuda::first_not_nonpositive(log_beta);
-  if (x < 0) return;
-  float value = 0;
-  cuda::copy_to_host(&value, log_beta.data<float>() + x, sizeof(float));
-  bad_log_beta(op, log_beta, x, value);
+// Document positions are ≥ 0; deferred on CUDA like check_log_beta.
+void check_positions(const char* op, const Tensor& positions) {
+  if (positions.device() == Device::CUDA) {
+    ops::defer_value_check(positions.raw(), positions.numel(), ValueRule::nonnegative_i32,
+                           [op](int64_t t, uint32_t bits) { return bad_position(op, t, static_cast<int32_t>(bits)); });
+    return;
+  }
+  const int32_t* p = positions.data<int32_t>();
+  for (int64_t t = 0; t < positions.numel(); ++t)
+    if (p[t] < 0) fail("{}", bad_position(op, t, p[t]));
 }
-#endif
 
 struct AttentionDims {
   int64_t T, H, K, d;
@@ -112,17 +130,18 @@ void require_device(const char* op, Device device, std::initializer_list<const T
            device_name(t->device()));
 }
 
+#ifdef RETAIN_CUDA_KERNELS
 bool on_cuda(const Tensor& log_beta) { return log_beta.device() == Device::CUDA; }
+#endif
 
 void check_capacity_inputs(const char* op, const Tensor& log_beta, const Tensor& doc) {
   expect_ndim(op, "log_beta", log_beta, DType::F32, 3, "[L, T, K]");
   expect(op, "doc", doc, DType::I32, {log_beta.dim(1)}, "[T]");
   check_length(op, log_beta.dim(1));
   require_device(op, log_beta.device(), {&doc});
-#ifdef RETAIN_CUDA_KERNELS
-  if (on_cuda(log_beta)) return check_log_beta_cuda(op, log_beta);
-#endif
+#ifndef RETAIN_CUDA_KERNELS
   require_cpu(op, {&log_beta});
+#endif
   check_log_beta(op, log_beta);
 }
 
@@ -131,24 +150,7 @@ void check_capacity_loss_inputs(const char* op, const Tensor& log_beta, const Te
   check_capacity_inputs(op, log_beta, doc);
   expect(op, "positions", positions, DType::I32, {log_beta.dim(1)}, "[T]");
   require_device(op, log_beta.device(), {&positions});
-  int64_t negative = -1;
-#ifdef RETAIN_CUDA_KERNELS
-  if (on_cuda(log_beta)) negative = cuda::first_negative(positions);
-#endif
-  if (!on_cuda(log_beta)) {
-    const int32_t* p = positions.data<int32_t>();
-    for (int64_t t = 0; t < positions.numel() && negative < 0; ++t)
-      if (p[t] < 0) negative = t;
-  }
-  if (negative >= 0) {
-    int32_t value = 0;
-    const int32_t* at = positions.data<int32_t>() + negative;
-    if (on_cuda(log_beta))
-      cuda::copy_to_host(&value, at, sizeof(value));
-    else
-      value = *at;
-    fail("{}: positions[{}] = {} is negative", op, negative, value);
-  }
+  check_positions(op, positions);
   if (!std::isfinite(memory) || memory < 0) fail("{}: memory M = {} is not a finite number ≥ 0", op, memory);
 }
 
@@ -163,7 +165,7 @@ void gated_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Te
   check_attention_device(op, q, {&k, &v, &log_beta, &doc, &out, &lse});
   if (q.device() == Device::CUDA) {
 #ifdef RETAIN_CUDA_KERNELS
-    check_log_beta_cuda(op, log_beta);
+    check_log_beta(op, log_beta);
     return cuda::gated_attention(q, k, v, log_beta, doc, scale, out, lse);
 #else
     fail("{}: this build of retain has no CUDA support", op);
@@ -189,7 +191,7 @@ void gated_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
   check_attention_device(op, q, {&k, &v, &log_beta, &doc, &out, &lse, &dout, &dq, &dk, &dv, &dlog_beta});
   if (q.device() == Device::CUDA) {
 #ifdef RETAIN_CUDA_KERNELS
-    check_log_beta_cuda(op, log_beta);
+    check_log_beta(op, log_beta);
     return cuda::gated_attention_backward(q, k, v, log_beta, doc, scale, out, lse, dout, dq, dk, dv, dlog_beta);
 #else
     fail("{}: this build of retain has no CUDA support", op);

@@ -19,7 +19,8 @@ namespace retain::ops {
 // rest as above (log_beta, lse F32, doc I32); d = 64 or 128; fp32 accumulation, probabilities
 // rounded to bf16 before they multiply v (FlashAttention-2 numerics, ~1e-2 relative to F32).
 // Padding rows: out = 0, lse = -inf. log_beta ≡ 0 is plain attention. log_beta must be ≤ 0
-// (a logsigmoid output; a positive or NaN entry is a retain::Error naming its index); the
+// (a logsigmoid output; a positive or NaN entry is a retain::Error naming its index — on CUDA
+// thrown by the next ops::raise_deferred_checks(), kernels/deferred_checks.h, not by the op); the
 // i = t decay is exactly 0, so -inf is allowed. T < 2^24 (t − i is exact in float32). O(T·d) memory:
 // the CPU reference visits 64×64 tiles, skipping those above the diagonal or with no
 // shared document (docs/math.md); results do not depend on the OpenMP thread count.
@@ -39,7 +40,8 @@ void gated_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
 // Capacity sums S[l, t, κ] = Σ_{allowed i} exp((t − i)·log_beta[l, i, κ]) (the i = t term is 1).
 // log_beta F32 [L, T, K]; doc I32 [T]; S F32 [L, T, K] (0 on padding rows). Every log_beta
 // must be ≤ 0 (a logsigmoid output, -inf allowed): a positive or NaN entry is a retain::Error
-// naming its index (so no term exceeds 1). O(T·K) extra memory, float64 sums.
+// naming its index (so no term exceeds 1; on CUDA, and for negative positions below, thrown by
+// the next ops::raise_deferred_checks()). O(T·K) extra memory, float64 sums.
 // CUDA (log_beta, doc, positions and the outputs all on the device; kernels/cuda/capacity.cu):
 // the same math and dtypes for the three capacity functions, float32 partials of ≤ 64 terms
 // summed in float64 (worst case < 1e-5 relative to this reference, typically ~1e-7),

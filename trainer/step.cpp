@@ -7,6 +7,7 @@
 #include "kernels/base/error.h"
 #include "kernels/base/nvtx.h"
 #include "kernels/cuda/memory.h"
+#include "kernels/deferred_checks.h"
 #include "kernels/ops.h"
 #include "model/qwen3.h"
 #include "model/student.h"
@@ -224,7 +225,10 @@ StepLosses compute_gradients(WeightProvider& weights, gates::RetentionGates& gat
     phase.reset();
     if (stats) accumulate_stats(pass.log_beta, docs[m], mb.doc, beta_sum, cache_sum);
   }
-  if (on_device) gates.add_device_grads_to_host();  // the optimizer and the reductions work on the host
+  if (on_device) {
+    gates.add_device_grads_to_host();  // the optimizer and the reductions work on the host
+    ops::raise_deferred_checks();      // the step's device value checks (logβ ≤ 0, positions ≥ 0), read once
+  }
 
   comm.all_reduce(sums, 3);
   out.kl_sum = sums[0];

@@ -31,6 +31,7 @@
 #include "kernels/base/atomic_file.h"
 #include "kernels/base/cli.h"
 #include "kernels/cuda/memory.h"
+#include "kernels/deferred_checks.h"
 #include "kernels/ops.h"
 #include "kernels/retention.h"
 #include "kernels/tensor.h"
@@ -307,6 +308,7 @@ int attention(int argc, char** argv) {
       bwd();
     });
     const double c_ms = timed("capacity fwd+bwd", capacity);
+    ops::raise_deferred_checks();  // the device value checks of every timed call
     const double per_layer = c_ms / static_cast<double>(layers);
     auto tf = [](double flops, double ms) { return flops / (ms * 1e-3) / 1e12; };
     rows.push_back({T, "gated fwd", f_ms, tf(fwd_flops, f_ms), -1});

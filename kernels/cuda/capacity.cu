@@ -371,13 +371,6 @@ __global__ void __launch_bounds__(kReduceThreads) reduce_kernel(const double* su
   }
 }
 
-// ---- first negative ----------------------------------------------------------------------
-__global__ void first_negative_kernel(const int32_t* x, int64_t n, unsigned long long* first) {
-  for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < n;
-       j += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    if (x[j] < 0) atomicMin(first, static_cast<unsigned long long>(j));
-}
-
 // ---- host side ---------------------------------------------------------------------------
 template <typename T> T* ptr(Tensor& t) { return static_cast<T*>(t.raw()); }
 template <typename T> const T* ptr(const Tensor& t) { return static_cast<const T*>(t.raw()); }
@@ -458,21 +451,6 @@ void global_totals(Plan& plan, const Tensor& log_beta, const Tensor& doc, const 
 }
 
 }  // namespace
-
-int64_t first_negative(const Tensor& x) {
-  const int64_t n = x.numel();
-  if (n == 0) return -1;
-  Tensor first = Tensor::empty({1}, DType::I64, Device::CUDA);
-  const unsigned long long none = ~0ull;
-  CUDA_CHECK(cudaMemcpy(first.raw(), &none, sizeof(none), cudaMemcpyHostToDevice));
-  const int64_t blocks = (n + 255) / 256 < 4096 ? (n + 255) / 256 : 4096;
-  first_negative_kernel<<<static_cast<unsigned>(blocks), 256>>>(ptr<int32_t>(x), n,
-                                                                 static_cast<unsigned long long*>(first.raw()));
-  RETAIN_LAUNCH_CHECK();
-  unsigned long long host = 0;
-  CUDA_CHECK(cudaMemcpy(&host, first.raw(), sizeof(host), cudaMemcpyDeviceToHost));
-  return host == none ? -1 : static_cast<int64_t>(host);
-}
 
 void capacity_sums(const Tensor& log_beta, const Tensor& doc, Tensor& S) {
   if (log_beta.numel() == 0) return;

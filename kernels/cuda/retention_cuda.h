@@ -5,6 +5,7 @@
 #pragma once
 #include <cstdint>
 
+#include "kernels/deferred_checks.h"
 #include "kernels/retention.h"
 #include "kernels/tensor.h"
 
@@ -30,9 +31,6 @@ void gated_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
                               Tensor& dq, Tensor& dk, Tensor& dv, Tensor& dlog_beta,
                               float skip_weight_below = 0.0f);
 
-// The flat index of the first element of an F32 CUDA tensor that is positive or NaN
-// (i.e. not ≤ 0), or -1 when every element is ≤ 0 (-inf allowed). Synchronizes.
-int64_t first_not_nonpositive(const Tensor& x);
 // ---- end of retention-gated attention ----------------------------------------------------
 
 // ---- capacity sums and hinge (kernels/cuda/capacity.cu) ----------------------------------
@@ -48,8 +46,9 @@ ops::CapacityLoss capacity_loss(const Tensor& log_beta, const Tensor& doc, const
                                 double memory, ops::CapacityMode mode);
 void capacity_loss_backward(const Tensor& log_beta, const Tensor& doc, const Tensor& positions,
                             double memory, ops::CapacityMode mode, double scale, Tensor& dlog_beta);
-// The flat index of the first negative element of an I32 CUDA tensor, or -1. Synchronizes.
-int64_t first_negative(const Tensor& x);
 // ---- end of capacity ---------------------------------------------------------------------
+
+// The device that runs kernels/deferred_checks.h's scans (kernels/cuda/deferred_checks.cu).
+ops::DeferredCheckDevice& deferred_check_device();
 
 }  // namespace retain::cuda

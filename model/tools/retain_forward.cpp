@@ -11,6 +11,7 @@
 
 #include "checkpoints/export/gate_formats.h"
 #include "kernels/base/cli.h"
+#include "kernels/deferred_checks.h"
 #include "kernels/ops.h"
 #include "model/device.h"
 #include "model/device_weights.h"
@@ -130,6 +131,7 @@ int run(int argc, char** argv) {
   }
   const Tensor hidden =
       qwen3_hidden(*weights, ids_t.to(dev), doc_t.to(dev), progress, gates ? &*gates : nullptr);
+  ops::raise_deferred_checks();  // the device value checks of the forward (gates' logβ)
 
   std::map<std::string, std::string> meta = {
       {"producer", "retain-forward"}, {"model", model}, {"tokens", std::to_string(ids.size())}};

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "kernels/ops.h"
+#include "kernels/deferred_checks.h"
 #include "kernels/retention.h"
 #include "kernels/tensor.h"
 #include "tests/retention/random_inputs.h"
@@ -161,23 +162,28 @@ TEST(CapacityCuda, BadInputsAreOneLineErrors) {
   lb[(1 * T + 150) * K + 2] = 0.5f;
   const Tensor doc = i32(std::vector<int32_t>(T, 0)).to(Device::CUDA);
   Tensor S = Tensor::empty({L, T, K}, DType::F32, Device::CUDA);
+  // Value errors are found on the device and thrown by the next raise_deferred_checks().
+  ops::raise_deferred_checks();
+  ops::capacity_sums(Tensor::from_vector(lb, {L, T, K}).to(Device::CUDA), doc, S);
   try {
-    ops::capacity_sums(Tensor::from_vector(lb, {L, T, K}).to(Device::CUDA), doc, S);
+    ops::raise_deferred_checks();
     FAIL() << "positive log_beta accepted";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("log_beta[1, 150, 2] = 0.5"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("capacity_sums: log_beta[1, 150, 2] = 0.5"), std::string::npos) << e.what();
   }
   lb[(1 * T + 150) * K + 2] = std::numeric_limits<float>::quiet_NaN();
-  EXPECT_THROW(ops::capacity_sums(Tensor::from_vector(lb, {L, T, K}).to(Device::CUDA), doc, S), Error);
+  ops::capacity_sums(Tensor::from_vector(lb, {L, T, K}).to(Device::CUDA), doc, S);
+  EXPECT_THROW(ops::raise_deferred_checks(), Error);
   lb[(1 * T + 150) * K + 2] = -1.0f;
   const Tensor lb_d = Tensor::from_vector(lb, {L, T, K}).to(Device::CUDA);
   std::vector<int32_t> pos(T, 1);
   pos[77] = -4;
+  ops::capacity_loss(lb_d, doc, i32(pos).to(Device::CUDA), 2.0, Mode::local);
   try {
-    ops::capacity_loss(lb_d, doc, i32(pos).to(Device::CUDA), 2.0, Mode::local);
+    ops::raise_deferred_checks();
     FAIL() << "negative position accepted";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("positions[77] = -4"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("capacity_loss: positions[77] = -4"), std::string::npos) << e.what();
   }
   // Mixed devices are refused, not silently copied.
   EXPECT_THROW(ops::capacity_sums(lb_d, i32(std::vector<int32_t>(T, 0)), S), Error);

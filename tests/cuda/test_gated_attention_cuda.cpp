@@ -22,6 +22,7 @@
 #ifdef RETAIN_CUDA_KERNELS
 #include "kernels/cuda/retention_cuda.h"
 #endif
+#include "kernels/deferred_checks.h"
 #include "kernels/retention.h"
 #include "kernels/tensor.h"
 
@@ -330,14 +331,25 @@ TEST(GatedAttentionCuda, BadInputsAreOneLineErrors) {
   Tensor q32d = Tensor::zeros({T, H, 32}, DType::BF16, Device::CUDA);
   Tensor k32d = Tensor::zeros({T, K, 32}, DType::BF16, Device::CUDA), out32d = q32d.clone();
   expect_error([&] { ops::gated_attention(q32d, k32d, k32d, lb, doc, scale, out32d, lse); }, "head_dim 32");
-  // A positive logβ, named by its index (found on the device).
+  // A positive logβ, named by its index (found on the device): the op queues the scan and
+  // returns; the next raise_deferred_checks() (once per training step) throws its error.
+  ops::raise_deferred_checks();  // nothing left over from the calls above
   std::vector<float> bad(static_cast<size_t>(T * K), -0.5f);
   bad[2 * K + 1] = 0.25f;
   Tensor lb_bad = Tensor::from_vector<float>(bad, {T, K}).to(Device::CUDA);
-  expect_error([&] { ops::gated_attention(q, k, v, lb_bad, doc, scale, out, lse); }, "log_beta[2, 1] = 0.25");
+  EXPECT_NO_THROW(ops::gated_attention(q, k, v, lb_bad, doc, scale, out, lse));
+  EXPECT_EQ(ops::deferred_checks_pending(), 1);
+  expect_error([&] { ops::raise_deferred_checks(); }, "gated_attention: log_beta[2, 1] = 0.25");
+  EXPECT_EQ(ops::deferred_checks_pending(), 0);
+  EXPECT_NO_THROW(ops::raise_deferred_checks()) << "a verdict is read once";
   bad[2 * K + 1] = NAN;
   Tensor lb_nan = Tensor::from_vector<float>(bad, {T, K}).to(Device::CUDA);
   Tensor dq = q.clone(), dk = k.clone(), dv = k.clone(), dlb = lb.clone();
-  expect_error([&] { ops::gated_attention_backward(q, k, v, lb_nan, doc, scale, out, lse, q, dq, dk, dv, dlb); },
-               "log_beta[2, 1] = nan");
+  // Good calls before and after: the first failing check in queue order is the one reported.
+  ops::gated_attention(q, k, v, lb, doc, scale, out, lse);
+  ops::gated_attention_backward(q, k, v, lb_nan, doc, scale, out, lse, q, dq, dk, dv, dlb);
+  ops::gated_attention(q, k, v, lb_bad, doc, scale, out, lse);
+  expect_error([&] { ops::raise_deferred_checks(); }, "gated_attention_backward: log_beta[2, 1] = nan");
+  ops::gated_attention(q, k, v, lb, doc, scale, out, lse);
+  EXPECT_NO_THROW(ops::raise_deferred_checks());
 }
