@@ -27,9 +27,16 @@ namespace retain::trainer::test {
 
 namespace fs = std::filesystem;
 
-inline const std::string kFixtures = std::string(RETAIN_FIXTURES_DIR) + "/trainer";
+// Paths compiled in, each overridable by the environment variable of the same name: on a GPU
+// machine launch/gpu-verify.sh runs these tests from a bundle (launch/gpu-bundle.sh) in another
+// checkout, with the tools in the bundle and mpirun from it.
+inline std::string path_setting(const char* name, const char* built_in) {
+  const char* v = std::getenv(name);
+  return v && *v ? v : built_in;
+}
+inline const std::string kFixtures = path_setting("RETAIN_FIXTURES_DIR", RETAIN_FIXTURES_DIR) + "/trainer";
 inline const std::string kModel = kFixtures + "/model";
-inline std::string bin(const std::string& tool) { return std::string(RETAIN_BIN_DIR) + "/" + tool; }
+inline std::string bin(const std::string& tool) { return path_setting("RETAIN_BIN_DIR", RETAIN_BIN_DIR) + "/" + tool; }
 
 class TempDir {
  public:
@@ -67,7 +74,7 @@ inline std::string mpirun(int np) {
   return "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl=self,vader OMPI_MCA_pml=ob1 "
          "OMPI_MCA_btl_vader_single_copy_mechanism=none OMPI_MCA_mpi_yield_when_idle=1 "
          "OMPI_MCA_hwloc_base_binding_policy=none OMP_NUM_THREADS=1 " +
-         std::string(RETAIN_MPIEXEC) + " -np " + std::to_string(np) + " --oversubscribe ";
+         path_setting("RETAIN_MPIEXEC", RETAIN_MPIEXEC) + " -np " + std::to_string(np) + " --oversubscribe ";
 }
 
 // Runs `command` through the shell with stdout/stderr captured into scratch files. Launcher
