@@ -204,7 +204,7 @@ class Model : public ::testing::Environment {
           o.hidden = 64;
           o.heads = 4;
           o.kv_heads = 2;
-          o.head_dim = 16;
+          o.head_dim = 64;  // the CUDA attention kernels take 64 and 128
           o.intermediate = 96;
           o.vocab = 301;
           o.tie = tie;
