@@ -203,10 +203,10 @@ template <int D>
 constexpr size_t tile_bytes() {
   return sizeof(bf16) * kBlock * D;
 }
-// forward / dq: [Q][dO (dq only)][K × 2][V × 2][logβ·log2e × 2][doc of keys × 2]
+// forward / dq: [Q][dO (dq only)][K × 2][V × 2][lb2 × 2][−c·lb2 × 2][doc of keys × 2]
 template <int D>
 constexpr size_t query_side_smem(bool with_dout) {
-  return tile_bytes<D>() * (with_dout ? 6 : 5) + 2 * kBlock * (sizeof(float) + sizeof(int32_t));
+  return tile_bytes<D>() * (with_dout ? 6 : 5) + 2 * kBlock * (2 * sizeof(float) + sizeof(int32_t));
 }
 // dk/dv: [K][V][Q × 2][dO × 2][lse·log2e × 2][D × 2][doc of queries × 2]
 template <int D>
@@ -252,8 +252,9 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const Params p) {
   bf16* sQ = reinterpret_cast<bf16*>(smem);
   bf16* sK = sQ + kBlock * D;      // stages 0, 1
   bf16* sV = sK + 2 * kBlock * D;  // stages 0, 1
-  float* sLb = reinterpret_cast<float*>(sV + 2 * kBlock * D);  // [2][kBlock] logβ·log2e
-  int32_t* sDoc = reinterpret_cast<int32_t*>(sLb + 2 * kBlock);  // [2][kBlock]
+  float* sLb = reinterpret_cast<float*>(sV + 2 * kBlock * D);  // [2][kBlock] staged_lb2
+  float* sNcl = sLb + 2 * kBlock;                                 // [2][kBlock] staged_neg_c_lb2
+  int32_t* sDoc = reinterpret_cast<int32_t*>(sNcl + 2 * kBlock);  // [2][kBlock]
 
   const int64_t qb = p.nb - 1 - static_cast<int64_t>(blockIdx.x);  // the longest rows first
   const int h = blockIdx.y, kv = h / p.group;
@@ -280,7 +281,9 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const Params p) {
     load_tile_async<D>(sV + stage * kBlock * D, p.v + kv * D, int64_t{p.K} * D, i0, nk);
     for (int c = threadIdx.x; c < kBlock; c += kThreads) {
       const bool in = c < nk;
-      sLb[stage * kBlock + c] = in ? p.log_beta[(i0 + c) * p.K + kv] * kLog2e : 0.0f;
+      const float lb2 = in ? staged_lb2(p.log_beta[(i0 + c) * p.K + kv]) : 0.0f;
+      sLb[stage * kBlock + c] = lb2;
+      sNcl[stage * kBlock + c] = staged_neg_c_lb2(c, lb2);
       sDoc[stage * kBlock + c] = in ? p.doc[i0 + c] : -1;
     }
   };
@@ -307,11 +310,12 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const Params p) {
     if (kb_next <= qb) load_keys(kb_next, stage ^ 1);  // stage ^ 1 was released by the last barrier
     cp_async_commit();
     cp_async_wait<1>();  // everything but the group just committed: this stage has landed
-    __syncthreads();     // ... for every thread, and the plain stores of sLb/sDoc too
+    __syncthreads();     // ... for every thread, and the plain stores of sLb/sNcl/sDoc too
 
     const bf16* k_s = sK + stage * kBlock * D;
     const bf16* v_s = sV + stage * kBlock * D;
     const float* lb_s = sLb + stage * kBlock;
+    const float* ncl_s = sNcl + stage * kBlock;
     const int32_t* doc_s = sDoc + stage * kBlock;
     const int64_t i0 = block_begin(kb);
     const bool all_allowed = tile_all_allowed(p.ranges, qb, kb);
@@ -319,7 +323,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const Params p) {
     float s[kBlock / 8][4] = {};
     frags_times_rows_t<D, kBlock / 8>(s, qf, k_s, 0, lane);
 
-    query_row_logits(s, lane, t, doc_t, i0, lb_s, doc_s, all_allowed, p.scale2);
+    query_row_logits(s, lane, t, doc_t, i0, lb_s, ncl_s, doc_s, all_allowed, p.scale2);
     float mx[2], alpha[2];
     lane_row_max(s, mx);
 #pragma unroll
@@ -359,7 +363,8 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const Params p) {
   bf16* sK = sdO + kBlock * D;     // stages 0, 1
   bf16* sV = sK + 2 * kBlock * D;  // stages 0, 1
   float* sLb = reinterpret_cast<float*>(sV + 2 * kBlock * D);
-  int32_t* sDoc = reinterpret_cast<int32_t*>(sLb + 2 * kBlock);
+  float* sNcl = sLb + 2 * kBlock;
+  int32_t* sDoc = reinterpret_cast<int32_t*>(sNcl + 2 * kBlock);
 
   const int64_t qb = p.nb - 1 - static_cast<int64_t>(blockIdx.x);
   const int h = blockIdx.y, kv = h / p.group;
@@ -388,7 +393,9 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const Params p) {
     load_tile_async<D>(sV + stage * kBlock * D, p.v + kv * D, int64_t{p.K} * D, i0, nk);
     for (int c = threadIdx.x; c < kBlock; c += kThreads) {
       const bool in = c < nk;
-      sLb[stage * kBlock + c] = in ? p.log_beta[(i0 + c) * p.K + kv] * kLog2e : 0.0f;
+      const float lb2 = in ? staged_lb2(p.log_beta[(i0 + c) * p.K + kv]) : 0.0f;
+      sLb[stage * kBlock + c] = lb2;
+      sNcl[stage * kBlock + c] = staged_neg_c_lb2(c, lb2);
       sDoc[stage * kBlock + c] = in ? p.doc[i0 + c] : -1;
     }
   };
@@ -412,6 +419,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const Params p) {
     const bf16* k_s = sK + stage * kBlock * D;
     const bf16* v_s = sV + stage * kBlock * D;
     const float* lb_s = sLb + stage * kBlock;
+    const float* ncl_s = sNcl + stage * kBlock;
     const int32_t* doc_s = sDoc + stage * kBlock;
     const int64_t i0 = block_begin(kb);
     const bool all_allowed = tile_all_allowed(p.ranges, qb, kb);
@@ -420,7 +428,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const Params p) {
     float dp[kBlock / 8][4] = {};
     rows_times_rows_t<D, kBlock / 8>(s, sQ, warp * kRowsPerWarp, k_s, 0, lane);    // Q·Kᵀ
     rows_times_rows_t<D, kBlock / 8>(dp, sdO, warp * kRowsPerWarp, v_s, 0, lane);  // dO·Vᵀ
-    query_row_dscores(s, dp, lane, t, doc_t, i0, lb_s, doc_s, all_allowed, p.scale2, lse2, delta);  // s = dS
+    query_row_dscores(s, dp, lane, t, doc_t, i0, lb_s, ncl_s, doc_s, all_allowed, p.scale2, lse2, delta);  // s = dS
     weights_times_rows<D, kBlock / 8>(dq_acc, s, k_s, 0, lane);  // dS·K
 
     __syncthreads();
@@ -471,7 +479,7 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(const Params p) {
     i[x] = i0 + r;
     in_i[x] = r < nk;
     doc_i[x] = in_i[x] ? p.doc[i[x]] : -1;
-    lb2[x] = in_i[x] ? p.log_beta[i[x] * p.K + kv] * kLog2e : 0.0f;
+    lb2[x] = in_i[x] ? staged_lb2(p.log_beta[i[x] * p.K + kv]) : 0.0f;
   }
 
   auto load_queries = [&](int h, int64_t qb, int stage) {

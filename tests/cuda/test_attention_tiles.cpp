@@ -13,6 +13,7 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <iostream>
 #include <limits>
 #include <random>
@@ -317,6 +318,76 @@ void weights_times_rows(Acc& out, const Acc& w, const SmemTile& b, int b_row0, b
 }  // namespace
 
 // The attention_tiles.h fragment tables agree with the PTX ISA tables written out in mma().
+// The unmasked tiles' own code (two FMAs on float distances, attention_lane.h) against the
+// masked code on the same all-allowed tiles, lane by lane and element by element, on decays
+// that matter at these distances and −inf keys: the fused form must give the same logits,
+// probabilities, dS and dlogβ up to float rounding (the emulation above compares whole kernels
+// at bf16 tolerance, which an off-by-one distance would pass).
+TEST(AttentionTiles, UnmaskedTileCodeEqualsTheMaskedCode) {
+  std::mt19937 rng(12);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  std::uniform_real_distribution<float> u(0.0f, 1.0f);
+  const float scale2 = 0.125f * kLog2e;
+  auto close = [](float a, float b) { return std::abs(a - b) <= 2e-5f * std::max(1.0f, std::abs(b)); };
+  for (int trial = 0; trial < 40; ++trial) {
+    const int64_t kb = trial % 5, qb = kb + 1 + trial % 7;  // below the diagonal
+    const int64_t i0 = block_begin(kb), q0 = block_begin(qb);
+    float lb2[kBlock], ncl[kBlock], lse2_q[kBlock], delta_q[kBlock];
+    int32_t doc[kBlock];
+    for (int c = 0; c < kBlock; ++c) {
+      lb2[c] = staged_lb2(u(rng) < 0.1f ? -INFINITY : -0.05f * u(rng));
+      ncl[c] = staged_neg_c_lb2(c, lb2[c]);
+      doc[c] = 3;
+      lse2_q[c] = normal(rng);
+      delta_q[c] = normal(rng);
+    }
+    for (int lane = 0; lane < 32; ++lane) {
+      const int64_t t[2] = {q0 + c_row(lane, 0) + 16 * (trial % 4), q0 + c_row(lane, 2) + 16 * (trial % 4)};
+      const int32_t doc_t[2] = {3, 3};
+      const float lse2[2] = {normal(rng), normal(rng)}, delta[2] = {normal(rng), normal(rng)};
+      float s[8][4], dp[8][4];
+      for (auto& f : s)
+        for (float& x : f) x = normal(rng);
+      for (auto& f : dp)
+        for (float& x : f) x = normal(rng);
+      // Query rows: logits and dS.
+      float a[8][4], b[8][4];
+      std::memcpy(a, s, sizeof s), std::memcpy(b, s, sizeof s);
+      query_row_logits(a, lane, t, doc_t, i0, lb2, ncl, doc, true, scale2);
+      query_row_logits(b, lane, t, doc_t, i0, lb2, ncl, doc, false, scale2);
+      for (int nt = 0; nt < 8; ++nt)
+        for (int e = 0; e < 4; ++e) ASSERT_TRUE(close(a[nt][e], b[nt][e])) << a[nt][e] << " vs " << b[nt][e];
+      std::memcpy(a, s, sizeof s), std::memcpy(b, s, sizeof s);
+      query_row_dscores(a, dp, lane, t, doc_t, i0, lb2, ncl, doc, true, scale2, lse2, delta);
+      query_row_dscores(b, dp, lane, t, doc_t, i0, lb2, ncl, doc, false, scale2, lse2, delta);
+      for (int nt = 0; nt < 8; ++nt)
+        for (int e = 0; e < 4; ++e) ASSERT_TRUE(close(a[nt][e], b[nt][e])) << a[nt][e] << " vs " << b[nt][e];
+      // Key rows (the dk/dv kernel: keys of block kb, queries of block qb, sub-tiles of 16).
+      const int64_t i[2] = {i0 + c_row(lane, 0) + 16 * (trial % 4), i0 + c_row(lane, 2) + 16 * (trial % 4)};
+      const float lb2_i[2] = {lb2[i[0] - i0], lb2[i[1] - i0]};
+      for (int col0 = 0; col0 < kBlock; col0 += 16) {
+        float sa[2][4], sb[2][4], da[2][4], db[2][4], dla[2] = {0.5f, -0.25f}, dlb[2] = {0.5f, -0.25f};
+        std::memcpy(sa, s, sizeof sa), std::memcpy(sb, s, sizeof sb);
+        std::memcpy(da, dp, sizeof da), std::memcpy(db, dp, sizeof db);
+        key_row_grads(sa, da, lane, i, doc_t, lb2_i, q0, col0, lse2_q, delta_q, doc, true, scale2, dla);
+        key_row_grads(sb, db, lane, i, doc_t, lb2_i, q0, col0, lse2_q, delta_q, doc, false, scale2, dlb);
+        for (int nt = 0; nt < 2; ++nt)
+          for (int e = 0; e < 4; ++e) {
+            ASSERT_TRUE(close(sa[nt][e], sb[nt][e])) << "P " << sa[nt][e] << " vs " << sb[nt][e];
+            ASSERT_TRUE(close(da[nt][e], db[nt][e])) << "dS " << da[nt][e] << " vs " << db[nt][e];
+          }
+        // dlogβ sums (t − i)·dS terms of either sign: float rounding relative to Σ|terms|.
+        double mass[2] = {1.0, 1.0};
+        for (int nt = 0; nt < 2; ++nt)
+          for (int e = 0; e < 4; ++e)
+            mass[e / 2] += std::abs(static_cast<double>(q0 + col0 + 8 * nt + c_col(lane, e) - i[e / 2]) * db[nt][e]);
+        for (int x = 0; x < 2; ++x)
+          ASSERT_LE(std::abs(dla[x] - dlb[x]), 1e-6 * mass[x]) << "dlogβ " << dla[x] << " vs " << dlb[x];
+      }
+    }
+  }
+}
+
 TEST(AttentionTiles, FragmentTablesMatchThePtxIsa) {
   for (int l = 0; l < 32; ++l) {
     const int g = l >> 2, q = l % 4;
@@ -472,11 +543,13 @@ LaneRows lane_rows(const Emu& e, int64_t base, int warp, int l, int64_t count) {
   return r;
 }
 
-// Key-side staging of the forward/dq kernels' load_keys: logβ·log2 e and documents of key block kb.
-void stage_keys(const Emu& e, int64_t kb, int64_t kv, float* lb2, int32_t* doc_k) {
+// Key-side staging of the forward/dq kernels' load_keys: staged logβ·log2 e, −c·lb2 and the
+// documents of key block kb.
+void stage_keys(const Emu& e, int64_t kb, int64_t kv, float* lb2, float* ncl, int32_t* doc_k) {
   const int64_t i0 = block_begin(kb), nk = block_size(e.T, kb);
   for (int c = 0; c < kBlock; ++c) {
-    lb2[c] = c < nk ? e.lb[static_cast<size_t>((i0 + c) * e.K + kv)] * kLog2e : 0.0f;
+    lb2[c] = c < nk ? staged_lb2(e.lb[static_cast<size_t>((i0 + c) * e.K + kv)]) : 0.0f;
+    ncl[c] = staged_neg_c_lb2(c, lb2[c]);
     doc_k[c] = c < nk ? e.doc[static_cast<size_t>(i0 + c)] : -1;
   }
 }
@@ -495,9 +568,9 @@ void emulate_forward(const Emu& e, std::vector<float>& out, std::vector<float>& 
         for (int64_t kb = next_key_block(e.filter(kv), qb, 0); kb <= qb;
              kb = next_key_block(e.filter(kv), qb, kb + 1)) {
           const SmemTile Kt = tile_of(e, e.k, e.K, kv, block_begin(kb)), Vt = tile_of(e, e.v, e.K, kv, block_begin(kb));
-          float lb2[kBlock];
+          float lb2[kBlock], ncl[kBlock];
           int32_t doc_k[kBlock];
-          stage_keys(e, kb, kv, lb2, doc_k);
+          stage_keys(e, kb, kv, lb2, ncl, doc_k);
           const bool all = tile_all_allowed(e.ranges.data(), qb, kb);
           Acc s(kBlock / 8);
           rows_times_rows_t(s, Q, warp * kRowsPerWarp, Kt, 0);
@@ -506,7 +579,7 @@ void emulate_forward(const Emu& e, std::vector<float>& out, std::vector<float>& 
             float f[kBlock / 8][4];
             to_lane(s, ln, f);
             const LaneRows r = lane_rows(e, q0, warp, ln, nq);
-            query_row_logits(f, ln, r.pos, r.doc, block_begin(kb), lb2, doc_k, all, scale2);
+            query_row_logits(f, ln, r.pos, r.doc, block_begin(kb), lb2, ncl, doc_k, all, scale2);
             lane_row_max(f, mx[ln]);
             from_lane(s, ln, f);
           }
@@ -555,9 +628,9 @@ void emulate_dq(const Emu& e, const std::vector<float>& lse, const std::vector<f
         for (int64_t kb = next_key_block(e.filter(kv), qb, 0); kb <= qb;
              kb = next_key_block(e.filter(kv), qb, kb + 1)) {
           const SmemTile Kt = tile_of(e, e.k, e.K, kv, block_begin(kb)), Vt = tile_of(e, e.v, e.K, kv, block_begin(kb));
-          float lb2[kBlock];
+          float lb2[kBlock], ncl[kBlock];
           int32_t doc_k[kBlock];
-          stage_keys(e, kb, kv, lb2, doc_k);
+          stage_keys(e, kb, kv, lb2, ncl, doc_k);
           Acc s(kBlock / 8), dp(kBlock / 8);
           rows_times_rows_t(s, Q, warp * kRowsPerWarp, Kt, 0);
           rows_times_rows_t(dp, dO, warp * kRowsPerWarp, Vt, 0);
@@ -571,7 +644,7 @@ void emulate_dq(const Emu& e, const std::vector<float>& lse, const std::vector<f
             float fs[kBlock / 8][4], fd[kBlock / 8][4];
             to_lane(s, ln, fs);
             to_lane(dp, ln, fd);
-            query_row_dscores(fs, fd, ln, r.pos, r.doc, block_begin(kb), lb2, doc_k,
+            query_row_dscores(fs, fd, ln, r.pos, r.doc, block_begin(kb), lb2, ncl, doc_k,
                               tile_all_allowed(e.ranges.data(), qb, kb), scale2, lse2, dl);
             from_lane(s, ln, fs);
           }
@@ -626,7 +699,7 @@ void emulate_dkdv(const Emu& e, const std::vector<float>& lse, const std::vector
               const LaneRows r = lane_rows(e, i0, warp, ln, nk);
               float lb2_i[2];
               for (int x = 0; x < 2; ++x)
-                lb2_i[x] = r.in[x] ? e.lb[static_cast<size_t>(r.pos[x] * e.K + kv)] * kLog2e : 0.0f;
+                lb2_i[x] = r.in[x] ? staged_lb2(e.lb[static_cast<size_t>(r.pos[x] * e.K + kv)]) : 0.0f;
               float fs[kSub / 8][4], fd[kSub / 8][4];
               to_lane(s, ln, fs);
               to_lane(dp, ln, fd);
@@ -695,10 +768,12 @@ TEST(AttentionTiles, EmulatedKernelsMatchCpuReference) {
     int64_t T, H, K, d;
     bool interleaved;
     bool one_plain_document = false;  // a single document with logβ ≡ 0: long rows, all-allowed tiles
+    bool two_long_documents = false;  // two documents of T/2: all-allowed tiles with decaying logβ
   };
   std::mt19937 rng(4);
   for (const Case& c : {Case{200, 4, 2, 64, false}, Case{130, 8, 1, 128, false}, Case{65, 2, 2, 128, true},
-                        Case{150, 2, 1, 64, false}, Case{1000, 2, 1, 64, false, true}, Case{700, 2, 2, 128, false}}) {
+                        Case{150, 2, 1, 64, false}, Case{1000, 2, 1, 64, false, true}, Case{700, 2, 2, 128, false},
+                        Case{1000, 4, 2, 64, false, false, true}, Case{640, 2, 1, 128, false, false, true}}) {
     SCOPED_TRACE(::testing::Message() << "T=" << c.T << " H=" << c.H << " K=" << c.K << " d=" << c.d);
     Emu e;
     e.T = c.T, e.H = c.H, e.K = c.K, e.d = c.d, e.scale = 1.0f / std::sqrt(static_cast<float>(c.d));
@@ -717,8 +792,16 @@ TEST(AttentionTiles, EmulatedKernelsMatchCpuReference) {
     }
     e.doc =
         c.one_plain_document ? std::vector<int32_t>(static_cast<size_t>(c.T), 0) : random_docs(c.T, rng, c.interleaved);
+    if (c.two_long_documents)
+      for (int64_t t = 0; t < c.T; ++t) e.doc[static_cast<size_t>(t)] = static_cast<int32_t>(t / (c.T / 2));
     e.ranges = ranges_of(e.doc);
     e.spans = spans_of(e.ranges);
+    if (c.two_long_documents) {  // the unmasked tiles' own code runs, on real decays and −inf keys
+      int64_t unmasked = 0;
+      for (int64_t qb = 0; qb < block_count(c.T); ++qb)
+        for (int64_t kb = 0; kb < qb; ++kb) unmasked += tile_all_allowed(e.ranges.data(), qb, kb);
+      EXPECT_GE(unmasked, 20);
+    }
 
     // Reference.
     const Tensor q = Tensor::from_vector<float>(e.q, {c.T, c.H, c.d}),
