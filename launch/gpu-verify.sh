@@ -3,13 +3,15 @@
 # sequences vs float64), compute-sanitizer memcheck/racecheck/synccheck/initcheck on small
 # shapes, the attention benchmark against FlexAttention and SDPA (Qwen3-4B shapes, 1 and 16
 # documents), the communicator and FSDP on device buffers (one rank; two ranks sharing the GPU
-# where mpirun exists), the training step at Qwen3 shapes (retain-bench train), and Nsight
-# Compute metrics of the attention kernels. Logs and JSON under --out, a summary table printed
-# last (and in OUT/summary.txt).
+# where mpirun exists, a bundle's own Open MPI included), the training step at Qwen3 shapes
+# (retain-bench train), and Nsight Compute metrics of the attention kernels. Logs and JSON
+# under --out, a summary table printed last (and in OUT/summary.txt).
 #
 # usage: launch/gpu-verify.sh [--bundle DIR] [--out DIR] [--only PHASES] [--seq LIST] [--iters N]
 #   --bundle DIR  run the programs of a launch/gpu-bundle.sh folder (a GPU machine without
-#                 retain's build dependencies); default: build with launch/build.sh, use build/bin
+#                 retain's build dependencies; DIR.tar.xz is unpacked first), and its Open MPI
+#                 (DIR/mpi/env.sh) where it has one; cuBLAS and NCCL come from this machine's
+#                 CUDA or Python packages; default: build with launch/build.sh, use build/bin
 #   --out DIR     where logs go (default $OUT if set, else build/gpu-verify)
 #   --only LIST   comma-separated phases: tests,sanitizers,bench,train,ncu (default all)
 #   --train-models LIST  Qwen3 shapes for the train phase: 0.6B,1.7B,4B (default all three)
@@ -28,14 +30,40 @@ while [ $# -gt 0 ]; do
     --seq) seq=$2; shift 2 ;;
     --iters) iters=$2; shift 2 ;;
     --train-models) train_models=$2; shift 2 ;;
-    -h|--help) sed -n 2,19p "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n 2,21p "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "gpu-verify: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
 mkdir -p "$out"
+# find_lib NAME: adds the folder of this machine's NAME (a CUDA library the bundle leaves out)
+# to LD_LIBRARY_PATH unless the loader already finds it: CUDA's folders, then Python packages.
+find_lib() {
+  ldconfig -p 2>/dev/null | grep -q "$1" && return 0
+  local d f
+  for d in ${LD_LIBRARY_PATH//:/ } /usr/local/cuda/lib64 /usr/local/cuda/lib /usr/local/cuda/targets/x86_64-linux/lib \
+           $(python3 -c 'import site; print(" ".join(site.getsitepackages()))' 2>/dev/null); do
+    f=$(find "$d" -maxdepth 5 -name "$1*" -print -quit 2>/dev/null)
+    if [ -n "$f" ]; then
+      case ":${LD_LIBRARY_PATH:-}:" in *":$(dirname "$f"):"*) ;; *) export LD_LIBRARY_PATH="$(dirname "$f")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" ;; esac
+      return 0
+    fi
+  done
+  echo "gpu-verify: $1 not found on this machine (CUDA or Python packages): programs that need it will fail" >&2
+}
 if [ -n "$bundle" ]; then
+  if [[ "$bundle" == *.tar.xz ]]; then  # the archive gpu-bundle.sh writes beside the folder
+    unpacked=${TMPDIR:-/tmp}/retain-gpu-bundle
+    rm -rf "$unpacked" && mkdir -p "$unpacked" && tar -C "$unpacked" -xJf "$bundle" ||
+      { echo "gpu-verify: cannot unpack $bundle" >&2; exit 1; }
+    bundle=$unpacked/$(basename "$bundle" .tar.xz)
+  fi
+  bundle=$(cd "$bundle" && pwd)
   bin=$bundle/bin
-  export LD_LIBRARY_PATH="$(cd "$bundle/lib" && pwd)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  export LD_LIBRARY_PATH="$bundle/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  for lib in libcublasLt.so.13 libcublas.so.13 libnccl.so.2; do find_lib "$lib"; done
+  # The bundled mpirun (first on PATH) and the settings that relocate it to DIR.
+  # shellcheck disable=SC1091
+  if [ -f "$bundle/mpi/env.sh" ]; then source "$bundle/mpi/env.sh"; fi
 else
   ./launch/build.sh || { echo "gpu-verify: build failed" >&2; exit 1; }
   bin=build/bin
@@ -77,6 +105,10 @@ if phase tests; then
   step "test_gates_cuda (gate MLPs fwd/bwd vs CPU)" "$log" 600 "$bin/test_gates_cuda" --gtest_color=no
   step "test_step_cuda (the training step vs the CPU step)" "$log" 600 "$bin/test_step_cuda" --gtest_color=no
   step "test_gated_attention_long (32K, 128K vs float64)" "$log" 600 "$bin/test_gated_attention_long" --gtest_color=no
+  # retain-train itself: --dump-grads cuda vs cpu, 2 ranks (mpirun) and NCCL vs 1, 1,000 steps vs the CPU run.
+  step "test_train_cuda (retain-train on the GPU vs the CPU)" "$log" 600 env RETAIN_BIN_DIR="$(cd "$bin" && pwd)" \
+    RETAIN_FIXTURES_DIR="$PWD/tests/fixtures" RETAIN_MPIEXEC="$(command -v mpirun || echo mpirun)" \
+    "$bin/test_train_cuda" --gtest_color=no
   step "test_comm_cuda (collectives on device buffers, NCCL, FSDP on the GPU; 1 rank)" "$log" 300 \
     env RETAIN_TEST_WORLD_SIZE=1 "$bin/test_comm_cuda" --gtest_color=no
   if command -v mpirun >/dev/null; then  # two ranks on one GPU: the MPI backend stages device buffers
