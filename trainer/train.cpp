@@ -85,6 +85,10 @@ Inputs open_inputs(const TrainConfig& cfg, const dist::Comm& comm) {
   Inputs in;
   in.model = std::make_shared<const Qwen3Checkpoint>(Qwen3Checkpoint::open(cfg.model_dir));
   const Qwen3Config& mc = in.model->config();
+  // Before any weight reaches the GPU: the attention kernels exist for these head sizes only.
+  if (cfg.device == Device::CUDA && mc.head_dim != 64 && mc.head_dim != 128)
+    fail("{}/config.json: head_dim {} has no CUDA attention kernel (64 and 128 have); train it with --device cpu",
+         cfg.model_dir, mc.head_dim);
   in.data.emplace(data::PackedDataset::open(cfg.data_path));
   const data::PackedDataset& ds = *in.data;
   data::check_dataset_matches_model(ds, cfg.model_dir, mc);

@@ -106,6 +106,21 @@ TEST_P(DumpGradsCuda, RanksAndBackendsAgree) {
 
 INSTANTIATE_TEST_SUITE_P(Kinds, DumpGradsCuda, ::testing::Values("trimkv", "dbtrimkv"));
 
+// A model whose head_dim has no CUDA kernel (the fixture model's 16) is refused in one line
+// before its weights are loaded, not at the first attention call.
+TEST(TrainCuda, HeadDimWithoutAKernelIsAClearError) {
+  SKIP_WITHOUT_GPU();
+  TempDir dir;
+  const std::string data = pack_fixture_corpus(dir);
+  const Result r = run(bin("retain-train") + " --model " + kModel + " --data " + data + " --out " + dir / "run" +
+                           " --gate trimkv --steps 1 --device cuda",
+                       dir);
+  EXPECT_EQ(r.code, 1) << r.err;
+  EXPECT_NE(r.err.find("retain-train: error: " + kModel + "/config.json: head_dim 16 has no CUDA attention kernel"),
+            std::string::npos)
+      << r.err;
+}
+
 // Mean of `field` over steps [begin, end) of a metrics.jsonl.
 double window_mean(const std::vector<nlohmann::json>& m, size_t begin, size_t end, const char* field) {
   double sum = 0;
