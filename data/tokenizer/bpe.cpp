@@ -31,6 +31,10 @@ Bpe::Bpe(Vocab vocab, const std::vector<std::pair<std::string_view, std::string_
   int32_t max_id = -1;
   for (const auto& [token, id] : vocab_) {
     if (id < 0) fail("{}: model.vocab: token '{}' has negative id {}", where, token, id);
+    // The id -> token table has one slot per id: a vocabulary whose ids run far past its size
+    // (a damaged file) would cost gigabytes. 2^24 is ~64x the largest LLM vocabularies.
+    if (id >= kMaxVocabId)
+      fail("{}: model.vocab: token '{}' has id {}; retain takes ids below {}", where, token, id, kMaxVocabId);
     max_id = std::max(max_id, id);
   }
   id_to_token_.assign(static_cast<size_t>(max_id + 1), nullptr);

@@ -24,6 +24,8 @@ struct BpeOptions {
 
 class Bpe {
  public:
+  // Vocabulary ids must be below this (one table slot per id; see the constructor).
+  static constexpr int32_t kMaxVocabId = int32_t{1} << 24;
   struct Hash {
     using is_transparent = void;
     size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
@@ -31,7 +33,8 @@ class Bpe {
   using Vocab = std::unordered_map<std::string, int32_t, Hash, std::equal_to<>>;
 
   // `where` prefixes error messages (the file name). Throws retain::Error when a merge
-  // names a token that is not in the vocabulary, or the unk token is missing.
+  // names a token that is not in the vocabulary, the unk token is missing, or an id is
+  // negative or ≥ kMaxVocabId.
   Bpe(Vocab vocab, const std::vector<std::pair<std::string_view, std::string_view>>& merges, BpeOptions options,
       const std::string& where);
 

@@ -296,4 +296,8 @@ TEST(Tokenizer, RejectsBadOrUnsupportedFilesClearly) {
   expect_load_error("decoder.json", tiny_with([](J& j) { j["decoder"] = {{"type", "WordPiece"}}; }), "decoder");
   expect_load_error("truncation.json", tiny_with([](J& j) { j["truncation"] = {{"max_length", 5}}; }), "truncation");
   expect_load_error("unk.json", tiny_with([](J& j) { j["model"]["unk_token"] = "<unk>"; }), "unk_token");
+  // An id far past the vocabulary (a fuzzer's find: the id table cost gigabytes) is refused.
+  expect_load_error("huge_id.json", tiny_with([](J& j) { j["model"]["vocab"]["zz"] = 1 << 30; }),
+                    "has id 1073741824; retain takes ids below 16777216");
+  expect_load_error("negative_id.json", tiny_with([](J& j) { j["model"]["vocab"]["zz"] = -3; }), "token 'zz' has an invalid id");
 }
