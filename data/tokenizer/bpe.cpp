@@ -30,11 +30,12 @@ Bpe::Bpe(Vocab vocab, const std::vector<std::pair<std::string_view, std::string_
     : vocab_(std::move(vocab)), options_(std::move(options)) {
   int32_t max_id = -1;
   for (const auto& [token, id] : vocab_) {
-    if (id < 0) fail("{}: model.vocab: token '{}' has negative id {}", where, token, id);
+    if (id < 0) fail("{}: model.vocab: token '{}' has negative id {}", where, printable(token), id);
     // The id -> token table has one slot per id: a vocabulary whose ids run far past its size
     // (a damaged file) would cost gigabytes. 2^24 is ~64x the largest LLM vocabularies.
     if (id >= kMaxVocabId)
-      fail("{}: model.vocab: token '{}' has id {}; retain takes ids below {}", where, token, id, kMaxVocabId);
+      fail("{}: model.vocab: token '{}' has id {}; retain takes ids below {}", where, printable(token), id,
+           kMaxVocabId);
     max_id = std::max(max_id, id);
   }
   id_to_token_.assign(static_cast<size_t>(max_id + 1), nullptr);
@@ -47,7 +48,8 @@ Bpe::Bpe(Vocab vocab, const std::vector<std::pair<std::string_view, std::string_
   }
   if (options_.unk_token) {
     auto it = vocab_.find(*options_.unk_token);
-    if (it == vocab_.end()) fail("{}: model.unk_token '{}' is not in the vocabulary", where, *options_.unk_token);
+    if (it == vocab_.end()) fail("{}: model.unk_token '{}' is not in the vocabulary", where,
+                                    printable(*options_.unk_token));
     unk_id_ = it->second;
   }
 
@@ -65,7 +67,8 @@ Bpe::Bpe(Vocab vocab, const std::vector<std::pair<std::string_view, std::string_
     const auto find = [&](std::string_view t) {
       auto it = vocab_.find(t);
       if (it == vocab_.end())
-        fail("{}: model.merges[{}] (\"{} {}\"): token '{}' is not in the vocabulary", where, rank, a, b, t);
+        fail("{}: model.merges[{}] (\"{} {}\"): token '{}' is not in the vocabulary", where, rank, printable(a),
+             printable(b), printable(t));
       return it->second;
     };
     // As in HF tokenizers: the merged token is a + b without its first prefix_len bytes.

@@ -48,7 +48,7 @@ Regex::Regex(const std::string& pattern, const std::string& where) : code_(std::
   const std::string translated = onig_to_pcre2(pattern);
   code_->code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(translated.data()), translated.size(),
                               PCRE2_UTF | PCRE2_UCP | PCRE2_NO_UTF_CHECK, &err, &offset, nullptr);
-  if (!code_->code) fail("{}: pattern '{}' at offset {}: {}", where, pattern, offset, pcre2_message(err));
+  if (!code_->code) fail("{}: pattern '{}' at offset {}: {}", where, printable(pattern), offset, pcre2_message(err));
   code_->jit = pcre2_jit_compile(code_->code, PCRE2_JIT_COMPLETE) == 0;
 }
 

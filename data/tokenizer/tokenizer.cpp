@@ -51,7 +51,9 @@ std::string nfc(std::string_view s) {
 struct Reader {
   std::string file;
   [[noreturn]] void bad(const std::string& field, const std::string& problem) const {
-    fail("{}: {}: {}", file, field, problem);
+    // Fields and problems quote the file's own strings (tokens, patterns, type names), which
+    // may hold newlines: the message stays one line.
+    fail("{}: {}: {}", file, one_line(field), one_line(problem));
   }
   bool flag(const json& j, const std::string& key, bool fallback, const std::string& where) const {
     if (!j.contains(key) || j.at(key).is_null()) return fallback;

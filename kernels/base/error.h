@@ -20,14 +20,19 @@ template <typename... Args>
   throw Error(fmt::format(f, std::forward<Args>(args)...));
 }
 
+// s with control characters as '?' (no length limit): a message built from untrusted pieces
+// stays one line.
+inline std::string one_line(std::string_view s) {
+  std::string out(s);
+  for (char& c : out)
+    if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) c = '?';
+  return out;
+}
+
 // A string from an untrusted file (a tensor name, a key, a path it names), fit for a
 // one-line message: control characters become '?', at most 200 bytes are shown ("..." after).
 inline std::string printable(std::string_view s) {
-  std::string out(s.substr(0, 200));
-  for (char& c : out)
-    if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) c = '?';
-  if (s.size() > 200) out += "...";
-  return out;
+  return s.size() > 200 ? one_line(s.substr(0, 200)) + "..." : one_line(s);
 }
 
 // Checks an internal invariant (a bug if it fails, not bad user input).

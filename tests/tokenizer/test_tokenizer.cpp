@@ -296,6 +296,15 @@ TEST(Tokenizer, RejectsBadOrUnsupportedFilesClearly) {
   expect_load_error("decoder.json", tiny_with([](J& j) { j["decoder"] = {{"type", "WordPiece"}}; }), "decoder");
   expect_load_error("truncation.json", tiny_with([](J& j) { j["truncation"] = {{"max_length", 5}}; }), "truncation");
   expect_load_error("unk.json", tiny_with([](J& j) { j["model"]["unk_token"] = "<unk>"; }), "unk_token");
+  // The file's strings quoted in a message keep it one line (fuzzer finds: a bad regex and
+  // tokens holding newlines).
+  expect_load_error("newline_regex.json",
+                    tiny_with([](J& j) { j["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = "a\n(unclosed"; }),
+                    "a?(unclosed");
+  expect_load_error("newline_token.json", tiny_with([](J& j) { j["model"]["vocab"]["z\nz"] = 1 << 30; }),
+                    "token 'z?z' has id 1073741824");
+  expect_load_error("newline_merge.json", tiny_with([](J& j) { j["model"]["merges"] = {"a\n z"}; }),
+                    "(\"a? z\"): token 'a?z' is not in the vocabulary");
   // An id far past the vocabulary (a fuzzer's find: the id table cost gigabytes) is refused.
   expect_load_error("huge_id.json", tiny_with([](J& j) { j["model"]["vocab"]["zz"] = 1 << 30; }),
                     "has id 1073741824; retain takes ids below 16777216");
