@@ -104,6 +104,7 @@ if phase tests; then
   step "test_loss_cuda (fused chunked KL+NTP vs CPU)" "$log" 600 "$bin/test_loss_cuda" --gtest_color=no
   step "test_gates_cuda (gate MLPs fwd/bwd vs CPU)" "$log" 600 "$bin/test_gates_cuda" --gtest_color=no
   step "test_step_cuda (the training step vs the CPU step)" "$log" 600 "$bin/test_step_cuda" --gtest_color=no
+  step "test_kvpop_step_cuda (the KVPOP scorer step vs the CPU step)" "$log" 300 "$bin/test_kvpop_step_cuda" --gtest_color=no
   step "test_gated_attention_long (32K, 128K vs float64)" "$log" 600 "$bin/test_gated_attention_long" --gtest_color=no
   # retain-train itself: --dump-grads cuda vs cpu, 2 ranks (mpirun) and NCCL vs 1, 1,000 steps vs the CPU run.
   step "test_train_cuda (retain-train on the GPU vs the CPU)" "$log" 600 env RETAIN_BIN_DIR="$(cd "$bin" && pwd)" \

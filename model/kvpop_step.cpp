@@ -20,6 +20,30 @@ void add_into(Tensor& out, const Tensor& g) {
   for (int64_t i = 0; i < g.numel(); ++i) out.data<float>()[i] += g.data<float>()[i];
 }
 
+// t as F32 on the host: a cast where it lives (bf16 q, k, v on CUDA), then the copy.
+Tensor f32_on_host(const Tensor& t) {
+  if (t.device() == Device::CPU && t.dtype() == DType::F32) return t;
+  Tensor f = t;
+  if (t.dtype() != DType::F32) {
+    f = Tensor::empty(t.shape(), DType::F32, t.device());
+    ops::cast(t, f);
+  }
+  return f.device() == Device::CPU ? f : f.to(Device::CPU);
+}
+
+// t as F32 on its own device.
+Tensor f32(const Tensor& t) {
+  if (t.dtype() == DType::F32) return t;
+  Tensor f = Tensor::empty(t.shape(), DType::F32, t.device());
+  ops::cast(t, f);
+  return f;
+}
+
+Projected projected_to(const Projected& P, Device dev) {
+  auto to = [dev](const Tensor& t) { return t.numel() == 0 || t.device() == dev ? t : t.to(dev); };
+  return Projected{to(P.q), to(P.k), to(P.v), to(P.igate), to(P.log_f)};
+}
+
 }  // namespace
 
 TeacherPass teacher_pass(WeightProvider& weights, const Tensor& ids, const Tensor& doc, const StepSettings& s) {
@@ -27,31 +51,46 @@ TeacherPass teacher_pass(WeightProvider& weights, const Tensor& ids, const Tenso
   RETAIN_CHECK(s.topk >= 1 && s.window >= 1 && s.sinks >= 0, "kvpop::teacher_pass: window {} sinks {} topk {}",
                s.window, s.sinks, s.topk);
   const int64_t T = ids.dim(0), K = c.num_key_value_heads, hd = c.head_dim, H = c.num_attention_heads;
+  // The frozen model and the targets run where the weights are (DESIGN §2); what the scorers
+  // and the decisions need comes back to the host: k, v, log m, per layer.
+  const Device dev = weights.device();
+  auto there = [dev](const Tensor& t) { return t.device() == dev ? t : t.to(dev); };
   TeacherPass pass;
-  pass.doc = doc;
-  Tensor x = Tensor::empty({T, c.hidden_size}, DType::F32);
-  ops::embedding(weights.embedding(), ids, x);
-  const Tensor positions = ops::document_positions(doc);
+  pass.doc = doc.device() == Device::CPU ? doc : doc.to(Device::CPU);
+  pass.device = dev;
+  pass.doc_on_device = there(doc);
+  const Tensor& doc_d = pass.doc_on_device;
+  Tensor x = Tensor::empty({T, c.hidden_size}, DType::F32, dev);
+  ops::embedding(weights.embedding(), there(ids), x);
+  const Tensor positions = positions_of(doc_d);
   const RopeParams rope = compute_rope_params(c);
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
     DecoderLayerSaved saved;
-    qwen3_decoder_layer(c, weights.layer(l), rope, positions, doc, nullptr, l, x, nullptr, &saved);
-    // The dense LSE per query head: the teacher's attention again (log β ≡ 0 is plain attention).
-    Tensor out = Tensor::empty({T, H, hd}, DType::F32), lse = Tensor::empty({T, H}, DType::F32);
-    ops::gated_attention(saved.q, saved.k, saved.v, Tensor::zeros({T, K}, DType::F32), doc, scale, out, lse);
-    const Tensor log_m = future_attention_target(saved.q, saved.k, lse, doc, s.window, scale);
+    qwen3_decoder_layer(c, weights.layer(l), rope, positions, doc_d, nullptr, l, x, nullptr, &saved);
+    // The dense LSE per query head. CUDA's teacher attention is the gated kernel with logβ ≡ 0
+    // and keeps it; the CPU's plain attention does not, so there it is the attention again.
+    Tensor lse = saved.lse;
+    if (lse.numel() == 0) {
+      Tensor out = Tensor::empty({T, H, hd}, saved.q.dtype(), dev);
+      lse = Tensor::empty({T, H}, DType::F32, dev);
+      ops::gated_attention(saved.q, saved.k, saved.v, Tensor::zeros({T, K}, DType::F32, dev), doc_d, scale, out,
+                           lse);
+    }
+    const Tensor log_m = f32_on_host(future_attention_target(f32(saved.q), f32(saved.k), lse, doc_d, s.window, scale));
+    const Tensor k_host = f32_on_host(saved.k), v_host = f32_on_host(saved.v);
     pass.x.emplace_back();
     pass.decisions.emplace_back();
     for (int64_t kv = 0; kv < K; ++kv) {
       Tensor xk = Tensor::empty({T, 2 * hd}, DType::F32);
       for (int64_t t = 0; t < T; ++t)
         for (int64_t e = 0; e < hd; ++e) {
-          xk.data<float>()[t * 2 * hd + e] = saved.k.data<float>()[(t * K + kv) * hd + e];
-          xk.data<float>()[t * 2 * hd + hd + e] = saved.v.data<float>()[(t * K + kv) * hd + e];
+          xk.data<float>()[t * 2 * hd + e] = k_host.data<float>()[(t * K + kv) * hd + e];
+          xk.data<float>()[t * 2 * hd + hd + e] = v_host.data<float>()[(t * K + kv) * hd + e];
         }
       pass.x.back().push_back(xk);
-      pass.decisions.back().push_back(select_decisions(log_m.rows(kv, kv + 1).reshape({T}), doc, s.window, s.sinks, s.topk));
+      pass.decisions.back().push_back(
+          select_decisions(log_m.rows(kv, kv + 1).reshape({T}), pass.doc, s.window, s.sinks, s.topk));
       for (const Decision& dc : pass.decisions.back().back()) pass.margin_sum += dc.margin;
       pass.num_decisions += static_cast<int64_t>(pass.decisions.back().back().size());
     }
@@ -74,7 +113,14 @@ double scorer_step(const TeacherPass& pass, const std::vector<std::vector<HeadPa
       const HeadParams& p = params[l][kv];
       const std::vector<Decision>& ds = pass.decisions[l][kv];
       const Projected P = project(pass.x[l][kv], p);
-      const Tensor score = mlstm_scores(P, pass.doc, s.window, p.w_o, p.b_o);
+      // The mLSTM (the O(T·d·r) part, float64 on both devices) runs where the teacher ran; the
+      // projections, the pairwise loss and the accumulation stay on the host (small).
+      const bool on_device = pass.device != Device::CPU;
+      const Projected P_run = on_device ? projected_to(P, pass.device) : P;
+      const Tensor w_o = on_device ? p.w_o.to(pass.device) : p.w_o, b_o = on_device ? p.b_o.to(pass.device) : p.b_o;
+      const Tensor& doc_run = on_device ? pass.doc_on_device : pass.doc;
+      Tensor score = mlstm_scores(P_run, doc_run, s.window, w_o, b_o);
+      if (on_device) score = score.to(Device::CPU);
       loss += grad_scale * pair_loss(score, p.theta, ds, margin_scale, s.tau);
       if (agreed) {
         // ŝ_new(q) − ŝ_b(q) = score[t_new] − score[b] + (b − t_new)·log γ
@@ -87,7 +133,13 @@ double scorer_step(const TeacherPass& pass, const std::vector<std::vector<HeadPa
       }
       Tensor dscore, dtheta, dw_o, db_o;
       pair_loss_backward(score, p.theta, ds, margin_scale, s.tau, grad_scale, dscore, dtheta);
-      const Projected dP = mlstm_scores_backward(P, pass.doc, s.window, p.w_o, p.b_o, dscore, dw_o, db_o);
+      Projected dP = mlstm_scores_backward(P_run, doc_run, s.window, w_o, b_o,
+                                           on_device ? dscore.to(pass.device) : dscore, dw_o, db_o);
+      if (on_device) {
+        dP = projected_to(dP, Device::CPU);
+        dw_o = dw_o.to(Device::CPU);
+        db_o = db_o.to(Device::CPU);
+      }
       // b_o is added to every score, so it cancels in each ŝ_new − ŝ_b: its gradient is exactly 0.
       // The summed ±dscore leaves float rounding (~1e-9), which AdamW would normalize into
       // lr-sized random steps; the exact value is used instead.

@@ -25,15 +25,20 @@ struct StepSettings {
 // What the teacher pass keeps for one sequence: per layer l and KV head κ, the scorer input
 // x[l][κ] F32 [T, 2·head_dim] = [k_t; v_t] and its decisions.
 struct TeacherPass {
-  Tensor doc;  // I32 [T]
+  Tensor doc;  // I32 [T], on the host
+  // Where the teacher ran (the weights' device); the scorer step runs its mLSTM there, on
+  // doc_on_device (= doc on the CPU). x and the decisions are on the host either way.
+  Device device = Device::CPU;
+  Tensor doc_on_device;
   std::vector<std::vector<Tensor>> x;
   std::vector<std::vector<std::vector<Decision>>> decisions;
   int64_t num_decisions = 0;  // over all layers and heads of this sequence
   double margin_sum = 0;      // Σ |Δ log m| over them
 };
 
-// One dense teacher forward (plain attention) of ids/doc I32 [T]: per layer, lse from
-// ops::gated_attention with log β ≡ 0, log m = future_attention_target, the decisions.
+// One dense teacher forward (plain attention) of ids/doc I32 [T] (on any device; the pass runs
+// on the weights' device): per layer, lse from ops::gated_attention with log β ≡ 0, log m =
+// future_attention_target, the decisions.
 TeacherPass teacher_pass(WeightProvider& weights, const Tensor& ids, const Tensor& doc, const StepSettings& s);
 
 // Scorer forward and backward on one sequence: returns grad_scale·Σℓ (with grad_scale =

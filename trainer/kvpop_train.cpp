@@ -2,6 +2,8 @@
 
 #include <cmath>
 
+#include "kernels/deferred_checks.h"
+
 namespace retain::trainer {
 
 KvpopLosses compute_kvpop_gradients(WeightProvider& weights, kvpop::Scorers& scorers,
@@ -35,6 +37,8 @@ KvpopLosses compute_kvpop_gradients(WeightProvider& weights, kvpop::Scorers& sco
       local[1] += static_cast<double>(agreed);
     }
   }
+  // The device value checks of the teacher passes (kernels/deferred_checks.h), read once.
+  if (weights.device() != Device::CPU) ops::raise_deferred_checks();
   comm.all_reduce(local, 2);
   out.loss = local[0];
   out.agreed = static_cast<int64_t>(local[1]);
