@@ -7,8 +7,10 @@
 # are kept in build-fuzz/fuzz/<target>/corpus for the next run; a crash leaves
 # build-fuzz/fuzz/<target>/crash-* and a non-zero exit. A long run, e.g. overnight:
 #   launch/fuzz.sh 3600
-# FUZZ_CI=1 (launch/test.sh) skips fuzzing the targets that also find bugs of libraries retain
-# cannot fix (THIRD_PARTY_FINDINGS in tests/fuzz/CMakeLists.txt: libhdf5); their replays run.
+# FUZZ_CI=1 (launch/test.sh): each target tries its fixed CI_RUNS inputs from the seeds alone
+# with seed RETAIN_FUZZ_SEED (repeatable: what CI tries; tests/fuzz/run_fuzz.sh), and the
+# targets that also find bugs of libraries retain cannot fix (THIRD_PARTY_FINDINGS in
+# tests/fuzz/CMakeLists.txt: libhdf5) are only replayed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seconds=${1:-10}

@@ -9,6 +9,7 @@ cd "$(dirname "$0")/.."
 ./launch/build.sh
 ctest --test-dir "${BUILD_DIR:-build}" --output-on-failure --timeout 600 --parallel "$(nproc)" "$@"
 if [ "${FUZZ_SECONDS:-10}" != 0 ]; then
-  # A fixed libFuzzer seed: the short CI runs are repeatable (launch/fuzz.sh alone explores anew).
+  # CI mode: a fixed number of inputs per target from a fixed seed, so the same command run before
+  # a push tries what CI will (docs/reliability.md); launch/fuzz.sh alone explores anew.
   FUZZ_CI=1 RETAIN_FUZZ_SEED=${RETAIN_FUZZ_SEED:-20261124} ./launch/fuzz.sh "${FUZZ_SECONDS:-10}"
 fi

@@ -47,7 +47,11 @@ inline const std::filesystem::path& scratch_dir() {
   static const std::filesystem::path dir = [] {
     namespace fs = std::filesystem;
     const fs::path base = fs::is_directory("/dev/shm") ? fs::path("/dev/shm") : fs::temp_directory_path();
-    fs::path d = base / ("retain_fuzz_" + std::to_string(::getpid()));
+    // The pid zero-padded: the path's length, which error messages quote, is the same in every
+    // process, so a run with a fixed seed and run count (FUZZ_CI) takes the same paths anywhere.
+    char name[32];
+    std::snprintf(name, sizeof name, "retain_fuzz_%010ld", static_cast<long>(::getpid()));
+    fs::path d = base / name;
     fs::create_directories(d);
     static const fs::path cleanup = d;
     std::atexit([] {
