@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include "tests/cuda/cuda_test.h"
+#include "tests/error_helpers.h"
 
 #include <cmath>
 #include <cstdint>
@@ -304,16 +305,6 @@ TEST(GatedAttentionCuda, RepeatedRunsAreBitwiseEqual) {
 TEST(GatedAttentionCuda, BadInputsAreOneLineErrors) {
   SKIP_WITHOUT_GPU();
   const int64_t T = 70, H = 4, K = 2, d = 64;
-  auto expect_error = [](auto&& call, const std::string& needle) {
-    try {
-      call();
-      ADD_FAILURE() << "no error (expected one mentioning '" << needle << "')";
-    } catch (const Error& e) {
-      const std::string msg = e.what();
-      EXPECT_NE(msg.find(needle), std::string::npos) << msg;
-      EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
-    }
-  };
   Tensor q = Tensor::zeros({T, H, d}, DType::BF16, Device::CUDA);
   Tensor k = Tensor::zeros({T, K, d}, DType::BF16, Device::CUDA), v = k.clone();
   Tensor lb = Tensor::zeros({T, K}, DType::F32, Device::CUDA);
@@ -323,14 +314,14 @@ TEST(GatedAttentionCuda, BadInputsAreOneLineErrors) {
   const float scale = 0.125f;
   // F32 activations on CUDA.
   Tensor q32 = Tensor::zeros({T, H, d}, DType::F32, Device::CUDA);
-  expect_error([&] { ops::gated_attention(q32, k, v, lb, doc, scale, out, lse); }, "must be BF16");
+  test_support::expect_one_line_error([&] { ops::gated_attention(q32, k, v, lb, doc, scale, out, lse); }, "must be BF16");
   // A host tensor among device ones.
   Tensor lb_host = Tensor::zeros({T, K}, DType::F32);
-  expect_error([&] { ops::gated_attention(q, k, v, lb_host, doc, scale, out, lse); }, "one device");
+  test_support::expect_one_line_error([&] { ops::gated_attention(q, k, v, lb_host, doc, scale, out, lse); }, "one device");
   // A head_dim without a kernel.
   Tensor q32d = Tensor::zeros({T, H, 32}, DType::BF16, Device::CUDA);
   Tensor k32d = Tensor::zeros({T, K, 32}, DType::BF16, Device::CUDA), out32d = q32d.clone();
-  expect_error([&] { ops::gated_attention(q32d, k32d, k32d, lb, doc, scale, out32d, lse); }, "head_dim 32");
+  test_support::expect_one_line_error([&] { ops::gated_attention(q32d, k32d, k32d, lb, doc, scale, out32d, lse); }, "head_dim 32");
   // A positive logβ, named by its index (found on the device): the op queues the scan and
   // returns; the next raise_deferred_checks() (once per training step) throws its error.
   ops::raise_deferred_checks();  // nothing left over from the calls above
@@ -339,7 +330,7 @@ TEST(GatedAttentionCuda, BadInputsAreOneLineErrors) {
   Tensor lb_bad = Tensor::from_vector<float>(bad, {T, K}).to(Device::CUDA);
   EXPECT_NO_THROW(ops::gated_attention(q, k, v, lb_bad, doc, scale, out, lse));
   EXPECT_EQ(ops::deferred_checks_pending(), 1);
-  expect_error([&] { ops::raise_deferred_checks(); }, "gated_attention: log_beta[2, 1] = 0.25");
+  test_support::expect_one_line_error([&] { ops::raise_deferred_checks(); }, "gated_attention: log_beta[2, 1] = 0.25");
   EXPECT_EQ(ops::deferred_checks_pending(), 0);
   EXPECT_NO_THROW(ops::raise_deferred_checks()) << "a verdict is read once";
   bad[2 * K + 1] = NAN;
@@ -349,7 +340,7 @@ TEST(GatedAttentionCuda, BadInputsAreOneLineErrors) {
   ops::gated_attention(q, k, v, lb, doc, scale, out, lse);
   ops::gated_attention_backward(q, k, v, lb_nan, doc, scale, out, lse, q, dq, dk, dv, dlb);
   ops::gated_attention(q, k, v, lb_bad, doc, scale, out, lse);
-  expect_error([&] { ops::raise_deferred_checks(); }, "gated_attention_backward: log_beta[2, 1] = nan");
+  test_support::expect_one_line_error([&] { ops::raise_deferred_checks(); }, "gated_attention_backward: log_beta[2, 1] = nan");
   ops::gated_attention(q, k, v, lb, doc, scale, out, lse);
   EXPECT_NO_THROW(ops::raise_deferred_checks());
 }

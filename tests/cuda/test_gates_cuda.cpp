@@ -27,6 +27,7 @@
 
 #include "model/gates/gates.h"
 #include "tests/cuda/cuda_test.h"
+#include "tests/error_helpers.h"
 
 using namespace retain;
 using namespace retain::gates;
@@ -98,17 +99,6 @@ bool same_bits(const Tensor& a_any, const Tensor& b_any) {
   return a.shape() == b.shape() && std::memcmp(a.raw(), b.raw(), a.nbytes()) == 0;
 }
 
-// The message of the retain::Error `f` throws ("" if none), and that it is one line.
-template <typename F> std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    const std::string m = e.what();
-    EXPECT_EQ(m.find('\n'), std::string::npos) << m;
-    return m;
-  }
-  return "";
-}
 
 struct Case {
   GateKind kind;
@@ -249,22 +239,22 @@ TEST_F(GatesCuda, MissingSyncAndMixedDevicesAreOneLineErrors) {
   const GateDims d{GateKind::trimkv, 1, 8, 6, 2};
   RetentionGates g = random_gates(d, rng_);
   const Tensor h = random_f32({4, 8}, 1.0, rng_), hd = gpu(h), dlb = random_f32({4, 2}, 1.0, rng_);
-  EXPECT_NE(error_of([&] { g.forward(0, hd); }).find("sync_to_device() was never called"), std::string::npos);
-  EXPECT_NE(error_of([&] { g.add_device_grads_to_host(); }).find("before any sync_to_device()"), std::string::npos);
+  EXPECT_NE(test_support::one_line_error([&] { g.forward(0, hd); }).find("sync_to_device() was never called"), std::string::npos);
+  EXPECT_NE(test_support::one_line_error([&] { g.add_device_grads_to_host(); }).find("before any sync_to_device()"), std::string::npos);
   g.sync_to_device();
   GateActivations saved;
   g.forward(0, hd, &saved);
   // A copy has no mirror of its own (it would share and overwrite this one's).
   RetentionGates copy = g;
   EXPECT_FALSE(copy.has_device_mirror());
-  EXPECT_NE(error_of([&] { copy.backward(0, hd, saved, gpu(dlb)); }).find("sync_to_device() was never called"),
+  EXPECT_NE(test_support::one_line_error([&] { copy.backward(0, hd, saved, gpu(dlb)); }).find("sync_to_device() was never called"),
             std::string::npos);
-  EXPECT_EQ(error_of([&] { g.backward(0, hd, saved, dlb); }),
+  EXPECT_EQ(test_support::one_line_error([&] { g.backward(0, hd, saved, dlb); }),
             "retention gate: dlog_beta is F32 [4, 2] on cpu, expected F32 [4, 2] on cuda");
   Tensor dh_cpu = Tensor::zeros({4, 8}, DType::F32);
-  EXPECT_EQ(error_of([&] { g.backward(0, hd, saved, gpu(dlb), &dh_cpu); }),
+  EXPECT_EQ(test_support::one_line_error([&] { g.backward(0, hd, saved, gpu(dlb), &dh_cpu); }),
             "retention gate: dh is F32 [4, 8] on cpu, expected F32 [4, 8] on cuda");
-  EXPECT_EQ(error_of([&] { g.backward(0, h, saved, dlb); }),
+  EXPECT_EQ(test_support::one_line_error([&] { g.backward(0, h, saved, dlb); }),
             "retention gate: saved a1 is F32 [4, 6] on cuda, expected F32 [4, 6] on cpu");
   // Nothing was added by the failed calls.
   g.zero_grad();

@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include "tests/cuda/cuda_test.h"
+#include "tests/error_helpers.h"
 
 #include <cstdint>
 #include <cstdio>
@@ -118,39 +119,29 @@ TEST(KvpopCuda, BadInputsAreOneLineErrors) {
   const MlstmInputs in = make_mlstm_inputs(MlstmCase{40, 4, 3, 10, false}, rng);
   const kvpop::Projected P = on_gpu(in.P);
   const Tensor doc = on_gpu(i32(in.doc)), w_o = on_gpu(in.w_o), b_o = on_gpu(in.b_o);
-  auto expect_error = [](auto&& call, const std::string& needle) {
-    try {
-      call();
-      ADD_FAILURE() << "no error; expected one containing '" << needle << "'";
-    } catch (const Error& e) {
-      const std::string what = e.what();
-      EXPECT_NE(what.find(needle), std::string::npos) << what;
-      EXPECT_EQ(what.find('\n'), std::string::npos) << what;
-    }
-  };
   // Mixed devices are refused, not silently copied.
-  expect_error([&] { kvpop::mlstm_scores(P, i32(in.doc), 3, w_o, b_o); }, "one device");
-  expect_error([&] { kvpop::mlstm_scores(P, doc, 3, in.w_o, b_o); }, "one device");
+  test_support::expect_one_line_error([&] { kvpop::mlstm_scores(P, i32(in.doc), 3, w_o, b_o); }, "one device");
+  test_support::expect_one_line_error([&] { kvpop::mlstm_scores(P, doc, 3, in.w_o, b_o); }, "one device");
   Tensor dw_o, db_o;
-  expect_error([&] { kvpop::mlstm_scores_backward(P, doc, 3, w_o, b_o, in.dscore, dw_o, db_o); }, "one device");
+  test_support::expect_one_line_error([&] { kvpop::mlstm_scores_backward(P, doc, 3, w_o, b_o, in.dscore, dw_o, db_o); }, "one device");
   // A document that reappears is found on the device tensor too.
   std::vector<int32_t> bad(40, 0);
   for (int64_t t = 10; t < 20; ++t) bad[t] = 1;
-  expect_error([&] { kvpop::mlstm_scores(P, on_gpu(i32(bad)), 3, w_o, b_o); }, "reappears at token 20");
+  test_support::expect_one_line_error([&] { kvpop::mlstm_scores(P, on_gpu(i32(bad)), 3, w_o, b_o); }, "reappears at token 20");
   // d = 2r above the readout blocks' static arrays.
   const MlstmInputs wide = make_mlstm_inputs(MlstmCase{8, 160, 1, 8, true}, rng);
-  expect_error([&] { kvpop::mlstm_scores(on_gpu(wide.P), on_gpu(i32(wide.doc)), 1, on_gpu(wide.w_o), on_gpu(wide.b_o)); },
+  test_support::expect_one_line_error([&] { kvpop::mlstm_scores(on_gpu(wide.P), on_gpu(i32(wide.doc)), 1, on_gpu(wide.w_o), on_gpu(wide.b_o)); },
                "limit 256");
   // The target: mixed devices, and a head_dim beyond the device's shared memory per block.
   const Tensor q = on_gpu(f32(randn(40 * 2 * 8, rng), {40, 2, 8})), k = on_gpu(f32(randn(40 * 8, rng), {40, 1, 8}));
   const Tensor lse = on_gpu(Tensor::zeros({40, 2}, DType::F32));
-  expect_error([&] { kvpop::future_attention_target(q, k, lse, i32(in.doc), 3, 0.3f); }, "one device");
+  test_support::expect_one_line_error([&] { kvpop::future_attention_target(q, k, lse, i32(in.doc), 3, 0.3f); }, "one device");
   const Tensor q_wide = on_gpu(Tensor::zeros({4, 1, 4096}, DType::F32)), k_wide = on_gpu(Tensor::zeros({4, 1, 4096}, DType::F32));
-  expect_error([&] { kvpop::future_attention_target(q_wide, k_wide, on_gpu(Tensor::zeros({4, 1}, DType::F32)),
+  test_support::expect_one_line_error([&] { kvpop::future_attention_target(q_wide, k_wide, on_gpu(Tensor::zeros({4, 1}, DType::F32)),
                                                     on_gpu(i32({0, 0, 0, 0})), 1, 0.1f); },
                "shared memory");
   // The ops without CUDA kernels keep their clear error.
-  expect_error([&] { kvpop::select_decisions(on_gpu(Tensor::zeros({40}, DType::F32)), doc, 3, 4, 2); },
+  test_support::expect_one_line_error([&] { kvpop::select_decisions(on_gpu(Tensor::zeros({40}, DType::F32)), doc, 3, 4, 2); },
                "no CUDA implementation");
 }
 

@@ -31,6 +31,7 @@
 
 #include "kernels/base/half.h"
 #include "tests/cuda/cuda_test.h"
+#include "tests/error_helpers.h"
 #include "trainer/loss.h"
 
 using namespace retain;
@@ -318,26 +319,16 @@ TEST_F(LossCuda, BadInputs) {
   const Tensor W = Tensor::from_vector(p.W, {p.V, p.D});
   const Tensor thd = th.to(Device::CUDA), shd = sh.to(Device::CUDA), Wd = W.to(Device::CUDA);
   Tensor grad_cpu = Tensor::empty({p.T, p.D}, DType::F32);
-  auto expect_error = [&](auto&& call, const std::string& needle) {
-    try {
-      call();
-      ADD_FAILURE() << "no error; expected one containing '" << needle << "'";
-    } catch (const Error& e) {
-      const std::string msg = e.what();
-      EXPECT_NE(msg.find(needle), std::string::npos) << msg;
-      EXPECT_EQ(msg.find('\n'), std::string::npos) << "not one line: " << msg;
-    }
-  };
-  expect_error([&] { trainer::kl_ntp_chunked(thd, shd, W, p.ids, p.mask, 4, 0.5, 0.5, nullptr); }, "one device");
-  expect_error([&] { trainer::kl_ntp_chunked(thd, sh, Wd, p.ids, p.mask, 4, 0.5, 0.5, nullptr); }, "one device");
-  expect_error([&] { trainer::kl_ntp_chunked(thd, shd, Wd, p.ids, p.mask, 4, 0.5, 0.5, &grad_cpu); }, "one device");
-  expect_error([&] { trainer::kl_ntp_chunked(thd, shd, Wd, p.ids.to(Device::CUDA), p.mask, 4, 0.5, 0.5, nullptr); },
+  test_support::expect_one_line_error([&] { trainer::kl_ntp_chunked(thd, shd, W, p.ids, p.mask, 4, 0.5, 0.5, nullptr); }, "one device");
+  test_support::expect_one_line_error([&] { trainer::kl_ntp_chunked(thd, sh, Wd, p.ids, p.mask, 4, 0.5, 0.5, nullptr); }, "one device");
+  test_support::expect_one_line_error([&] { trainer::kl_ntp_chunked(thd, shd, Wd, p.ids, p.mask, 4, 0.5, 0.5, &grad_cpu); }, "one device");
+  test_support::expect_one_line_error([&] { trainer::kl_ntp_chunked(thd, shd, Wd, p.ids.to(Device::CUDA), p.mask, 4, 0.5, 0.5, nullptr); },
                "CPU tensors");
   Tensor ids = p.ids.clone();
   int64_t t = 0;
   while (!p.mask.data<uint8_t>()[t]) ++t;
   ids.data<int32_t>()[t + 1] = 64;
-  expect_error([&] { trainer::kl_ntp_chunked(thd, shd, Wd, ids, p.mask, 4, 0.5, 0.5, nullptr); },
+  test_support::expect_one_line_error([&] { trainer::kl_ntp_chunked(thd, shd, Wd, ids, p.mask, 4, 0.5, 0.5, nullptr); },
                fmt::format("target id 64 at position {}", t + 1));
 }
 

@@ -8,6 +8,7 @@
 #include <random>
 
 #include "model/gates/gates.h"
+#include "tests/error_helpers.h"
 
 using namespace retain;
 using namespace retain::gates;
@@ -331,19 +332,8 @@ TEST(Gates, CudaEntryPointsFailInOneLineWithoutADevice) {
   // here only what must hold on any machine, GPU or not, and never touches device memory.
   const GateDims d{GateKind::trimkv, 1, 4, 3, 2};
   RetentionGates g = random_gates(d, 2);
-  auto one_line_error = [](auto&& f) -> std::string {
-    try {
-      f();
-    } catch (const Error& e) {
-      const std::string m = e.what();
-      EXPECT_EQ(m.find('\n'), std::string::npos) << m;
-      return m;
-    }
-    ADD_FAILURE() << "no error";
-    return "";
-  };
   EXPECT_FALSE(g.has_device_mirror());
-  const std::string early = one_line_error([&] { g.add_device_grads_to_host(); });
+  const std::string early = test_support::one_line_error([&] { g.add_device_grads_to_host(); });
   EXPECT_TRUE(early.find("before any sync_to_device()") != std::string::npos ||
               early.find("built without CUDA") != std::string::npos)
       << early;
@@ -351,7 +341,7 @@ TEST(Gates, CudaEntryPointsFailInOneLineWithoutADevice) {
   // mirror and a mixed-device backward fail in their checks, before any access.
   std::vector<float> fake(3 * 4 * 2);
   const Tensor h_cuda = Tensor::view(fake.data(), {3, 4}, DType::F32, nullptr, Device::CUDA);
-  const std::string fwd = one_line_error([&] { g.forward(0, h_cuda); });
+  const std::string fwd = test_support::one_line_error([&] { g.forward(0, h_cuda); });
   EXPECT_TRUE(fwd.find("sync_to_device() was never called") != std::string::npos ||
               fwd.find("built without CUDA") != std::string::npos)
       << fwd;
@@ -360,13 +350,13 @@ TEST(Gates, CudaEntryPointsFailInOneLineWithoutADevice) {
   GateActivations saved;
   g.forward(0, h, &saved);
   const Tensor dlb_cuda = Tensor::view(fake.data(), {3, 2}, DType::F32, nullptr, Device::CUDA);
-  EXPECT_EQ(one_line_error([&] { g.backward(0, h, saved, dlb_cuda); }),
+  EXPECT_EQ(test_support::one_line_error([&] { g.backward(0, h, saved, dlb_cuda); }),
             "retention gate: dlog_beta is F32 [3, 2] on cuda, expected F32 [3, 2] on cpu");
   for (const GateParameter& p : g.parameters())
     for (int64_t i = 0; i < p.grad.numel(); ++i) EXPECT_EQ(p.grad.data<float>()[i], 0.0f) << p.name();
   if (cuda_built() && cuda_device_count() > 0)
     GTEST_SKIP() << "a CUDA device is present: sync_to_device() succeeds here (tests/cuda/test_gates_cuda.cpp)";
-  const std::string sync = one_line_error([&] { g.sync_to_device(); });
+  const std::string sync = test_support::one_line_error([&] { g.sync_to_device(); });
   EXPECT_TRUE(sync.find("no CUDA device") != std::string::npos || sync.find("built without CUDA") != std::string::npos)
       << sync;
   EXPECT_FALSE(g.has_device_mirror());
