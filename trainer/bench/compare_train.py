@@ -122,7 +122,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--bin-dir", default=os.path.join(REPO, "build", "bin"))
-    ap.add_argument("--python", default="/work/venvs/trimkv/bin/python", help="a Python with trimkv 0.1.5")
+    ap.add_argument("--python", default=os.environ.get("RETAIN_TRIMKV_PYTHON", os.path.expanduser(
+        "~/.cache/retain/venvs/trimkv/bin/python")), help="a Python with trimkv 0.1.5 (default: $RETAIN_TRIMKV_PYTHON, else ~/.cache/retain/venvs/trimkv/bin/python)")
     ap.add_argument("--out", default=os.path.join(REPO, "build", "compare-train"))
     ap.add_argument("--write-docs", action="store_true", help="replace the marked section of --docs-file")
     ap.add_argument("--docs-file", default=os.path.join(REPO, "docs", "benchmarks.md"))
