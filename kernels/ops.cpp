@@ -66,15 +66,15 @@ void embedding(const Tensor& table, const Tensor& ids, Tensor& out) {
   cpu::embedding(table, ids, out);
 }
 
-void linear(const Tensor& x, const Tensor& w, Tensor& y) {
+void linear(const Tensor& x, const Tensor& w, Tensor& y, bool accumulate) {
   expect(x, DType::F32, 2, "linear", "x");
   expect_weight(w, "linear");
   expect(y, DType::F32, 2, "linear", "y");
   RETAIN_CHECK(x.dim(1) == w.dim(1) && y.dim(0) == x.dim(0) && y.dim(1) == w.dim(0),
                "linear: x {} w {} y {}", shape_str(x.shape()), shape_str(w.shape()), shape_str(y.shape()));
   RETAIN_CHECK(!overlap(y, x) && !overlap(y, w), "linear: y must not alias x or w");
-  if (one_device("linear", {&x, &w, &y}) == Device::CUDA) RETAIN_CUDA_OP("linear", linear(x, w, y));
-  cpu::linear(x, w, y);
+  if (one_device("linear", {&x, &w, &y}) == Device::CUDA) RETAIN_CUDA_OP("linear", linear(x, w, y, accumulate));
+  cpu::linear(x, w, y, accumulate);
 }
 
 void linear_backward_weight(const Tensor& dy, const Tensor& x, Tensor& dw, bool accumulate) {

@@ -17,13 +17,15 @@ namespace retain::ops {
 // checkpoint's embedding needs no F32 copy); ids I32 [T]; out F32 [T, D].
 void embedding(const Tensor& table, const Tensor& ids, Tensor& out);
 
-// y = x · wᵀ. x F32 [N, in], w F32 or BF16 [out, in] (nn.Linear layout), y F32 [N, out].
+// y = x · wᵀ (accumulate = true: y += x · wᵀ, the residual add fused into the GEMM, whose
+// epilogue reads y; saves the [N, out] product buffer and a pass over it).
+// x F32 [N, in], w F32 or BF16 [out, in] (nn.Linear layout), y F32 [N, out].
 // CUDA (cuBLASLt, fp32 accumulation): with F32 w the product is float32 throughout (matches
 // the CPU to float32 rounding); with BF16 w, x is rounded to bf16 first ("bf16 in, fp32
 // accumulate", the GPU trainer's frozen weights). The CPU widens a BF16 w to float32 exactly:
 // bit for bit the F32 path on the widened weight while that fits one 32 MiB block
 // (kernels/cpu/ops_cpu.h), block by block beyond. y must not alias x or w.
-void linear(const Tensor& x, const Tensor& w, Tensor& y);
+void linear(const Tensor& x, const Tensor& w, Tensor& y, bool accumulate = false);
 
 // dw = dyᵀ · x (accumulate = true adds into dw): the weight gradient of y = x·wᵀ, for the
 // trainable gate MLPs. dy F32 [N, out], x F32 [N, in], dw F32 [out, in]. CUDA: float32

@@ -79,13 +79,12 @@ void qwen3_mlp(const Qwen3Config& c, const LayerWeights& w, Tensor& x) {
   for (int64_t t0 = 0; t0 < T; t0 += kMlpChunkTokens) {
     const int64_t n = std::min(T, t0 + kMlpChunkTokens) - t0;
     Tensor xr = x.rows(t0, t0 + n);
-    Tensor h2 = f32({n, D}), g = f32({n, I}), u = f32({n, I}), out = f32({n, D});
+    Tensor h2 = f32({n, D}), g = f32({n, I}), u = f32({n, I});
     ops::rmsnorm(xr, w.post_norm, eps, h2);
     ops::linear(h2, w.gate_proj, g);
     ops::linear(h2, w.up_proj, u);
     ops::swiglu(g, u, g);
-    ops::linear(g, w.down_proj, out);
-    ops::add_inplace(xr, out);
+    ops::linear(g, w.down_proj, xr, /*accumulate=*/true);  // the residual add in the GEMM
   }
 }
 
@@ -135,18 +134,19 @@ void qwen3_decoder_layer(const Qwen3Config& c, const LayerWeights& w, const Rope
   } else {
     attn = layer_attention(q3, k3, v3, nullptr, doc, scale, layer, saved);
   }
-  Tensor proj = f32({T, D});
-  ops::linear(attn.reshape({T, H * d}), w.o_proj, proj);
+  ops::linear(attn.reshape({T, H * d}), w.o_proj, x, /*accumulate=*/true);  // the residual add in the GEMM
   attn = Tensor();
-  ops::add_inplace(x, proj);
   if (saved) {
     saved->h = h;
     saved->q_raw = q, saved->k_raw = k;
+    if (saved->attention_only) {  // x ends here: x_mid is x itself, not a copy
+      saved->x_mid = x;
+      return;
+    }
     saved->x_mid = x.clone();
-    if (saved->attention_only) return;
   }
 
-  h = Tensor(), q = Tensor(), k = Tensor(), proj = Tensor();
+  h = Tensor(), q = Tensor(), k = Tensor();
   qwen3_mlp(c, w, x);
 }
 

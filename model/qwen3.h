@@ -47,7 +47,8 @@ struct DecoderLayerSaved {
   Tensor attn, lse;              // attention output [T, H, d] (dtype as q) and its log-sum-exp F32 [T, H]
                                  // (gated only)
   Tensor x_mid;                  // residual stream after attention F32 [T, D] (the post-norm input)
-  // Set by the caller: stop after the attention block (x comes out as x_mid). The student's
+  // Set by the caller: stop after the attention block (x comes out as x_mid, and x_mid shares
+  // x's storage: no copy of the residual stream, so the caller must not write x). The student's
   // backward does, and recomputes the MLP from x_mid chunk by chunk: its intermediates are
   // never held for the whole sequence.
   bool attention_only = false;

@@ -27,12 +27,17 @@ Tensor checkpoint_of(const Tensor& x) {
   return b;
 }
 
-// A checkpoint back as the F32 layer input the recomputation starts from.
+// A checkpoint back as the F32 layer input (on the CPU the checkpoint itself: do not write it).
 Tensor layer_input(const Tensor& checkpoint) {
   if (checkpoint.dtype() == DType::F32) return checkpoint;
   Tensor x = Tensor::empty(checkpoint.shape(), DType::F32, checkpoint.device());
   ops::cast(checkpoint, x);
   return x;
+}
+
+// The F32 layer input as a buffer of its own, which the recomputation overwrites in place.
+Tensor writable_layer_input(const Tensor& checkpoint) {
+  return checkpoint.dtype() == DType::F32 ? checkpoint.clone() : layer_input(checkpoint);
 }
 
 // The gated attention's backward: dq [T, H, d], dk, dv [T, K, d] F32 and dlog_beta F32 [T, K]
@@ -70,10 +75,12 @@ void attention_backward(const DecoderLayerSaved& s, const Tensor& doc, float sca
 }
 
 // Layer l's backward: on entry dx = ∂loss/∂x_{l+1} (the layer's output), on return
-// ∂loss/∂x_l. `s` is the layer's recomputed forward, x_in its input, extra_dlog_beta the
-// capacity loss's ∂/∂logβ [T, K] for this layer (or null). Adds the gate's parameter grads.
+// ∂loss/∂x_l. `s` is the layer's recomputed forward (consumed: each part is freed once used),
+// checkpoint its input's checkpoint, extra_dlog_beta the capacity loss's ∂/∂logβ [T, K] for
+// this layer (or null). Adds the gate's parameter grads. Buffers are allocated as late and
+// freed as early as the order allows: at 128K on a GPU this is where the step's memory peaks.
 void layer_backward(const Qwen3Config& c, const LayerWeights& w, const RopeParams& rope, const StudentPass& pass,
-                    gates::RetentionGates& gates, int64_t layer, const Tensor& x_in, DecoderLayerSaved& s,
+                    gates::RetentionGates& gates, int64_t layer, const Tensor& checkpoint, DecoderLayerSaved& s,
                     const Tensor* extra_dlog_beta, Tensor& dx) {
   const int64_t T = dx.dim(0), D = c.hidden_size, H = c.num_attention_heads, K = c.num_key_value_heads,
                 d = c.head_dim, I = c.intermediate_size;
@@ -99,7 +106,6 @@ void layer_backward(const Qwen3Config& c, const LayerWeights& w, const RopeParam
     ops::add_inplace(dxr, h2);  // dx = ∂loss/∂x_mid (residual + MLP path)
   }
   s.x_mid = Tensor();
-  Tensor dh = f32({T, D});
 
   // Attention block: x_mid = x_in + o_proj(attn), attn = gated_attention(q, k, v, logβ(h)).
   Tensor dattn = f32({T, H * d});
@@ -108,18 +114,25 @@ void layer_backward(const Qwen3Config& c, const LayerWeights& w, const RopeParam
   Tensor dq, dk, dv, dlog_beta;
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
   attention_backward(s, pass.doc, scale, dattn, dq, dk, dv, dlog_beta);
+  s.q = s.k = s.v = s.attn = s.lse = Tensor();  // only the attention backward reads them
   if (extra_dlog_beta) ops::add_inplace(dlog_beta, *extra_dlog_beta);
   ops::rope_backward(dq, pass.positions, rope.inv_freq, rope.attention_factor);
   ops::rope_backward(dk, pass.positions, rope.inv_freq, rope.attention_factor);
-  Tensor dqh = dq.reshape({T * H, d}), dkh = dk.reshape({T * K, d});
-  ops::rmsnorm_backward(s.q_raw.reshape({T * H, d}), w.q_norm, eps, dqh, dqh);
-  ops::rmsnorm_backward(s.k_raw.reshape({T * K, d}), w.k_norm, eps, dkh, dkh);
+  {
+    Tensor dqh = dq.reshape({T * H, d}), dkh = dk.reshape({T * K, d});
+    ops::rmsnorm_backward(s.q_raw.reshape({T * H, d}), w.q_norm, eps, dqh, dqh);
+    ops::rmsnorm_backward(s.k_raw.reshape({T * K, d}), w.k_norm, eps, dkh, dkh);
+  }
+  s.q_raw = s.k_raw = Tensor();
   // ∂loss/∂h: the q, k, v projections, then the gate's path (RetentionGates::backward adds it).
+  Tensor dh = f32({T, D});
   ops::linear_backward_input(dq.reshape({T, H * d}), w.q_proj, dh);
   ops::linear_backward_input(dk.reshape({T, K * d}), w.k_proj, dh, /*accumulate=*/true);
   ops::linear_backward_input(dv.reshape({T, K * d}), w.v_proj, dh, /*accumulate=*/true);
+  dq = dk = dv = Tensor();
   gates.backward(layer, s.h, s.gate, dlog_beta, &dh);
-  ops::rmsnorm_backward(x_in, w.input_norm, eps, dh, dh);
+  s = DecoderLayerSaved();
+  ops::rmsnorm_backward(layer_input(checkpoint), w.input_norm, eps, dh, dh);
   ops::add_inplace(dx, dh);  // dx = ∂loss/∂x_in (residual + attention path)
 }
 
@@ -174,14 +187,16 @@ void student_backward(WeightProvider& weights, gates::RetentionGates& gates, con
   ops::rmsnorm_backward(pass.final_input, weights.final_norm(), static_cast<float>(c.rms_norm_eps), d_hidden, dx);
   for (int64_t l = L - 1; l >= 0; --l) {
     const LayerWeights& w = weights.layer(l);
-    const Tensor x_in = layer_input(pass.layer_inputs[static_cast<size_t>(l)]);
-    Tensor x = x_in.clone();  // the recomputation runs in place; the checkpoint stays intact
+    const Tensor& checkpoint = pass.layer_inputs[static_cast<size_t>(l)];
+    // The recomputation runs in place on a copy (the checkpoint stays intact); the layer's
+    // input is formed again from the checkpoint where its backward needs it, at the end.
+    Tensor x = writable_layer_input(checkpoint);
     DecoderLayerSaved saved;
     saved.attention_only = true;  // layer_backward recomputes the MLP chunk by chunk
     qwen3_decoder_layer(c, w, rope, pass.positions, pass.doc, &gates, l, x, nullptr, &saved);
-    x = Tensor();
+    x = Tensor();  // lives on as saved.x_mid
     const Tensor extra = has_extra ? d_log_beta.rows(l, l + 1).reshape({T, K}) : Tensor();
-    layer_backward(c, w, rope, pass, gates, l, x_in, saved, has_extra ? &extra : nullptr, dx);
+    layer_backward(c, w, rope, pass, gates, l, checkpoint, saved, has_extra ? &extra : nullptr, dx);
   }
 }
 

@@ -49,17 +49,18 @@ void widen_bf16(const Tensor& w, int64_t r0, int64_t r1, int64_t c0, int64_t c1,
     for (int64_t c = c0; c < c1; ++c) dst[(r - r0) * width + (c - c0)] = bf16_to_f32(src[r * cols + c]);
 }
 
-void linear(const Tensor& x, const Tensor& w, Tensor& y) {
+void linear(const Tensor& x, const Tensor& w, Tensor& y, bool accumulate) {
   const int64_t N = x.dim(0), in = x.dim(1), out = w.dim(0);
   if (N == 0 || out == 0) return;
-  if (in == 0) {
-    std::memset(y.raw(), 0, y.nbytes());
+  if (in == 0) {  // an empty sum: y = 0, or y unchanged
+    if (!accumulate) std::memset(y.raw(), 0, y.nbytes());
     return;
   }
-  // y[N, o0:o1] = x[N,in] · w[o0:o1, in]ᵀ, all row-major (ldc = out).
+  // y[N, o0:o1] (+)= x[N,in] · w[o0:o1, in]ᵀ, all row-major (ldc = out).
   const auto gemm = [&](int64_t o0, int64_t o1, const float* wrows) {
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(N), static_cast<int>(o1 - o0),
-                static_cast<int>(in), 1.0f, x.data<float>(), static_cast<int>(in), wrows, static_cast<int>(in), 0.0f,
+                static_cast<int>(in), 1.0f, x.data<float>(), static_cast<int>(in), wrows, static_cast<int>(in),
+                accumulate ? 1.0f : 0.0f,
                 y.data<float>() + o0, static_cast<int>(out));
   };
   if (w.dtype() == DType::F32) return gemm(0, out, w.data<float>());

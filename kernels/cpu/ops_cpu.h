@@ -5,7 +5,7 @@
 namespace retain::cpu {
 
 void embedding(const Tensor& table, const Tensor& ids, Tensor& out);
-void linear(const Tensor& x, const Tensor& w, Tensor& y);
+void linear(const Tensor& x, const Tensor& w, Tensor& y, bool accumulate);
 void cast(const Tensor& src, Tensor& dst);
 // OpenBLAS has no bf16 GEMM, so a BF16 weight is multiplied as float32: rows [r0, r1) × columns
 // [c0, c1) of the BF16 matrix w, widened (exactly) into dst, row-major [r1 − r0, c1 − c0].

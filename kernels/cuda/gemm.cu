@@ -214,14 +214,14 @@ const void* activation(DeviceGemm& g, const Tensor& t, bool bf16) {
 
 }  // namespace
 
-void linear(const Tensor& x, const Tensor& w, Tensor& y) {
+void linear(const Tensor& x, const Tensor& w, Tensor& y, bool accumulate) {
   const int64_t N = x.dim(0), in = x.dim(1), out = w.dim(0);
   const bool bf16 = w.dtype() == DType::BF16;
   std::lock_guard<std::mutex> lock(g_mutex);
   DeviceGemm& g = device_gemm();
   if (N == 0 || out == 0) return;
   matmul(g, out, N, in, {w.raw(), in, true}, {activation(g, x, bf16), in, false}, bf16, static_cast<float*>(y.raw()),
-         out, false);
+         out, accumulate);
 }
 
 void linear_backward_input(const Tensor& dy, const Tensor& w, Tensor& dx, bool accumulate) {

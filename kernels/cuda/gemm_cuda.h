@@ -19,7 +19,7 @@
 
 namespace retain::cuda {
 
-void linear(const Tensor& x, const Tensor& w, Tensor& y);
+void linear(const Tensor& x, const Tensor& w, Tensor& y, bool accumulate);
 void linear_backward_input(const Tensor& dy, const Tensor& w, Tensor& dx, bool accumulate);
 void linear_backward_weight(const Tensor& dy, const Tensor& x, Tensor& dw, bool accumulate);
 void cast(const Tensor& src, Tensor& dst);

@@ -109,14 +109,18 @@ TEST_F(GemmCuda, LinearAndInputGradientMatchTheCpu) {
         const Tensor xds = view ? xd.rows(1, c.N + 1) : xd.rows(0, c.N);
         const Tensor dyds = view ? dyd.rows(1, c.N + 1) : dyd.rows(0, c.N);
 
-        Tensor y = Tensor::empty({c.N, c.out}, DType::F32), yd = Tensor::empty({c.N, c.out}, DType::F32, Device::CUDA);
-        ops::linear(xr, w, y);
-        ops::linear(xds, wd, yd);
-        expect_close(yd, y, {xr.data<float>(), c.in, 1}, {wf.data<float>(), 1, c.in}, c.in, nullptr, units(bf16, c.in),
-                     "linear " + where);
-        Tensor again = Tensor::empty({c.N, c.out}, DType::F32, Device::CUDA);
-        ops::linear(xds, wd, again);
-        EXPECT_TRUE(same_bits(again, yd)) << "linear not repeatable " << where;
+        for (bool accumulate : {false, true}) {
+          const Tensor y0 = random_f32({c.N, c.out}, rng_);
+          Tensor y = y0.clone(), yd = gpu(y0);
+          ops::linear(xr, w, y, accumulate);
+          ops::linear(xds, wd, yd, accumulate);
+          expect_close(yd, y, {xr.data<float>(), c.in, 1}, {wf.data<float>(), 1, c.in}, c.in, accumulate ? &y0 : nullptr,
+                       units(bf16, c.in) + (accumulate ? 2 : 0),
+                       fmt::format("linear {} accumulate {}", where, accumulate));
+          Tensor again = gpu(y0);
+          ops::linear(xds, wd, again, accumulate);
+          EXPECT_TRUE(same_bits(again, yd)) << "linear not repeatable " << where;
+        }
 
         for (bool accumulate : {false, true}) {
           const Tensor dx0 = random_f32({c.N, c.in}, rng_);
@@ -164,7 +168,11 @@ TEST_F(GemmCuda, EmptyInnerDimensionsAreZeroOrUnchanged) {
   EXPECT_TRUE(same_bits(dw, dw0));
   ops::linear_backward_weight(dy, x, dw, false);
   EXPECT_TRUE(same_bits(dw, Tensor::zeros({4, 5}, DType::F32)));
-  Tensor y = gpu(random_f32({3, 2}, rng_));
+  const Tensor y0 = random_f32({3, 2}, rng_);
+  Tensor y = gpu(y0);
+  ops::linear(Tensor::empty({3, 0}, DType::F32, Device::CUDA), Tensor::empty({2, 0}, DType::BF16, Device::CUDA), y,
+              /*accumulate=*/true);
+  EXPECT_TRUE(same_bits(y, y0));
   ops::linear(Tensor::empty({3, 0}, DType::F32, Device::CUDA), Tensor::empty({2, 0}, DType::BF16, Device::CUDA), y);
   EXPECT_TRUE(same_bits(y, Tensor::zeros({3, 2}, DType::F32)));
 }

@@ -85,17 +85,20 @@ using Shape3 = std::tuple<int64_t, int64_t, int64_t>;  // N, in, out
 const std::vector<Shape3> kShapes = {{1, 1, 1},   {7, 13, 5},   {1, 257, 130}, {130, 7, 257},
                                      {33, 64, 1}, {2, 130, 96}, {257, 31, 7}};
 
-TEST(GemmCpu, LinearWithBf16WeightIsTheF32PathOnTheWidenedWeight) {
+TEST(GemmCpu, LinearWithBf16WeightIsTheF32PathOnTheWidenedWeightAndAccumulates) {
   std::mt19937 rng(11);
-  for (auto [N, in, out] : kShapes) {
-    const Tensor x = random_f32({N, in}, rng), w = random_bf16({out, in}, rng), wf = widened(w);
-    Tensor y = Tensor::empty({N, out}, DType::F32), want = Tensor::empty({N, out}, DType::F32);
-    ops::linear(x, w, y);
-    ops::linear(x, wf, want);
-    EXPECT_TRUE(same_bits(y, want)) << N << "x" << in << "x" << out;
-    expect_product(want, nullptr, in, [&](int64_t n, int64_t i) { return at(x, n, i); },
-                   [&](int64_t i, int64_t o) { return at(wf, o, i); }, "linear F32");
-  }
+  for (auto [N, in, out] : kShapes)
+    for (bool accumulate : {false, true}) {
+      const Tensor x = random_f32({N, in}, rng), w = random_bf16({out, in}, rng), wf = widened(w);
+      const Tensor y0 = random_f32({N, out}, rng);
+      Tensor y = y0.clone(), want = y0.clone();
+      ops::linear(x, w, y, accumulate);
+      ops::linear(x, wf, want, accumulate);
+      EXPECT_TRUE(same_bits(y, want)) << N << "x" << in << "x" << out << " accumulate " << accumulate;
+      expect_product(want, accumulate ? &y0 : nullptr, in, [&](int64_t n, int64_t i) { return at(x, n, i); },
+                     [&](int64_t i, int64_t o) { return at(wf, o, i); },
+                     std::string("linear F32") + (accumulate ? " accumulate" : ""));
+    }
 }
 
 TEST(GemmCpu, LinearBackwardInputWithBf16WeightIsTheF32PathAndAccumulates) {
@@ -158,7 +161,10 @@ TEST(GemmCpu, EmptyInnerDimensionsAreZeroOrUnchanged) {
   EXPECT_TRUE(same_bits(dw, dw0));
   ops::linear_backward_weight(Tensor::empty({0, 4}, DType::F32), Tensor::empty({0, 5}, DType::F32), dw, false);
   for (int64_t i = 0; i < dw.numel(); ++i) EXPECT_EQ(dw.data<float>()[i], 0.0f);
-  Tensor y = random_f32({3, 2}, rng);
+  const Tensor y0 = random_f32({3, 2}, rng);
+  Tensor y = y0.clone();
+  ops::linear(Tensor::empty({3, 0}, DType::F32), Tensor::empty({2, 0}, DType::BF16), y, /*accumulate=*/true);
+  EXPECT_TRUE(same_bits(y, y0));
   ops::linear(Tensor::empty({3, 0}, DType::F32), Tensor::empty({2, 0}, DType::BF16), y);
   for (int64_t i = 0; i < y.numel(); ++i) EXPECT_EQ(y.data<float>()[i], 0.0f);
 }
