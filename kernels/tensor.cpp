@@ -1,5 +1,7 @@
 #include "kernels/tensor.h"
 
+#include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -35,12 +37,21 @@ const DTypeInfo& info(DType dt) {
 
 constexpr size_t kAlign = 64;  // cache line; also what AVX-512 loads like
 
+std::atomic<size_t> g_host_in_use{0}, g_host_peak{0};
+
 std::shared_ptr<void> allocate(size_t bytes, Device device) {
   if (device == Device::CUDA) return {cuda::device_alloc(bytes), cuda::device_free};
-  size_t rounded = (bytes + kAlign - 1) / kAlign * kAlign;
-  void* p = std::aligned_alloc(kAlign, rounded == 0 ? kAlign : rounded);
+  const size_t rounded = std::max(kAlign, (bytes + kAlign - 1) / kAlign * kAlign);
+  void* p = std::aligned_alloc(kAlign, rounded);
   if (!p) fail("out of memory allocating {} bytes", bytes);
-  return {p, std::free};
+  const size_t now = g_host_in_use.fetch_add(rounded, std::memory_order_relaxed) + rounded;
+  size_t peak = g_host_peak.load(std::memory_order_relaxed);
+  while (now > peak && !g_host_peak.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
+  }
+  return {p, [rounded](void* q) {
+            g_host_in_use.fetch_sub(rounded, std::memory_order_relaxed);
+            std::free(q);
+          }};
 }
 
 // Reads n elements of any numeric dtype as double (used by to_dtype's slow path).
@@ -214,5 +225,11 @@ Tensor Tensor::to_dtype(DType dtype) const {
 
 bool cuda_built() { return cuda::built(); }
 int cuda_device_count() { return cuda::device_count(); }
+
+HostTensorMemory host_tensor_memory() {
+  return {g_host_in_use.load(std::memory_order_relaxed), g_host_peak.load(std::memory_order_relaxed)};
+}
+
+void reset_host_tensor_peak() { g_host_peak.store(g_host_in_use.load(std::memory_order_relaxed)); }
 
 }  // namespace retain

@@ -104,6 +104,16 @@ class Tensor {
   Device device_ = Device::CPU;
 };
 
+// Bytes held by live CPU tensors allocated with Tensor::empty/zeros (each rounded up to 64),
+// and their high-water mark since the last reset: what the model's own buffers take on the
+// CPU, the CPU counterpart of the CUDA pool's statistics (kernels/cuda/memory.h). Scratch
+// that ops keep outside tensors is not counted. Thread-safe.
+struct HostTensorMemory {
+  size_t in_use = 0, peak = 0;
+};
+HostTensorMemory host_tensor_memory();
+void reset_host_tensor_peak();  // peak = in_use
+
 // True when this build includes CUDA kernels (nvcc was found at configure time).
 bool cuda_built();
 // Number of usable CUDA devices at run time (0 without a CUDA build, driver or GPU).

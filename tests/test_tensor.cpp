@@ -116,3 +116,26 @@ TEST(Tensor, CudaTensorWithoutCudaIsAClearError) {
     EXPECT_NE(std::string(e.what()).find("CUDA"), std::string::npos) << e.what();
   }
 }
+
+// host_tensor_memory counts live CPU tensor bytes (each allocation rounded up to 64) and their
+// high-water mark; views share their owner's bytes; the peak resets to what is in use.
+TEST(Tensor, HostTensorMemoryCountsLiveBytesAndThePeak) {
+  const size_t base = host_tensor_memory().in_use;
+  reset_host_tensor_peak();
+  EXPECT_EQ(host_tensor_memory().peak, base);
+  {
+    Tensor a = Tensor::empty({10}, DType::F32);  // 40 bytes → 64
+    EXPECT_EQ(host_tensor_memory().in_use, base + 64);
+    Tensor b = Tensor::zeros({3, 100}, DType::BF16);  // 600 bytes → 640
+    const Tensor view = b.rows(1, 2);
+    EXPECT_EQ(host_tensor_memory().in_use, base + 704);
+    b = Tensor();  // the view keeps the storage alive
+    EXPECT_EQ(host_tensor_memory().in_use, base + 704);
+    Tensor empty = Tensor::empty({0}, DType::F32);  // a zero-byte tensor still takes one line
+    EXPECT_EQ(host_tensor_memory().in_use, base + 768);
+  }
+  EXPECT_EQ(host_tensor_memory().in_use, base);
+  EXPECT_EQ(host_tensor_memory().peak, base + 768);
+  reset_host_tensor_peak();
+  EXPECT_EQ(host_tensor_memory().peak, base);
+}

@@ -5,12 +5,15 @@
 // the float32 forward (in a random direction over all parameters, and entry by entry), the
 // independent reference a frozen float32 model allows. Also: the forward is bit-identical to
 // qwen3_hidden / qwen3_forward, padding rows of ∂L/∂hidden change nothing, every parameter
-// tensor gets a gradient from each loss term, and layers are requested in the promised order.
+// tensor gets a gradient from each loss term, layers are requested in the promised order, and
+// the backward holds one layer's buffers at a time (counted by host_tensor_memory).
 #include <gtest/gtest.h>
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <memory>
@@ -319,6 +322,61 @@ TEST_P(StudentBackward, AsksForLayersInReverseAndAddsIntoGrads) {
   EXPECT_THROW(student_backward(*weights_, gates_, pass, Tensor::zeros({T_, kHidden + 1}, DType::F32), Q_), Error);
   EXPECT_THROW(student_backward(*weights_, gates_, pass, R_, Tensor::zeros({kLayers, T_, kKv + 1}, DType::F32)),
                Error);
+}
+
+// The backward holds one layer's buffers at a time, each no longer than the order needs
+// (docs/memory-plan.md is this order on a GPU): on a sequence long enough that the per-token
+// buffers dominate, the live CPU tensors it adds on top of what the caller holds stay within the
+// two high points of a layer, counted from the shapes —
+//   recomputation + MLP chunk: dx, x_mid, h, q/k before their norms, q, k, v, attention output,
+//                              gate activations, logβ, lse, one MLP chunk;
+//   attention backward:        dx, h, q/k before their norms, q, k, v, output, gate activations,
+//                              logβ, lse, dout, dq, dk, dv, dlogβ —
+// plus 64 KiB for small tensors; and the recomputation alone (a layer's forward up to x_mid,
+// from a copy of its input) adds no more than h, q/k before and after their norms, v, the
+// attention output, gate activations, logβ and lse. Holding one more [T, D] (the layer input
+// beside its copy, a separate o_proj product, an x_mid copy, dh during the attention backward)
+// breaks a bound.
+TEST_P(StudentBackward, BackwardHoldsOneLayerAtATime) {
+  const int64_t T = 4096;
+  std::vector<int32_t> ids(T), doc(T);
+  std::mt19937_64 rng(GetParam().seed + 3);
+  std::uniform_int_distribution<int32_t> tok(0, kVocab - 1);
+  for (int64_t t = 0; t < T; ++t) ids[t] = tok(rng), doc[t] = static_cast<int32_t>(t / 1500);
+  const Tensor id = Tensor::from_vector(ids, {T}), dc = Tensor::from_vector(doc, {T});
+  const Tensor d_hidden = random({T, kHidden}, rng), d_log_beta = random({kLayers, T, kKv}, rng);
+  const StudentPass pass = student_forward(*weights_, gates_, id, dc);
+
+  const RopeParams rope = compute_rope_params(ckpt_->config());
+  Tensor x = pass.layer_inputs.back().clone();
+  DecoderLayerSaved saved;
+  saved.attention_only = true;
+  size_t before = host_tensor_memory().in_use;
+  reset_host_tensor_peak();
+  qwen3_decoder_layer(ckpt_->config(), weights_->layer(kLayers - 1), rope, pass.positions, dc, &gates_, kLayers - 1,
+                      x, nullptr, &saved);
+  const size_t added_recompute = host_tensor_memory().peak - before;
+  x = Tensor(), saved = DecoderLayerSaved();
+
+  before = host_tensor_memory().in_use;
+  reset_host_tensor_peak();
+  student_backward(*weights_, gates_, pass, d_hidden, d_log_beta);
+  const size_t added = host_tensor_memory().peak - before;
+  EXPECT_EQ(host_tensor_memory().in_use, before) << "the backward left tensors behind";
+
+  const int64_t f = 4, A = T * kHidden * f, Q = T * kHeads * kHeadDim * f, Kv = T * kKv * kHeadDim * f;
+  const int64_t gate = T * kGateHidden * f * (GetParam().kind == gates::GateKind::dbtrimkv ? 2 : 1) + T * kKv * f;
+  const int64_t lb = T * kKv * f, lse = T * kHeads * f, chunk = T * (kHidden + 3 * kInter) * f;
+  const int64_t recompute_alone = A + 3 * Q + 3 * Kv + gate + lb + lse + (64 << 10);
+  EXPECT_LE(static_cast<int64_t>(added_recompute), recompute_alone);
+  const int64_t recompute = 3 * A + 3 * Q + 3 * Kv + gate + lb + lse + chunk;
+  const int64_t attention_backward = 2 * A + 5 * Q + 5 * Kv + gate + 2 * lb + lse;
+  const int64_t bound = std::max(recompute, attention_backward) + (64 << 10);
+  EXPECT_LE(static_cast<int64_t>(added), bound)
+      << "recomputation " << recompute << ", attention backward " << attention_backward << " bytes";
+  std::printf("recomputation adds %zu bytes of tensors (bound %lld), the backward %zu (bound %lld); one [T, D] is %lld\n",
+              added_recompute, static_cast<long long>(recompute_alone), added, static_cast<long long>(bound),
+              static_cast<long long>(A));
 }
 
 INSTANTIATE_TEST_SUITE_P(TinyModels, StudentBackward,
