@@ -182,16 +182,17 @@ void linear_backward_input(const Tensor& dy, const Tensor& w, Tensor& dx, bool a
   cpu::linear_backward_input(dy, w, dx, accumulate);
 }
 
-void rmsnorm_backward(const Tensor& x, const Tensor& w, float eps, const Tensor& dy, Tensor& dx) {
+void rmsnorm_backward(const Tensor& x, const Tensor& w, float eps, const Tensor& dy, Tensor& dx, bool accumulate) {
   expect(w, DType::F32, 1, "rmsnorm_backward", "w");
   RETAIN_CHECK(x.dtype() == DType::F32 && x.ndim() >= 1 && x.dim(-1) == w.dim(0) && dy.dtype() == DType::F32 &&
                    dy.shape() == x.shape() && dx.dtype() == DType::F32 && dx.shape() == x.shape(),
                "rmsnorm_backward: x {} w {} dy {} dx {}", shape_str(x.shape()), shape_str(w.shape()),
                shape_str(dy.shape()), shape_str(dx.shape()));
   RETAIN_CHECK(x.numel() == 0 || dx.raw() != x.raw(), "rmsnorm_backward: dx must not alias x");
+  RETAIN_CHECK(!accumulate || x.numel() == 0 || !overlap(dx, dy), "rmsnorm_backward: an accumulated dx must not alias dy");
   if (one_device("rmsnorm_backward", {&x, &w, &dy, &dx}) == Device::CUDA)
-    RETAIN_CUDA_OP("rmsnorm_backward", rmsnorm_backward(x, w, eps, dy, dx));
-  cpu::rmsnorm_backward(x, w, eps, dy, dx);
+    RETAIN_CUDA_OP("rmsnorm_backward", rmsnorm_backward(x, w, eps, dy, dx, accumulate));
+  cpu::rmsnorm_backward(x, w, eps, dy, dx, accumulate);
 }
 
 void rope_backward(Tensor& dx, const Tensor& positions, const Tensor& inv_freq, float attention_factor) {

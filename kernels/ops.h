@@ -73,8 +73,10 @@ void linear_backward_input(const Tensor& dy, const Tensor& w, Tensor& dx, bool a
 // Backward of rmsnorm with respect to x only (the weight w is frozen): for each row,
 //   dx = r·(w⊙dy) − x·r³·⟨w⊙dy, x⟩/D,  r = 1/sqrt(mean(x²) + eps),
 // with r and the row sums in float64. x, dy, dx F32 [..., D] of one shape; w F32 [D].
-// dx is overwritten and may alias dy (not x).
-void rmsnorm_backward(const Tensor& x, const Tensor& w, float eps, const Tensor& dy, Tensor& dx);
+// dx is overwritten and may alias dy (not x); accumulate = true adds into dx instead (the
+// residual branch's gradient joining the running one in the same pass; dx then aliases neither).
+void rmsnorm_backward(const Tensor& x, const Tensor& w, float eps, const Tensor& dy, Tensor& dx,
+                      bool accumulate = false);
 
 // Backward of rope, in place on dx F32 [T, heads, d]: the transposed rotation
 //   (g_j, g_{j+d/2}) <- (g_j·c + g_{j+d/2}·s, g_{j+d/2}·c − g_j·s)

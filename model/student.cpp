@@ -102,8 +102,7 @@ void layer_backward(const Qwen3Config& c, const LayerWeights& w, const RopeParam
     ops::swiglu_backward(g, u, dm, g, u);  // dg, du overwrite g, u
     ops::linear_backward_input(g, w.gate_proj, h2);
     ops::linear_backward_input(u, w.up_proj, h2, /*accumulate=*/true);
-    ops::rmsnorm_backward(xm, w.post_norm, eps, h2, h2);
-    ops::add_inplace(dxr, h2);  // dx = ∂loss/∂x_mid (residual + MLP path)
+    ops::rmsnorm_backward(xm, w.post_norm, eps, h2, dxr, /*accumulate=*/true);  // dx = ∂loss/∂x_mid (residual + MLP)
   }
   s.x_mid = Tensor();
 
@@ -132,8 +131,7 @@ void layer_backward(const Qwen3Config& c, const LayerWeights& w, const RopeParam
   dq = dk = dv = Tensor();
   gates.backward(layer, s.h, s.gate, dlog_beta, &dh);
   s = DecoderLayerSaved();
-  ops::rmsnorm_backward(layer_input(checkpoint), w.input_norm, eps, dh, dh);
-  ops::add_inplace(dx, dh);  // dx = ∂loss/∂x_in (residual + attention path)
+  ops::rmsnorm_backward(layer_input(checkpoint), w.input_norm, eps, dh, dx, /*accumulate=*/true);  // ∂loss/∂x_in
 }
 
 }  // namespace

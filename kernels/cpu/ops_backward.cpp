@@ -50,7 +50,7 @@ void linear_backward_weight(const Tensor& dy, const Tensor& x, Tensor& dw, bool 
               static_cast<int>(in), accumulate ? 1.0f : 0.0f, dw.data<float>(), static_cast<int>(in));
 }
 
-void rmsnorm_backward(const Tensor& x, const Tensor& w, float eps, const Tensor& dy, Tensor& dx) {
+void rmsnorm_backward(const Tensor& x, const Tensor& w, float eps, const Tensor& dy, Tensor& dx, bool accumulate) {
   const int64_t D = w.dim(0), rows = D == 0 ? 0 : x.numel() / D;
   const float* xs = x.data<float>();
   const float* ws = w.data<float>();
@@ -68,8 +68,10 @@ void rmsnorm_backward(const Tensor& x, const Tensor& w, float eps, const Tensor&
     const double inv = 1.0 / std::sqrt(ss / static_cast<double>(D) + eps);
     const double c = dot * inv * inv * inv / static_cast<double>(D);
     float* orow = os + r * D;  // may be gr: element j is read above and here before it is written
-    for (int64_t j = 0; j < D; ++j)
-      orow[j] = static_cast<float>(inv * static_cast<double>(ws[j]) * gr[j] - c * xr[j]);
+    for (int64_t j = 0; j < D; ++j) {
+      const float g = static_cast<float>(inv * static_cast<double>(ws[j]) * gr[j] - c * xr[j]);
+      orow[j] = accumulate ? orow[j] + g : g;  // as add_inplace would add it
+    }
   }
 }
 

@@ -27,7 +27,7 @@ void attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& 
 // Backward ops (kernels/cpu/ops_backward.cpp).
 void linear_backward_input(const Tensor& dy, const Tensor& w, Tensor& dx, bool accumulate);
 void linear_backward_weight(const Tensor& dy, const Tensor& x, Tensor& dw, bool accumulate);
-void rmsnorm_backward(const Tensor& x, const Tensor& w, float eps, const Tensor& dy, Tensor& dx);
+void rmsnorm_backward(const Tensor& x, const Tensor& w, float eps, const Tensor& dy, Tensor& dx, bool accumulate);
 void rope_backward(Tensor& dx, const Tensor& positions, const Tensor& inv_freq, float attention_factor);
 void swiglu_backward(const Tensor& gate, const Tensor& up, const Tensor& dout, Tensor& dgate, Tensor& dup);
 

@@ -75,7 +75,7 @@ __global__ void __launch_bounds__(kRowThreads)
 
 __global__ void __launch_bounds__(kRowThreads) rmsnorm_backward_kernel(const float* x, const float* w, float eps,
                                                                        const float* dy, int64_t rows, int64_t D,
-                                                                       float* dx) {
+                                                                       bool accumulate, float* dx) {
   __shared__ RowPartials slots[kRowThreads];
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const float* xr = x + r * D;
@@ -84,8 +84,10 @@ __global__ void __launch_bounds__(kRowThreads) rmsnorm_backward_kernel(const flo
     const float inv = rms_inverse(total.ss, D, eps);
     const float c = rmsnorm_backward_coef(total.dot, inv, D);
     float* orow = dx + r * D;  // may be gr: each thread rewrites only the elements it read
-    for (int64_t j = threadIdx.x; j < D; j += kRowThreads)
-      orow[j] = rmsnorm_backward_element(xr[j], w[j], gr[j], inv, c);
+    for (int64_t j = threadIdx.x; j < D; j += kRowThreads) {
+      const float g = rmsnorm_backward_element(xr[j], w[j], gr[j], inv, c);
+      orow[j] = accumulate ? orow[j] + g : g;  // as add_inplace would add it
+    }
   }
 }
 
@@ -167,11 +169,11 @@ void rmsnorm(const Tensor& x, const Tensor& w, float eps, Tensor& out) {
   RETAIN_LAUNCH_CHECK();
 }
 
-void rmsnorm_backward(const Tensor& x, const Tensor& w, float eps, const Tensor& dy, Tensor& dx) {
+void rmsnorm_backward(const Tensor& x, const Tensor& w, float eps, const Tensor& dy, Tensor& dx, bool accumulate) {
   const int64_t D = w.dim(0), rows = D == 0 ? 0 : x.numel() / D;
   if (rows == 0) return;
   rmsnorm_backward_kernel<<<row_blocks(rows), kRowThreads>>>(ptr<float>(x), ptr<float>(w), eps, ptr<float>(dy),
-                                                             rows, D, ptr<float>(dx));
+                                                             rows, D, accumulate, ptr<float>(dx));
   RETAIN_LAUNCH_CHECK();
 }
 

@@ -16,7 +16,7 @@ namespace retain::cuda {
 
 void embedding(const Tensor& table, const Tensor& ids, Tensor& out);
 void rmsnorm(const Tensor& x, const Tensor& w, float eps, Tensor& out);
-void rmsnorm_backward(const Tensor& x, const Tensor& w, float eps, const Tensor& dy, Tensor& dx);
+void rmsnorm_backward(const Tensor& x, const Tensor& w, float eps, const Tensor& dy, Tensor& dx, bool accumulate);
 void rope(Tensor& x, const Tensor& positions, const Tensor& inv_freq, float attention_factor);
 void rope_backward(Tensor& dx, const Tensor& positions, const Tensor& inv_freq, float attention_factor);
 void swiglu(const Tensor& gate, const Tensor& up, Tensor& out);

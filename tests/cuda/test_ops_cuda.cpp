@@ -69,6 +69,13 @@ TEST_F(OpsCuda, Rmsnorm) {
     Tensor dx_inplace = gpu(f32(dy, sh));
     ops::rmsnorm_backward(xd, wd, eps, dx_inplace, dx_inplace);
     EXPECT_EQ(to_vec(dx_inplace), got_dx_v) << "backward in place " << where;
+    // accumulate: dx0 + the same element, added in float32 (as add_inplace).
+    const Vec dx0 = random_rows(s.rows, s.D, rng_);
+    Tensor acc = gpu(f32(dx0, sh));
+    ops::rmsnorm_backward(xd, wd, eps, dyd, acc, /*accumulate=*/true);
+    Vec want_acc(dx0.size());
+    for (size_t i = 0; i < dx0.size(); ++i) want_acc[i] = dx0[i] + got_dx_v[i];
+    EXPECT_EQ(to_vec(acc), want_acc) << "backward accumulate " << where;
   }
 }
 

@@ -6,6 +6,7 @@
 
 #include <array>
 #include <cmath>
+#include <cstring>
 #include <iterator>
 #include <random>
 #include <vector>
@@ -132,6 +133,15 @@ TEST(RmsnormBackward, MatchesCentralDifferencesOfFloat64Forward) {
     Tensor alias = dy.clone();
     ops::rmsnorm_backward(x, w, static_cast<float>(eps), alias, alias);
     EXPECT_EQ(max_abs_diff(alias, dx), 0.0);
+
+    // accumulate adds into dx bit for bit as add_inplace would; an accumulated dx aliasing dy
+    // is refused.
+    const Tensor dx0 = randn(x.shape(), rng);
+    Tensor acc = dx0.clone(), summed = dx0.clone();
+    ops::rmsnorm_backward(x, w, static_cast<float>(eps), dy, acc, /*accumulate=*/true);
+    ops::add_inplace(summed, dx);
+    EXPECT_EQ(std::memcmp(acc.raw(), summed.raw(), acc.nbytes()), 0) << "rows " << rows << " D " << D;
+    EXPECT_THROW(ops::rmsnorm_backward(x, w, static_cast<float>(eps), alias, alias, true), Error);
   }
 }
 
