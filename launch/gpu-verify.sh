@@ -148,8 +148,10 @@ if phase bench; then
       --device cuda --seq "$seq" --heads 32 --kv-heads 8 --head-dim 128 --docs "$docs" --iters "$iters" --warmup 1 \
       --check --retain-bench "$bin/retain-bench" --json "$out/bench-docs$docs.json"
   done
-  step "bench: capacity, 36 layers at 128K" "$log" 300 "$bin/retain-bench" attention --device cuda --seq 131072 \
-    --layers 36 --iters 3 --warmup 1
+  for logbeta in initial trained-like; do  # dense worst case, then the tile skip with trained-looking gates
+    step "bench: capacity, 36 layers at 128K, logβ $logbeta" "$log" 300 "$bin/retain-bench" attention --device cuda \
+      --seq 131072 --layers 36 --logbeta "$logbeta" --iters 3 --warmup 1 --json "$out/capacity-$logbeta.json"
+  done
 fi
 
 if phase train; then

@@ -58,16 +58,27 @@ namespace {
 constexpr const char* kUsage =
     "Usage: retain-bench attention [--device cuda|cpu] [--seq 8192,32768,131072] [--heads 32]\n"
     "                              [--kv-heads 8] [--head-dim 128] [--docs 1] [--layers 1]\n"
-    "                              [--iters N] [--warmup N] [--json FILE]\n\n"
+    "                              [--logbeta initial|trained-like] [--iters N] [--warmup N]\n"
+    "                              [--json FILE]\n\n"
     "Times retention-gated attention (ops::gated_attention and its backward) forward, backward\n"
     "and forward+backward, and the capacity loss forward+backward (ops::capacity_loss +\n"
     "capacity_loss_backward, local hinge) for --layers layers of logβ [L, T, K], per sequence\n"
     "length. CUDA: bf16 q, k, v, out, dout, dq, dk, dv; fp32 logβ, lse, dlogβ; timed with CUDA\n"
     "events around the calls (the ops' input checks included: the trainer pays them too). CPU:\n"
     "float32, timed with steady_clock. The median of --iters timed runs after --warmup runs.\n\n"
-    "Inputs: q, k, v, dout ~ N(0, 1); logβ = logsigmoid(18 + 0.5·N(0, 1)) (gates at their\n"
-    "initial bias: every key decays by < 1e-7 per token, so no capacity tile is skippable —\n"
-    "the dense worst case); --docs equal-length documents; memory M = 1024 for the hinge.\n\n"
+    "Inputs: q, k, v, dout ~ N(0, 1); --docs equal-length documents; memory M = 1024 for the\n"
+    "hinge; logβ by --logbeta:\n"
+    "  initial       logsigmoid(18 + 0.5·N(0, 1)): gates at their initial bias, every key decays\n"
+    "                by < 1e-7 per token, so no capacity tile is skippable (the dense worst case);\n"
+    "  trained-like  a synthetic stand-in for trained gates after the TRIM-KV paper's figures\n"
+    "                (sliding windows of varying width in many heads, a few tokens kept long in\n"
+    "                others), drawn per (layer, KV head): half are window heads, every key with\n"
+    "                lifetime h·e^(0.3·N(0,1)) for one h = 2^U(4,10) (16 to 1024 tokens); half are\n"
+    "                selective heads, each key short-lived (2^U(3,6) tokens) except one in 32\n"
+    "                kept long (2^U(13,20) tokens). logβ = −1/lifetime. Capacity tiles whose\n"
+    "                every term is below e^-60 are skipped (exact to float rounding), so window\n"
+    "                heads skip most tiles at long T; a selective head's few long keys keep their\n"
+    "                tiles. Attention costs the same either way.\n\n"
     "FLOPs (the FlashAttention benchmarks' convention): a causal forward counts T²/2 query-key\n"
     "pairs per head — the diagonal counted half; the exact T(T+1)/2 is T/2 pairs more, 0.006%\n"
     "at T = 8192 — with D documents T²/(2D); each pair costs two d-length dot products (q·k and\n"
@@ -116,6 +127,41 @@ Tensor random_tensor(const Shape& shape, DType dtype, Device device, uint64_t se
 }
 
 Tensor on(const Tensor& host, Device device) { return device == Device::CPU ? host : host.to(device); }
+
+// logβ [L, T, K] of gates at their initial bias: logsigmoid(x) = −log1p(e^−x), x = 18 + 0.5·N(0, 1).
+Tensor initial_log_beta(int64_t L, int64_t T, int64_t K) {
+  Tensor lb = random_tensor({L, T, K}, DType::F32, Device::CPU, 5, 18.0f, 0.5f);
+  for (int64_t x = 0; x < lb.numel(); ++x) {
+    float& y = lb.data<float>()[x];
+    y = static_cast<float>(-std::log1p(std::exp(-static_cast<double>(y))));
+  }
+  return lb;
+}
+
+// logβ [L, T, K] = −1/lifetime of the --logbeta trained-like profile (kUsage): per (layer, KV
+// head) a window head (one width, jittered per key) or a selective head (short-lived keys, one in
+// 32 long-lived).
+Tensor trained_like_log_beta(int64_t L, int64_t T, int64_t K) {
+  Tensor lb = Tensor::empty({L, T, K}, DType::F32);
+  float* out = lb.data<float>();
+  for (int64_t l = 0; l < L; ++l)
+    for (int64_t h = 0; h < K; ++h) {
+      Rng rng{0x5eed0000ull + static_cast<uint64_t>(l * K + h)};
+      const bool window = rng.uniform() < 0.5;
+      const double width = std::exp2(4.0 + 6.0 * rng.uniform());
+      for (int64_t t = 0; t < T; ++t) {
+        double lifetime = 0;
+        if (window)
+          lifetime = width * std::exp(0.3 * rng.normal());
+        else if (rng.uniform() < 1.0 / 32.0)
+          lifetime = std::exp2(13.0 + 7.0 * rng.uniform());
+        else
+          lifetime = std::exp2(3.0 + 3.0 * rng.uniform());
+        out[(l * T + t) * K + h] = static_cast<float>(-1.0 / lifetime);
+      }
+    }
+  return lb;
+}
 
 // Milliseconds of one call of fn: CUDA events on the GPU, steady_clock on the CPU.
 class Timer {
@@ -210,7 +256,7 @@ void check_output_folder(const std::string& flag, const std::string& path) {
 
 int attention(int argc, char** argv) {
   cli::po::options_description opts("Options of retain-bench attention");
-  std::string device_name_arg, seq_text, json_path;
+  std::string device_name_arg, seq_text, json_path, logbeta;
   int64_t heads = 0, kv_heads = 0, head_dim = 0, docs = 0, layers = 0;
   int iters = 0, warmup = 0;
   opts.add_options()
@@ -221,6 +267,7 @@ int attention(int argc, char** argv) {
       ("head-dim", cli::po::value(&head_dim)->default_value(128), "head_dim d")
       ("docs", cli::po::value(&docs)->default_value(1), "equal-length documents per sequence")
       ("layers", cli::po::value(&layers)->default_value(1), "layers L of the capacity run")
+      ("logbeta", cli::po::value(&logbeta)->default_value("initial"), "initial or trained-like (see above)")
       ("iters", cli::po::value(&iters), "timed runs per row, median reported (default: 10 on cuda, 3 on cpu)")
       ("warmup", cli::po::value(&warmup), "untimed runs before them (default: 2 on cuda, 1 on cpu)")
       ("json", cli::po::value(&json_path), "also write the results as JSON to FILE (atomically)");
@@ -245,6 +292,8 @@ int attention(int argc, char** argv) {
     if (T % docs != 0) throw cli::UsageError(fmt::format("--seq {} is not a multiple of --docs {}", T, docs));
   if (device_name_arg != "cuda" && device_name_arg != "cpu")
     throw cli::UsageError(fmt::format("--device must be cuda or cpu, got '{}'", device_name_arg));
+  if (logbeta != "initial" && logbeta != "trained-like")
+    throw cli::UsageError(fmt::format("--logbeta must be initial or trained-like, got '{}'", logbeta));
   const Device device = device_name_arg == "cuda" ? Device::CUDA : Device::CPU;
   if (device == Device::CUDA && !cuda_built())
     fail("--device cuda: this build of retain has no CUDA support; use --device cpu");
@@ -256,8 +305,9 @@ int attention(int argc, char** argv) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   Timer timer(device);
   std::vector<Row> rows;
-  std::cout << fmt::format("retain-bench attention on {}: H {} K {} d {} docs {} capacity layers {}, median of {}\n",
-                           device_name_arg, H, K, d, docs, layers, iters);
+  std::cout << fmt::format(
+      "retain-bench attention on {}: H {} K {} d {} docs {} capacity layers {}, logβ {}, median of {}\n",
+      device_name_arg, H, K, d, docs, layers, logbeta, iters);
   std::cout << fmt::format("{:>8}  {:<26} {:>11} {:>9}\n", "seq", "op", "ms", "TFLOP/s");
 
   for (int64_t T : lengths) {
@@ -265,12 +315,7 @@ int attention(int argc, char** argv) {
     const Tensor k = random_tensor({T, K, d}, act, device, 2);
     const Tensor v = random_tensor({T, K, d}, act, device, 3);
     const Tensor dout = random_tensor({T, H, d}, act, device, 4);
-    // logβ = logsigmoid(x) = −log1p(e^−x) for x = 18 + 0.5·N(0, 1).
-    Tensor lb_host = random_tensor({layers, T, K}, DType::F32, Device::CPU, 5, 18.0f, 0.5f);
-    for (int64_t x = 0; x < lb_host.numel(); ++x) {
-      float& y = lb_host.data<float>()[x];
-      y = static_cast<float>(-std::log1p(std::exp(-static_cast<double>(y))));
-    }
+    const Tensor lb_host = logbeta == "initial" ? initial_log_beta(layers, T, K) : trained_like_log_beta(layers, T, K);
     Tensor doc_host = Tensor::empty({T}, DType::I32);
     for (int64_t t = 0; t < T; ++t) doc_host.data<int32_t>()[t] = static_cast<int32_t>(t / (T / docs));
     const Tensor pos = on(ops::document_positions(doc_host), device);
@@ -338,6 +383,7 @@ int attention(int argc, char** argv) {
     j["head_dim"] = d;
     j["docs"] = docs;
     j["capacity_layers"] = layers;
+    j["logbeta"] = logbeta;
     j["iters"] = iters;
     j["warmup"] = warmup;
     j["flops"] = "fwd = 4*(T^2/(2*docs))*H*d, bwd = 2.5*fwd, fwd+bwd = 3.5*fwd";

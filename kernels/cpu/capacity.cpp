@@ -72,7 +72,7 @@ void layer_sums(const Layer& L, double* S) {
           if (L.doc[i] != dt) continue;
           const float x = static_cast<float>(t - i);
           const float* lb = L.log_beta + i * K;
-          for (int64_t k = 0; k < K; ++k) st[k] += std::exp(x * lb[k]);
+          for (int64_t k = 0; k < K; ++k) st[k] += exp_or_zero(x * lb[k]);
         }
         if (t >= i0 && t < i1)
           for (int64_t k = 0; k < K; ++k) st[k] += 1.0;  // exp(0·logβ) = 1, even for logβ = −inf
@@ -108,7 +108,7 @@ void layer_backward(const Layer& L, const std::vector<double>& g, double scale, 
             const float x = static_cast<float>(t - i);
             const double* gt = g.data() + t * K;
             for (int64_t k = 0; k < K; ++k)
-              if (gt[k] != 0.0) ai[k] += gt[k] * x * std::exp(x * lb[k]);
+              if (gt[k] != 0.0) ai[k] += gt[k] * x * exp_or_zero(x * lb[k]);
           }
         }
       }

@@ -175,7 +175,7 @@ void gated_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Te
             alpha[r] = std::exp(static_cast<double>(m[r]) - m_new);  // 0 on a row's first tile
             m[r] = m_new;
             float sum = 0.0f;
-            for (int64_t c = 0; c < B; ++c) sum += (sr[c] = std::exp(sr[c] - m_new));
+            for (int64_t c = 0; c < B; ++c) sum += (sr[c] = exp_or_zero(sr[c] - m_new));
             psum[r] = sum;
           }
           tile_times_block(s.data(), nq, v_t.data(), d, o_tile.data());
@@ -232,7 +232,7 @@ void gated_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
       const int64_t t = t0 + r;
       const float lse_t = lse_p[t * H + h], D_t = static_cast<float>(D[t * H + h]);
       for (int64_t c = 0; c < B; ++c) {
-        const float p = s[r * B + c] == kNegInf ? 0.0f : std::exp(s[r * B + c] - lse_t);
+        const float p = s[r * B + c] == kNegInf ? 0.0f : exp_or_zero(s[r * B + c] - lse_t);
         s[r * B + c] = p;
         dp[r * B + c] = p * (dp[r * B + c] - D_t);
       }
