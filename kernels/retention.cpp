@@ -134,7 +134,8 @@ void require_device(const char* op, Device device, std::initializer_list<const T
 bool on_cuda(const Tensor& log_beta) { return log_beta.device() == Device::CUDA; }
 #endif
 
-void check_capacity_inputs(const char* op, const Tensor& log_beta, const Tensor& doc) {
+void check_capacity_inputs(const char* op, const Tensor& log_beta, const Tensor& doc, double skip_exponent) {
+  if (!(skip_exponent > 0)) fail("{}: skip exponent {} is not > 0", op, skip_exponent);
   expect_ndim(op, "log_beta", log_beta, DType::F32, 3, "[L, T, K]");
   expect(op, "doc", doc, DType::I32, {log_beta.dim(1)}, "[T]");
   check_length(op, log_beta.dim(1));
@@ -146,8 +147,8 @@ void check_capacity_inputs(const char* op, const Tensor& log_beta, const Tensor&
 }
 
 void check_capacity_loss_inputs(const char* op, const Tensor& log_beta, const Tensor& doc, const Tensor& positions,
-                                double memory) {
-  check_capacity_inputs(op, log_beta, doc);
+                                double memory, double skip_exponent) {
+  check_capacity_inputs(op, log_beta, doc, skip_exponent);
   expect(op, "positions", positions, DType::I32, {log_beta.dim(1)}, "[T]");
   require_device(op, log_beta.device(), {&positions});
   check_positions(op, positions);
@@ -201,37 +202,38 @@ void gated_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
   cpu::gated_attention_backward(q, k, v, log_beta, doc, scale, out, lse, dout, dq, dk, dv, dlog_beta);
 }
 
-void capacity_sums(const Tensor& log_beta, const Tensor& doc, Tensor& S) {
+void capacity_sums(const Tensor& log_beta, const Tensor& doc, Tensor& S, double skip_exponent) {
   const char* op = "capacity_sums";
-  check_capacity_inputs(op, log_beta, doc);
+  check_capacity_inputs(op, log_beta, doc, skip_exponent);
   expect(op, "S", S, DType::F32, log_beta.shape(), "[L, T, K]");
   require_device(op, log_beta.device(), {&S});
 #ifdef RETAIN_CUDA_KERNELS
-  if (on_cuda(log_beta)) return cuda::capacity_sums(log_beta, doc, S);
+  if (on_cuda(log_beta)) return cuda::capacity_sums(log_beta, doc, S, skip_exponent);
 #endif
-  cpu::capacity_sums(log_beta, doc, S);
+  cpu::capacity_sums(log_beta, doc, S, skip_exponent);
 }
 
 CapacityLoss capacity_loss(const Tensor& log_beta, const Tensor& doc, const Tensor& positions, double memory,
-                           CapacityMode mode) {
-  check_capacity_loss_inputs("capacity_loss", log_beta, doc, positions, memory);
+                           CapacityMode mode, double skip_exponent) {
+  check_capacity_loss_inputs("capacity_loss", log_beta, doc, positions, memory, skip_exponent);
 #ifdef RETAIN_CUDA_KERNELS
-  if (on_cuda(log_beta)) return cuda::capacity_loss(log_beta, doc, positions, memory, mode);
+  if (on_cuda(log_beta)) return cuda::capacity_loss(log_beta, doc, positions, memory, mode, skip_exponent);
 #endif
-  return cpu::capacity_loss(log_beta, doc, positions, memory, mode);
+  return cpu::capacity_loss(log_beta, doc, positions, memory, mode, skip_exponent);
 }
 
 void capacity_loss_backward(const Tensor& log_beta, const Tensor& doc, const Tensor& positions, double memory,
-                            CapacityMode mode, double scale, Tensor& dlog_beta) {
+                            CapacityMode mode, double scale, Tensor& dlog_beta, double skip_exponent) {
   const char* op = "capacity_loss_backward";
-  check_capacity_loss_inputs(op, log_beta, doc, positions, memory);
+  check_capacity_loss_inputs(op, log_beta, doc, positions, memory, skip_exponent);
   if (!std::isfinite(scale)) fail("{}: scale {} is not finite", op, scale);
   expect(op, "dlog_beta", dlog_beta, DType::F32, log_beta.shape(), "[L, T, K]");
   require_device(op, log_beta.device(), {&dlog_beta});
 #ifdef RETAIN_CUDA_KERNELS
-  if (on_cuda(log_beta)) return cuda::capacity_loss_backward(log_beta, doc, positions, memory, mode, scale, dlog_beta);
+  if (on_cuda(log_beta))
+    return cuda::capacity_loss_backward(log_beta, doc, positions, memory, mode, scale, dlog_beta, skip_exponent);
 #endif
-  cpu::capacity_loss_backward(log_beta, doc, positions, memory, mode, scale, dlog_beta);
+  cpu::capacity_loss_backward(log_beta, doc, positions, memory, mode, scale, dlog_beta, skip_exponent);
 }
 
 }  // namespace retain::ops

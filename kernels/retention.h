@@ -37,6 +37,16 @@ void gated_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
                               const Tensor& out, const Tensor& lse, const Tensor& dout,
                               Tensor& dq, Tensor& dk, Tensor& dv, Tensor& dlog_beta);
 
+// Every capacity function skips the tiles of the pair space whose every term
+// exp((t − i)·logβ) is below e^−skip_exponent. The default, kExactSkipExponent = 60, is exact
+// for every purpose: a row of S has fewer than T skipped terms, so S (≥ 1) moves by
+// < T·e^−60 (1.2e-21 at T = 131072). A smaller exponent is an opt-in approximation for speed
+// (retain-train --capacity-skip E): S moves by < T·e^−E per row (so ℓ by less than that
+// over max(p − M, 1)), and a gradient entry by < |scale|·T²·e^−E where the hinge's sign agrees
+// (a row whose S lies within T·e^−E of its threshold may switch sides). +inf skips nothing.
+// skip_exponent must be > 0 (NaN is refused).
+inline constexpr double kExactSkipExponent = 60.0;
+
 // Capacity sums S[l, t, κ] = Σ_{allowed i} exp((t − i)·log_beta[l, i, κ]) (the i = t term is 1).
 // log_beta F32 [L, T, K]; doc I32 [T]; S F32 [L, T, K] (0 on padding rows). Every log_beta
 // must be ≤ 0 (a logsigmoid output, -inf allowed): a positive or NaN entry is a retain::Error
@@ -46,7 +56,8 @@ void gated_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
 // the same math and dtypes for the three capacity functions, float32 partials of ≤ 64 terms
 // summed in float64 (worst case < 1e-5 relative to this reference, typically ~1e-7),
 // deterministic.
-void capacity_sums(const Tensor& log_beta, const Tensor& doc, Tensor& S);
+void capacity_sums(const Tensor& log_beta, const Tensor& doc, Tensor& S,
+                   double skip_exponent = kExactSkipExponent);
 
 // The capacity hinge of DESIGN §4 for one sequence, as a sum and a count so the caller can
 // form L_cap = Σℓ / #{ℓ > 0} over the global batch (across sequences and ranks).
@@ -60,12 +71,13 @@ struct CapacityLoss {
   int64_t positive = 0;  // #{ℓ > 0}
 };
 CapacityLoss capacity_loss(const Tensor& log_beta, const Tensor& doc, const Tensor& positions,
-                           double memory, CapacityMode mode);
+                           double memory, CapacityMode mode, double skip_exponent = kExactSkipExponent);
 
 // dlog_beta F32 [L, T, K] = scale · ∂(Σℓ)/∂log_beta (overwritten). The trainer passes
 // scale = λ / (global count of positive ℓ), which is constant almost everywhere. At ℓ = 0
 // (S = M exactly) the hinge's gradient is taken as 0.
 void capacity_loss_backward(const Tensor& log_beta, const Tensor& doc, const Tensor& positions,
-                            double memory, CapacityMode mode, double scale, Tensor& dlog_beta);
+                            double memory, CapacityMode mode, double scale, Tensor& dlog_beta,
+                            double skip_exponent = kExactSkipExponent);
 
 }  // namespace retain::ops

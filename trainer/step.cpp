@@ -168,7 +168,7 @@ StepLosses compute_gradients(WeightProvider& weights, gates::RetentionGates& gat
       const Phase phase("count pass", times ? &times->count_pass : nullptr, dev);
       const StudentPass pass = student_forward(weights, gates, ids[m], docs[m]);
       counts[2] += static_cast<double>(
-          ops::capacity_loss(pass.log_beta, docs[m], positions[m], cfg.memory, cfg.mode).positive);
+          ops::capacity_loss(pass.log_beta, docs[m], positions[m], cfg.memory, cfg.mode, cfg.capacity_skip).positive);
     }
   }
   comm.all_reduce(counts, 3);
@@ -197,7 +197,8 @@ StepLosses compute_gradients(WeightProvider& weights, gates::RetentionGates& gat
     }
     std::optional<Phase> phase;
     phase.emplace("capacity", times ? &times->capacity : nullptr, dev);
-    const ops::CapacityLoss cap = ops::capacity_loss(pass.log_beta, docs[m], positions[m], cfg.memory, cfg.mode);
+    const ops::CapacityLoss cap =
+        ops::capacity_loss(pass.log_beta, docs[m], positions[m], cfg.memory, cfg.mode, cfg.capacity_skip);
     sums[2] += cap.sum;
     if (!accumulate) {
       double positive = static_cast<double>(cap.positive);
@@ -218,7 +219,8 @@ StepLosses compute_gradients(WeightProvider& weights, gates::RetentionGates& gat
     if (cfg.cap_weight != 0 && out.cap_positive > 0) {
       d_log_beta = Tensor::empty(pass.log_beta.shape(), DType::F32, dev);
       ops::capacity_loss_backward(pass.log_beta, docs[m], positions[m], cfg.memory, cfg.mode,
-                                  cfg.cap_weight / static_cast<double>(out.cap_positive), d_log_beta);
+                                  cfg.cap_weight / static_cast<double>(out.cap_positive), d_log_beta,
+                                  cfg.capacity_skip);
     }
     phase.emplace("backward", times ? &times->backward : nullptr, dev);
     student_backward(weights, gates, pass, d_hidden, d_log_beta);

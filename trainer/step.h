@@ -23,6 +23,7 @@ struct LossConfig {
   ops::CapacityMode mode = ops::CapacityMode::local;
   double kl_weight = 0.5, ntp_weight = 0.5, cap_weight = 1.0;
   int64_t loss_chunk = 1024;
+  double capacity_skip = ops::kExactSkipExponent;  // E: capacity tiles below e^-E are skipped
 };
 
 // Sequences run through the model together: concatenated, with documents renumbered so that

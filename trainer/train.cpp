@@ -113,6 +113,8 @@ Inputs open_inputs(const TrainConfig& cfg, const dist::Comm& comm) {
   in.loss.ntp_weight = cfg.ntp_weight;
   in.loss.cap_weight = cfg.cap_weight;
   in.loss.loss_chunk = cfg.loss_chunk;
+  static_assert(TrainConfig{}.capacity_skip == ops::kExactSkipExponent, "the default skip is the exact one");
+  in.loss.capacity_skip = cfg.capacity_skip;
   return in;
 }
 

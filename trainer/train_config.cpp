@@ -37,6 +37,8 @@ nlohmann::json to_json(const TrainConfig& c) {
       {"comm", c.comm},
       {"device", std::string(device_name(c.device))},
   };
+  // Only an approximate skip is written, so configs of the exact default stay as before.
+  if (c.capacity_skip != 60) j["capacity_skip"] = c.capacity_skip;
   if (c.kvpop) {  // only kvpop runs have them, so gate runs' configs are as before
     j["window"] = c.window;
     j["sinks"] = c.sinks;
@@ -53,7 +55,7 @@ std::string trajectory_difference(const nlohmann::json& saved, const nlohmann::j
                                         "init_gates", "memory",   "cap_weight", "kl_weight",   "ntp_weight",
                                         "loss_chunk", "lr",       "min_lr",     "warmup",      "weight_decay",
                                         "clip",   "global_batch", "micro_batch", "seed",       "seq_len",
-                                        "window", "sinks",        "topk",        "margin_weight"};
+                                        "window", "sinks",        "topk",        "margin_weight", "capacity_skip"};
   for (const char* f : kFields) {
     const bool in_saved = saved.contains(f), in_now = now.contains(f);
     if (!in_saved || !in_now) {

@@ -30,6 +30,7 @@ struct TrainConfig {
   double memory = 128;  // M
   double cap_weight = 1.0, kl_weight = 0.5, ntp_weight = 0.5;
   int64_t loss_chunk = 1024;  // tokens per KL/NTP chunk
+  double capacity_skip = 60;  // E: capacity tiles below e^-E skipped (60: exact, ops::kExactSkipExponent)
 
   // Optimization.
   double lr = 2e-4, min_lr = 0, weight_decay = 1e-6, clip = 1.0;

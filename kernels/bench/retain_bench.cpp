@@ -58,8 +58,8 @@ namespace {
 constexpr const char* kUsage =
     "Usage: retain-bench attention [--device cuda|cpu] [--seq 8192,32768,131072] [--heads 32]\n"
     "                              [--kv-heads 8] [--head-dim 128] [--docs 1] [--layers 1]\n"
-    "                              [--logbeta initial|trained-like] [--iters N] [--warmup N]\n"
-    "                              [--json FILE]\n\n"
+    "                              [--logbeta initial|trained-like] [--capacity-skip E]\n"
+    "                              [--iters N] [--warmup N] [--json FILE]\n\n"
     "Times retention-gated attention (ops::gated_attention and its backward) forward, backward\n"
     "and forward+backward, and the capacity loss forward+backward (ops::capacity_loss +\n"
     "capacity_loss_backward, local hinge) for --layers layers of logβ [L, T, K], per sequence\n"
@@ -78,7 +78,9 @@ constexpr const char* kUsage =
     "                kept long (2^U(13,20) tokens). logβ = −1/lifetime. Capacity tiles whose\n"
     "                every term is below e^-60 are skipped (exact to float rounding), so window\n"
     "                heads skip most tiles at long T; a selective head's few long keys keep their\n"
-    "                tiles. Attention costs the same either way.\n\n"
+    "                tiles. Attention costs the same either way.\n"
+    "--capacity-skip E (default 60, exact) skips capacity tiles below e^-E instead: a smaller E\n"
+    "is retain-train's opt-in approximation (kernels/retention.h states its error bound).\n\n"
     "FLOPs (the FlashAttention benchmarks' convention): a causal forward counts T²/2 query-key\n"
     "pairs per head — the diagonal counted half; the exact T(T+1)/2 is T/2 pairs more, 0.006%\n"
     "at T = 8192 — with D documents T²/(2D); each pair costs two d-length dot products (q·k and\n"
@@ -257,6 +259,7 @@ void check_output_folder(const std::string& flag, const std::string& path) {
 int attention(int argc, char** argv) {
   cli::po::options_description opts("Options of retain-bench attention");
   std::string device_name_arg, seq_text, json_path, logbeta;
+  double capacity_skip = ops::kExactSkipExponent;
   int64_t heads = 0, kv_heads = 0, head_dim = 0, docs = 0, layers = 0;
   int iters = 0, warmup = 0;
   opts.add_options()
@@ -268,6 +271,8 @@ int attention(int argc, char** argv) {
       ("docs", cli::po::value(&docs)->default_value(1), "equal-length documents per sequence")
       ("layers", cli::po::value(&layers)->default_value(1), "layers L of the capacity run")
       ("logbeta", cli::po::value(&logbeta)->default_value("initial"), "initial or trained-like (see above)")
+      ("capacity-skip", cli::po::value(&capacity_skip)->default_value(ops::kExactSkipExponent),
+       "E: skip capacity tiles whose every term is below e^-E (60: exact)")
       ("iters", cli::po::value(&iters), "timed runs per row, median reported (default: 10 on cuda, 3 on cpu)")
       ("warmup", cli::po::value(&warmup), "untimed runs before them (default: 2 on cuda, 1 on cpu)")
       ("json", cli::po::value(&json_path), "also write the results as JSON to FILE (atomically)");
@@ -292,6 +297,8 @@ int attention(int argc, char** argv) {
     if (T % docs != 0) throw cli::UsageError(fmt::format("--seq {} is not a multiple of --docs {}", T, docs));
   if (device_name_arg != "cuda" && device_name_arg != "cpu")
     throw cli::UsageError(fmt::format("--device must be cuda or cpu, got '{}'", device_name_arg));
+  if (!(capacity_skip > 0) || !std::isfinite(capacity_skip))
+    throw cli::UsageError(fmt::format("--capacity-skip must be a finite number > 0, got {}", capacity_skip));
   if (logbeta != "initial" && logbeta != "trained-like")
     throw cli::UsageError(fmt::format("--logbeta must be initial or trained-like, got '{}'", logbeta));
   const Device device = device_name_arg == "cuda" ? Device::CUDA : Device::CPU;
@@ -306,8 +313,8 @@ int attention(int argc, char** argv) {
   Timer timer(device);
   std::vector<Row> rows;
   std::cout << fmt::format(
-      "retain-bench attention on {}: H {} K {} d {} docs {} capacity layers {}, logβ {}, median of {}\n",
-      device_name_arg, H, K, d, docs, layers, logbeta, iters);
+      "retain-bench attention on {}: H {} K {} d {} docs {} capacity layers {}, logβ {}, skip e^-{}, median of {}\n",
+      device_name_arg, H, K, d, docs, layers, logbeta, capacity_skip, iters);
   std::cout << fmt::format("{:>8}  {:<26} {:>11} {:>9}\n", "seq", "op", "ms", "TFLOP/s");
 
   for (int64_t T : lengths) {
@@ -332,9 +339,10 @@ int attention(int argc, char** argv) {
     auto bwd = [&] { ops::gated_attention_backward(q, k, v, lb, doc, scale, out, lse, dout, dq, dk, dv, dlb); };
     const double memory = 1024;
     auto capacity = [&] {
-      const ops::CapacityLoss loss = ops::capacity_loss(lb_all, doc, pos, memory, ops::CapacityMode::local);
+      const ops::CapacityLoss loss =
+          ops::capacity_loss(lb_all, doc, pos, memory, ops::CapacityMode::local, capacity_skip);
       const double s = loss.positive > 0 ? 1.0 / static_cast<double>(loss.positive) : 0.0;
-      ops::capacity_loss_backward(lb_all, doc, pos, memory, ops::CapacityMode::local, s, dlb_all);
+      ops::capacity_loss_backward(lb_all, doc, pos, memory, ops::CapacityMode::local, s, dlb_all, capacity_skip);
     };
 
     const double pairs = static_cast<double>(T) * static_cast<double>(T) / (2.0 * static_cast<double>(docs));
@@ -384,6 +392,7 @@ int attention(int argc, char** argv) {
     j["docs"] = docs;
     j["capacity_layers"] = layers;
     j["logbeta"] = logbeta;
+    j["capacity_skip"] = capacity_skip;
     j["iters"] = iters;
     j["warmup"] = warmup;
     j["flops"] = "fwd = 4*(T^2/(2*docs))*H*d, bwd = 2.5*fwd, fwd+bwd = 3.5*fwd";

@@ -1,7 +1,8 @@
 // CPU reference for the capacity sums and the capacity hinge of DESIGN §4 (formulas in
 // docs/math.md, "Capacity"). One layer at a time, the T×T pair space is visited in 64×64
 // tiles (queries t × keys i), skipping tiles above the diagonal, tiles whose blocks share no
-// document, and tiles whose every term is below e^-60 (see kNegligibleExponent). Memory is
+// document, and tiles whose every term is below e^-E (E = the skip exponent, 60 by default:
+// ops::kExactSkipExponent). Memory is
 // O(T·K) per call besides the inputs and outputs. Every term is exp of a float32 exponent
 // (t − i)·logβ ≤ 0, so it lies in [0, 1] and cannot overflow; sums run in float64. Each
 // output row belongs to one OpenMP work item that visits its tiles in a fixed order, so the
@@ -17,22 +18,22 @@ namespace {
 
 constexpr int64_t B = kRetentionBlock;
 
-// A tile (query block qb, key block kb < qb) is skipped when (t − i)·logβ[i, κ] < −60 for
-// every pair in it: then each skipped forward term exp((t − i)·logβ) is < e^-60 ≈ 8.8e-27 and
-// each skipped backward term g·(t − i)·exp((t − i)·logβ) is < T·e^-60 (g ≤ 1, and
-// x·exp(x·logβ) decreases in x once x·logβ < −1). A row has fewer than T skipped terms, so a
-// capacity sum S ≥ 1 (its i = t term) changes by less than T·e^-60 (3e-22 at T = 32768),
-// and a gradient entry by less than |scale|·T²·e^-60 (1e-17·|scale| at T = 32768).
-constexpr double kNegligibleExponent = 60.0;
-
+// A tile (query block qb, key block kb < qb) is skipped when (t − i)·logβ[i, κ] < −E for
+// every pair in it: then each skipped forward term exp((t − i)·logβ) is < e^-E (8.8e-27 at the
+// default E = 60) and each skipped backward term g·(t − i)·exp((t − i)·logβ) is < T·e^-E
+// (g ≤ 1, t − i < T). A row has fewer than T skipped terms, so a capacity sum S ≥ 1 (its
+// i = t term) changes by less than T·e^-E (3e-22 at T = 32768, E = 60), and a gradient entry
+// by less than |scale|·T²·e^-E.
 struct Layer {
   const float* log_beta;  // [T, K] of one layer
   const int32_t* doc;
   int64_t T, K;
+  double skip_exponent;  // E
   std::vector<DocRange> ranges;
   std::vector<float> block_max;  // per key block: max of logβ over its non-padding keys and κ
 
-  Layer(const float* lb, const int32_t* d, int64_t T_, int64_t K_) : log_beta(lb), doc(d), T(T_), K(K_) {
+  Layer(const float* lb, const int32_t* d, int64_t T_, int64_t K_, double E)
+      : log_beta(lb), doc(d), T(T_), K(K_), skip_exponent(E) {
     ranges = block_doc_ranges(doc, T);
     block_max.assign(ranges.size(), -std::numeric_limits<float>::infinity());
     for (int64_t i = 0; i < T; ++i) {
@@ -43,14 +44,14 @@ struct Layer {
   }
   int64_t blocks() const { return static_cast<int64_t>(ranges.size()); }
 
-  // Tile (qb, kb) holds an allowed pair with a term above e^-60. Its smallest distance t − i
+  // Tile (qb, kb) holds an allowed pair with a term above e^-E. Its smallest distance t − i
   // is qb·B − (kb·B + B − 1) (≥ 1 when qb > kb; the last key block may be shorter, which
   // only makes the true distance larger), and logβ ≤ block_max[kb] ≤ 0 for all its keys.
   bool tile_matters(int64_t qb, int64_t kb) const {
     if (!blocks_may_meet(ranges[qb], ranges[kb])) return false;
     if (qb <= kb) return true;
     const double min_distance = static_cast<double>(qb * B - (kb * B + B - 1));
-    return !(min_distance * block_max[kb] < -kNegligibleExponent);
+    return !(min_distance * block_max[kb] < -skip_exponent);
   }
 };
 
@@ -128,11 +129,11 @@ double local_denominator(int32_t p, double M) { return std::max(static_cast<doub
 double global_denominator(int32_t p, double M, double N) { return std::max(static_cast<double>(p) * N - M * N, 1.0); }
 
 // Σ_{l, κ} S[l, t, κ] for every t (float64).
-std::vector<double> total_sums(const Tensor& log_beta, const Tensor& doc) {
+std::vector<double> total_sums(const Tensor& log_beta, const Tensor& doc, double E) {
   const auto [L, T, K] = dims(log_beta);
   std::vector<double> S(static_cast<size_t>(T * K)), total(static_cast<size_t>(T), 0.0);
   for (int64_t l = 0; l < L; ++l) {
-    layer_sums(Layer(log_beta.data<float>() + l * T * K, doc.data<int32_t>(), T, K), S.data());
+    layer_sums(Layer(log_beta.data<float>() + l * T * K, doc.data<int32_t>(), T, K, E), S.data());
     for (int64_t t = 0; t < T; ++t)
       for (int64_t k = 0; k < K; ++k) total[t] += S[t * K + k];
   }
@@ -141,18 +142,18 @@ std::vector<double> total_sums(const Tensor& log_beta, const Tensor& doc) {
 
 }  // namespace
 
-void capacity_sums(const Tensor& log_beta, const Tensor& doc, Tensor& S) {
+void capacity_sums(const Tensor& log_beta, const Tensor& doc, Tensor& S, double E) {
   const auto [L, T, K] = dims(log_beta);
   std::vector<double> layer(static_cast<size_t>(T * K));
   for (int64_t l = 0; l < L; ++l) {
-    layer_sums(Layer(log_beta.data<float>() + l * T * K, doc.data<int32_t>(), T, K), layer.data());
+    layer_sums(Layer(log_beta.data<float>() + l * T * K, doc.data<int32_t>(), T, K, E), layer.data());
     float* out = S.data<float>() + l * T * K;
     for (int64_t x = 0; x < T * K; ++x) out[x] = static_cast<float>(layer[x]);
   }
 }
 
 ops::CapacityLoss capacity_loss(const Tensor& log_beta, const Tensor& doc, const Tensor& positions, double memory,
-                                ops::CapacityMode mode) {
+                                ops::CapacityMode mode, double E) {
   const auto [L, T, K] = dims(log_beta);
   const int32_t* dc = doc.data<int32_t>();
   const int32_t* pos = positions.data<int32_t>();
@@ -167,7 +168,7 @@ ops::CapacityLoss capacity_loss(const Tensor& log_beta, const Tensor& doc, const
   if (mode == ops::CapacityMode::local) {
     std::vector<double> S(static_cast<size_t>(T * K));
     for (int64_t l = 0; l < L; ++l) {
-      layer_sums(Layer(log_beta.data<float>() + l * T * K, dc, T, K), S.data());
+      layer_sums(Layer(log_beta.data<float>() + l * T * K, dc, T, K, E), S.data());
       for (int64_t t = 0; t < T; ++t) {
         if (dc[t] < 0) continue;
         for (int64_t k = 0; k < K; ++k) add((S[t * K + k] - M) / local_denominator(pos[t], M));
@@ -175,7 +176,7 @@ ops::CapacityLoss capacity_loss(const Tensor& log_beta, const Tensor& doc, const
     }
   } else {
     const double N = static_cast<double>(L * K);
-    const std::vector<double> total = total_sums(log_beta, doc);
+    const std::vector<double> total = total_sums(log_beta, doc, E);
     for (int64_t t = 0; t < T; ++t)
       if (dc[t] >= 0) add((total[t] - M * N) / global_denominator(pos[t], M, N));
   }
@@ -183,7 +184,7 @@ ops::CapacityLoss capacity_loss(const Tensor& log_beta, const Tensor& doc, const
 }
 
 void capacity_loss_backward(const Tensor& log_beta, const Tensor& doc, const Tensor& positions, double memory,
-                            ops::CapacityMode mode, double scale, Tensor& dlog_beta) {
+                            ops::CapacityMode mode, double scale, Tensor& dlog_beta, double E) {
   const auto [L, T, K] = dims(log_beta);
   const int32_t* dc = doc.data<int32_t>();
   const int32_t* pos = positions.data<int32_t>();
@@ -192,7 +193,7 @@ void capacity_loss_backward(const Tensor& log_beta, const Tensor& doc, const Ten
   if (mode == ops::CapacityMode::global) {
     // The same ∂ℓ_t/∂S[l, t, κ] for every (l, κ).
     const double N = static_cast<double>(L * K);
-    const std::vector<double> total = total_sums(log_beta, doc);
+    const std::vector<double> total = total_sums(log_beta, doc, E);
     for (int64_t t = 0; t < T; ++t) {
       if (dc[t] < 0 || !(total[t] - M * N > 0)) continue;
       for (int64_t k = 0; k < K; ++k) g[t * K + k] = 1.0 / global_denominator(pos[t], M, N);
@@ -200,7 +201,7 @@ void capacity_loss_backward(const Tensor& log_beta, const Tensor& doc, const Ten
   }
   std::vector<double> S(mode == ops::CapacityMode::local ? static_cast<size_t>(T * K) : 0);
   for (int64_t l = 0; l < L; ++l) {
-    const Layer layer(log_beta.data<float>() + l * T * K, dc, T, K);
+    const Layer layer(log_beta.data<float>() + l * T * K, dc, T, K, E);
     if (mode == ops::CapacityMode::local) {
       layer_sums(layer, S.data());
       for (int64_t t = 0; t < T; ++t)

@@ -71,10 +71,11 @@ void gated_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
                               const Tensor& out, const Tensor& lse, const Tensor& dout,
                               Tensor& dq, Tensor& dk, Tensor& dv, Tensor& dlog_beta);
 
-void capacity_sums(const Tensor& log_beta, const Tensor& doc, Tensor& S);
+void capacity_sums(const Tensor& log_beta, const Tensor& doc, Tensor& S, double skip_exponent);
 ops::CapacityLoss capacity_loss(const Tensor& log_beta, const Tensor& doc, const Tensor& positions,
-                                double memory, ops::CapacityMode mode);
+                                double memory, ops::CapacityMode mode, double skip_exponent);
 void capacity_loss_backward(const Tensor& log_beta, const Tensor& doc, const Tensor& positions,
-                            double memory, ops::CapacityMode mode, double scale, Tensor& dlog_beta);
+                            double memory, ops::CapacityMode mode, double scale, Tensor& dlog_beta,
+                            double skip_exponent);
 
 }  // namespace retain::cpu

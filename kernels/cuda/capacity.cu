@@ -38,6 +38,7 @@ namespace retain::cuda {
 namespace {
 
 using namespace capacity;
+static_assert(kNegligibleExponent == ops::kExactSkipExponent, "one default skip exponent on both devices");
 
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kReduceThreads = 256;
@@ -102,6 +103,7 @@ struct SumsArgs {
   const float* tile_max;  // [L, nb, K]
   const TileDocs* docs;  // [nb]
   const spans::BlockSpan* spans;  // [nb]
+  double skip;                    // the skip exponent E
   double M;
   float* S;                       // [L, T, K] or null
   double* part_sum;               // local hinge partials, one per block, or null
@@ -135,7 +137,7 @@ __global__ void __launch_bounds__(32 * kHeadsPerBlock) sums_kernel(SumsArgs a) {
 
   for (int64_t kb = a.spans[qb].key_begin; kb <= qb; ++kb) {
     const TileDocs kd = a.docs[kb];
-    const bool mine = active && tiles_may_meet(qd, kd) && !tile_negligible(qb, kb, head_max[kb * K + kappa]);
+    const bool mine = active && tiles_may_meet(qd, kd) && !tile_negligible(qb, kb, head_max[kb * K + kappa], a.skip);
     // Also the barrier after the previous tile's reads: shared memory may be overwritten.
     if (!__syncthreads_or(mine)) continue;
     const int64_t i0 = kb * kTile;
@@ -276,6 +278,7 @@ struct GradArgs {
   const float* tile_max;
   const TileDocs* docs;
   const spans::BlockSpan* spans;  // [nb]
+  double skip;                    // the skip exponent E
   const float* g;        // local: [L, T, K]; global: [T]
   const uint8_t* g_any;  // local: [L, nb, K]; global: [nb]
   bool per_head;         // local (true) or global (false) slopes
@@ -310,7 +313,7 @@ __global__ void __launch_bounds__(32 * kHeadsPerBlock) grads_kernel(GradArgs a) 
   const float key_max = active ? a.tile_max[(l * nb + kb) * K + kappa] : -INFINITY;
 
   for (int64_t qb = kb; qb < a.spans[kb].query_end; ++qb) {
-    const bool live = active && !tile_negligible(qb, kb, key_max);
+    const bool live = active && !tile_negligible(qb, kb, key_max, a.skip);
     // tile_negligible is monotone in qb: once no head of the block is live, none will be.
     if (!__syncthreads_or(live)) break;
     const TileDocs qd = a.docs[qb];
@@ -379,12 +382,17 @@ template <typename T> const T* ptr(const Tensor& t) { return static_cast<const T
 struct Plan {
   int64_t L, T, nb;
   int K, W, Z;
+  double skip;  // the skip exponent E
   Tensor tile_max;  // F32 [L, nb, K]
   Tensor docs;      // I32 [nb, 3] = TileDocs
   Tensor span_table;  // I32 [nb, 2] = spans::BlockSpan
 
-  Plan(const Tensor& log_beta, const Tensor& doc)
-      : L(log_beta.dim(0)), T(log_beta.dim(1)), nb(tile_count(log_beta.dim(1))), K(static_cast<int>(log_beta.dim(2))) {
+  Plan(const Tensor& log_beta, const Tensor& doc, double skip_exponent)
+      : L(log_beta.dim(0)),
+        T(log_beta.dim(1)),
+        nb(tile_count(log_beta.dim(1))),
+        K(static_cast<int>(log_beta.dim(2))),
+        skip(skip_exponent) {
     W = K < kHeadsPerBlock ? K : kHeadsPerBlock;
     Z = (K + W - 1) / W;
     tile_max = Tensor::empty({L, nb, K}, DType::F32, Device::CUDA);
@@ -411,6 +419,7 @@ struct Plan {
     a.tile_max = ptr<float>(tile_max);
     a.docs = tile_docs();
     a.spans = tile_spans();
+    a.skip = skip;
     return a;
   }
   void launch_sums(const SumsArgs& a) const {
@@ -452,18 +461,18 @@ void global_totals(Plan& plan, const Tensor& log_beta, const Tensor& doc, const 
 
 }  // namespace
 
-void capacity_sums(const Tensor& log_beta, const Tensor& doc, Tensor& S) {
+void capacity_sums(const Tensor& log_beta, const Tensor& doc, Tensor& S, double skip_exponent) {
   if (log_beta.numel() == 0) return;
-  Plan plan(log_beta, doc);
+  Plan plan(log_beta, doc, skip_exponent);
   SumsArgs a = plan.sums_args(log_beta, doc);
   a.S = ptr<float>(S);
   plan.launch_sums(a);
 }
 
 ops::CapacityLoss capacity_loss(const Tensor& log_beta, const Tensor& doc, const Tensor& positions, double memory,
-                                ops::CapacityMode mode) {
+                                ops::CapacityMode mode, double skip_exponent) {
   if (log_beta.numel() == 0) return {};
-  Plan plan(log_beta, doc);
+  Plan plan(log_beta, doc, skip_exponent);
   if (mode == ops::CapacityMode::local) {
     Tensor part_sum = Tensor::empty({plan.sum_blocks()}, DType::F64, Device::CUDA);
     Tensor part_count = Tensor::empty({plan.sum_blocks()}, DType::I64, Device::CUDA);
@@ -483,9 +492,9 @@ ops::CapacityLoss capacity_loss(const Tensor& log_beta, const Tensor& doc, const
 }
 
 void capacity_loss_backward(const Tensor& log_beta, const Tensor& doc, const Tensor& positions, double memory,
-                            ops::CapacityMode mode, double scale, Tensor& dlog_beta) {
+                            ops::CapacityMode mode, double scale, Tensor& dlog_beta, double skip_exponent) {
   if (log_beta.numel() == 0) return;
-  Plan plan(log_beta, doc);
+  Plan plan(log_beta, doc, skip_exponent);
   const bool local = mode == ops::CapacityMode::local;
   Tensor g = local ? Tensor::empty(log_beta.shape(), DType::F32, Device::CUDA)
                    : Tensor::empty({plan.T}, DType::F32, Device::CUDA);
@@ -511,6 +520,7 @@ void capacity_loss_backward(const Tensor& log_beta, const Tensor& doc, const Ten
   b.tile_max = ptr<float>(plan.tile_max);
   b.docs = plan.tile_docs();
   b.spans = plan.tile_spans();
+  b.skip = plan.skip;
   b.g = ptr<float>(g);
   b.g_any = ptr<uint8_t>(g_any);
   b.per_head = local;

@@ -45,10 +45,10 @@ inline constexpr int kHeadsPerBlock = 8;   // warps per block, one KV head each
 static_assert(kLanes == 32, "a warp must cover one tile edge");
 static_assert(kTile % kPartial == 0 && kPartial % kRun == 0, "partials must split the tile evenly");
 
-// Tiles whose every term is below e^-60 are skipped, as on the CPU (kernels/cpu/capacity.cpp):
-// a row of S skips fewer than T terms, so S (≥ 1) changes by < T·e^-60 (1.2e-21 at T = 131072),
-// and a gradient entry (terms g·x·e^{x·logβ} with g ≤ 1, decreasing in x once x·logβ < −1)
-// by < |scale|·T²·e^-60 (1.5e-16·|scale| at T = 131072).
+// Tiles whose every term is below e^-E are skipped, as on the CPU (kernels/cpu/capacity.cpp);
+// E is the skip exponent, by default 60 (ops::kExactSkipExponent, kernels/retention.h): a row of
+// S skips fewer than T terms, so S (≥ 1) changes by < T·e^-E (1.2e-21 at T = 131072, E = 60),
+// and a gradient entry (terms g·x·e^{x·logβ}, g ≤ 1, x < T) by < |scale|·T²·e^-E.
 inline constexpr double kNegligibleExponent = 60.0;
 
 // Padding never matches: keys with doc < 0 are stored as kPadKey and rows as kPadRow, two
@@ -77,14 +77,14 @@ RETAIN_HD bool tile_one_document(const TileDocs& q, const TileDocs& k) {
   return !q.padded && !k.padded && q.lo == q.hi && k.lo == k.hi && q.lo == k.lo;
 }
 
-// Tile (qb, kb < qb) holds no term above e^-60 for a head whose keys in kb have
+// Tile (qb, kb < qb) holds no term above e^-E for a head whose keys in kb have
 // logβ ≤ key_max ≤ 0: its smallest distance t − i is qb·kTile − (kb·kTile + kTile − 1) ≥ 1
 // (a short last key tile only makes distances larger). Monotone in qb: once true for some qb
 // it stays true for every later query tile (the backward stops there).
-RETAIN_HD bool tile_negligible(int64_t qb, int64_t kb, float key_max) {
+RETAIN_HD bool tile_negligible(int64_t qb, int64_t kb, float key_max, double exponent = kNegligibleExponent) {
   if (qb <= kb) return false;
   const double min_distance = static_cast<double>(qb * kTile - (kb * kTile + kTile - 1));
-  return min_distance * static_cast<double>(key_max) < -kNegligibleExponent;
+  return min_distance * static_cast<double>(key_max) < -exponent;
 }
 
 // ---- sums: one lane, kRun rows t0 .. t0+3, one key tile of n keys starting at i0 ----------

@@ -41,11 +41,12 @@ void gated_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
 // (fixed reduction orders, no atomics). Default stream; capacity_loss synchronizes to return
 // its two numbers, the others return after the launches (temporaries are freed with
 // cudaFree, which waits for the device).
-void capacity_sums(const Tensor& log_beta, const Tensor& doc, Tensor& S);
+void capacity_sums(const Tensor& log_beta, const Tensor& doc, Tensor& S, double skip_exponent);
 ops::CapacityLoss capacity_loss(const Tensor& log_beta, const Tensor& doc, const Tensor& positions,
-                                double memory, ops::CapacityMode mode);
+                                double memory, ops::CapacityMode mode, double skip_exponent);
 void capacity_loss_backward(const Tensor& log_beta, const Tensor& doc, const Tensor& positions,
-                            double memory, ops::CapacityMode mode, double scale, Tensor& dlog_beta);
+                            double memory, ops::CapacityMode mode, double scale, Tensor& dlog_beta,
+                            double skip_exponent);
 // ---- end of capacity ---------------------------------------------------------------------
 
 // The device that runs kernels/deferred_checks.h's scans (kernels/cuda/deferred_checks.cu).

@@ -20,6 +20,7 @@
 #include "kernels/deferred_checks.h"
 #include "kernels/retention.h"
 #include "kernels/tensor.h"
+#include "tests/retention/capacity_skip_check.h"
 #include "tests/retention/random_inputs.h"
 #include "tests/retention/reference.h"
 
@@ -154,6 +155,23 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CapacityCuda,
                            const Case& c = info.param;
                            return fmt::format("L{}_T{}_K{}", c.L, c.T, c.K);
                          });
+
+// The opt-in skip exponent within its bound on the GPU (tests/retention/capacity_skip_check.h):
+// the CUDA kernels skip per head and 128-row tile, the CPU per 64-row block over every head, so
+// the two skip different terms; each must stay within the bound of the terms below e^-E.
+TEST(CapacityCuda, OptInSkipExponentStaysWithinItsBound) {
+  SKIP_WITHOUT_GPU();
+  check_capacity_skip_exponent([](const Tensor& lb, const Tensor& doc, const Tensor& pos, double scale, double E,
+                                  Tensor& S, Tensor& g, ops::CapacityLoss& loss) {
+    const Tensor lb_d = lb.to(Device::CUDA), doc_d = doc.to(Device::CUDA), pos_d = pos.to(Device::CUDA);
+    Tensor S_d = Tensor::empty(lb.shape(), DType::F32, Device::CUDA), g_d = Tensor::empty(lb.shape(), DType::F32, Device::CUDA);
+    ops::capacity_sums(lb_d, doc_d, S_d, E);
+    ops::capacity_loss_backward(lb_d, doc_d, pos_d, 0.0, Mode::local, scale, g_d, E);
+    loss = ops::capacity_loss(lb_d, doc_d, pos_d, 0.0, Mode::local, E);
+    ops::raise_deferred_checks();
+    S = S_d.to(Device::CPU), g = g_d.to(Device::CPU);
+  });
+}
 
 TEST(CapacityCuda, BadInputsAreOneLineErrors) {
   SKIP_WITHOUT_GPU();

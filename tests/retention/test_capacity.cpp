@@ -13,6 +13,7 @@
 
 #include "kernels/ops.h"
 #include "kernels/retention.h"
+#include "tests/retention/capacity_skip_check.h"
 #include "tests/retention/random_inputs.h"
 #include "tests/retention/reference.h"
 
@@ -241,6 +242,17 @@ TEST(Capacity, LongSequenceSampledRows) {
   EXPECT_LT(static_cast<int64_t>(r.ru_maxrss) * 1024, int64_t{256} << 20);
 }
 
+// The opt-in skip exponent within its bound (tests/retention/capacity_skip_check.h).
+TEST(Capacity, OptInSkipExponentStaysWithinItsBound) {
+  check_capacity_skip_exponent([](const Tensor& lb, const Tensor& doc, const Tensor& pos, double scale, double E,
+                                  Tensor& S, Tensor& g, ops::CapacityLoss& loss) {
+    S = Tensor::empty(lb.shape(), DType::F32), g = Tensor::empty(lb.shape(), DType::F32);
+    ops::capacity_sums(lb, doc, S, E);
+    ops::capacity_loss_backward(lb, doc, pos, 0.0, Mode::local, scale, g, E);
+    loss = ops::capacity_loss(lb, doc, pos, 0.0, Mode::local, E);
+  });
+}
+
 TEST(Capacity, RejectsBadInput) {
   const int64_t L = 2, T = 5, K = 2;
   std::vector<double> lb(static_cast<size_t>(L * T * K), -0.1);
@@ -275,6 +287,11 @@ TEST(Capacity, RejectsBadInput) {
   EXPECT_THROW(ops::capacity_loss(good, d, p, -1.0, Mode::local), Error);                      // M < 0
   EXPECT_THROW(ops::capacity_loss(good, d, p, NAN, Mode::global), Error);
   EXPECT_THROW(ops::capacity_loss_backward(good, d, p, 1.0, Mode::local, NAN, g), Error);
+  for (double E : {0.0, -1.0, static_cast<double>(NAN)}) {  // the skip exponent must be > 0
+    EXPECT_THROW(ops::capacity_sums(good, d, S, E), Error);
+    EXPECT_THROW(ops::capacity_loss(good, d, p, 1.0, Mode::local, E), Error);
+    EXPECT_THROW(ops::capacity_loss_backward(good, d, p, 1.0, Mode::local, 1.0, g, E), Error);
+  }
   Tensor g_bad = Tensor::empty({L, T}, DType::F32);
   EXPECT_THROW(ops::capacity_loss_backward(good, d, p, 1.0, Mode::local, 1.0, g_bad), Error);
 }

@@ -143,6 +143,35 @@ void expect_clean_error(const Result& r, const std::string& needle) {
   EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
 }
 
+// --capacity-skip E is opt-in: the default (60, exact) leaves the run as it was; a small E skips
+// decayed capacity tiles, is recorded in the checkpoint's config, and a resume must keep it.
+// The fixture's documents are short, so only an extreme E (1e-6: every tile off the diagonal
+// whose keys decay at all) drops terms here: micro-batches of 4 × 40 tokens put documents across
+// 64-token tiles, and the capacity loss changes (the sums fall, and so may the count of positive
+// hinges it is averaged over).
+TEST_F(TrainRuns, CapacitySkipIsOptInAndKeptOnResume) {
+  const std::string exact = dir_ / "exact", skip = dir_ / "skip", same = dir_ / "same";
+  const std::string mb = " --micro-batch 4";
+  ASSERT_EQ(train(train_args(data_, exact, "trimkv", 1) + mb).code, 0);
+  ASSERT_EQ(train(train_args(data_, same, "trimkv", 1) + mb + " --capacity-skip 60").code, 0);
+  expect_same_losses(exact, same, 0);
+  const Result r = train(train_args(data_, skip, "trimkv", 1) + mb + " --capacity-skip 1e-6");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const double cap_exact = metrics(exact).at(0).at("cap").get<double>();
+  const double cap_skip = metrics(skip).at(0).at("cap").get<double>();
+  EXPECT_GT(cap_exact, 0);
+  EXPECT_GT(std::abs(cap_skip - cap_exact), 1e-3 * cap_exact) << "E = 1e-6 should drop terms";
+  expect_clean_error(train(train_args(data_, skip, "trimkv", 1) + mb + " --resume"),
+                     "cannot resume with a different configuration: capacity_skip: missing in the new config");
+  expect_clean_error(train(train_args(data_, exact, "trimkv", 1) + mb + " --capacity-skip 20 --resume"),
+                     "capacity_skip: missing in the checkpoint");
+  for (const char* bad : {" --capacity-skip 0", " --capacity-skip -3", " --capacity-skip nan"}) {
+    const Result u = train(train_args(data_, dir_ / "bad", "trimkv", 1) + bad);
+    EXPECT_EQ(u.code, 2) << bad << ": " << u.err;
+    EXPECT_NE(u.err.find("--capacity-skip"), std::string::npos) << u.err;
+  }
+}
+
 TEST_F(TrainRuns, BadInputsAreClearErrors) {
   const std::string out = dir_ / "run";
   expect_clean_error(train(train_args(dir_ / "missing.h5", out, "trimkv", 1)), "missing.h5");

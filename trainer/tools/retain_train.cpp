@@ -76,6 +76,9 @@ int run(int argc, char** argv, dist::Comm& host_comm, std::unique_ptr<dist::Comm
       ("no-margin-weight", cli::po::bool_switch(), "kvpop: weight every decision 1 instead of |Δ log m| / its mean")
       ("memory", cli::po::value(&c.memory)->default_value(128), "memory budget M of the capacity loss (tokens)")
       ("cap-weight", cli::po::value(&c.cap_weight)->default_value(1.0), "λ: weight of the capacity loss")
+      ("capacity-skip", cli::po::value(&c.capacity_skip)->default_value(60),
+       "E: skip capacity tiles whose every term is below e^-E; 60 is exact to float rounding, a smaller E is "
+       "faster and approximate (each capacity sum moves by < T·e^-E)")
       ("kl-weight", cli::po::value(&c.kl_weight)->default_value(0.5), "weight of KL(teacher‖student)")
       ("ntp-weight", cli::po::value(&c.ntp_weight)->default_value(0.5), "weight of the next-token loss")
       ("bias-init", cli::po::value(&c.bias_init)->default_value(18.0), "initial gate bias b (18: β≈1, plain attention)")
@@ -157,6 +160,10 @@ int run(int argc, char** argv, dist::Comm& host_comm, std::unique_ptr<dist::Comm
   if (c.gate_hidden <= 0) throw cli::UsageError(fmt::format("--gate-hidden must be positive, got {}", c.gate_hidden));
   if (!(c.memory >= 0) || !std::isfinite(c.memory))
     throw cli::UsageError(fmt::format("--memory must be a finite number ≥ 0, got {}", c.memory));
+  if (!(c.capacity_skip > 0) || !std::isfinite(c.capacity_skip))
+    throw cli::UsageError(fmt::format("--capacity-skip must be a finite number > 0, got {}", c.capacity_skip));
+  if (c.kvpop && !vm["capacity-skip"].defaulted())
+    throw cli::UsageError("--capacity-skip is for the gates' capacity loss, not --gate kvpop");
   if (!(c.lr >= 0) || !(c.min_lr >= 0)) throw cli::UsageError("--lr and --min-lr must be ≥ 0");
   if (c.min_lr > c.lr)
     throw cli::UsageError(fmt::format("--min-lr {} exceeds --lr {} (the cosine decays from --lr to --min-lr)", c.min_lr, c.lr));
