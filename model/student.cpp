@@ -41,12 +41,13 @@ Tensor writable_layer_input(const Tensor& checkpoint) {
 }
 
 // The gated attention's backward: dq [T, H, d], dk, dv [T, K, d] F32 and dlog_beta F32 [T, K]
-// from dout (F32 [T, H, d], consumed: reset here). On the CPU the F32 reference. On CUDA the
-// kernels take bf16 dout, dq, dk, dv (s.q, s.k, s.v, s.attn are bf16 there); each buffer is
-// allocated as late and freed as early as the conversions allow, since at 128K this is where
-// the step's memory peaks (docs/memory-plan.md).
-void attention_backward(const DecoderLayerSaved& s, const Tensor& doc, float scale, Tensor& dout, Tensor& dq,
-                        Tensor& dk, Tensor& dv, Tensor& dlog_beta) {
+// from dout (F32 [T, H, d], consumed: reset here). s.q, s.k, s.v, s.attn and s.lse are consumed
+// too: nothing after this reads them. On the CPU the F32 reference. On CUDA the kernels take
+// bf16 dout, dq, dk, dv (s.q, s.k, s.v, s.attn are bf16 there); each buffer is allocated as
+// late and freed as early as the conversions allow, since at 128K this is where the step's
+// memory peaks (docs/memory-plan.md).
+void attention_backward(DecoderLayerSaved& s, const Tensor& doc, float scale, Tensor& dout, Tensor& dq, Tensor& dk,
+                        Tensor& dv, Tensor& dlog_beta) {
   const Device dev = dout.device();
   const int64_t T = s.q.dim(0), H = s.q.dim(1), K = s.k.dim(1), d = s.q.dim(2);
   auto make = [dev](const Shape& shape, DType dt) { return Tensor::empty(shape, dt, dev); };
@@ -55,6 +56,7 @@ void attention_backward(const DecoderLayerSaved& s, const Tensor& doc, float sca
     dq = make({T, H, d}, DType::F32), dk = make({T, K, d}, DType::F32), dv = make({T, K, d}, DType::F32);
     ops::gated_attention_backward(s.q, s.k, s.v, s.log_beta, doc, scale, s.attn, s.lse, dout, dq, dk, dv, dlog_beta);
     dout = Tensor();
+    s.q = s.k = s.v = s.attn = s.lse = Tensor();
     return;
   }
   Tensor dout_b = make(dout.shape(), DType::BF16);
@@ -64,6 +66,7 @@ void attention_backward(const DecoderLayerSaved& s, const Tensor& doc, float sca
   ops::gated_attention_backward(s.q, s.k, s.v, s.log_beta, doc, scale, s.attn, s.lse, dout_b, dq_b, dk_b, dv_b,
                                 dlog_beta);
   dout_b = Tensor();
+  s.q = s.k = s.v = s.attn = s.lse = Tensor();  // before dq, dk, dv widen to F32
   auto widen = [&](Tensor& narrow, Tensor& wide) {
     wide = make(narrow.shape(), DType::F32);
     ops::cast(narrow, wide);
@@ -113,7 +116,6 @@ void layer_backward(const Qwen3Config& c, const LayerWeights& w, const RopeParam
   Tensor dq, dk, dv, dlog_beta;
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
   attention_backward(s, pass.doc, scale, dattn, dq, dk, dv, dlog_beta);
-  s.q = s.k = s.v = s.attn = s.lse = Tensor();  // only the attention backward reads them
   if (extra_dlog_beta) ops::add_inplace(dlog_beta, *extra_dlog_beta);
   ops::rope_backward(dq, pass.positions, rope.inv_freq, rope.attention_factor);
   ops::rope_backward(dk, pass.positions, rope.inv_freq, rope.attention_factor);
