@@ -81,7 +81,7 @@ def eager_flex_on_cpu():
     """FlexAttention eagerly on the CPU, with gradients: PyTorch's dense math path for the same
     score_mod and block mask. Its device check refuses CPU gradients (the compiled kernels have
     none); the eager path computes them through autograd (checked against plain attention by
-    tests/live/reference_step_check.py)."""
+    tests/live/train_reference_check.py)."""
     import torch.nn.attention.flex_attention as fa
     from trimkv.attn import flex_attn
 
