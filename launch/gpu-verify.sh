@@ -148,9 +148,12 @@ if phase bench; then
       --device cuda --seq "$seq" --heads 32 --kv-heads 8 --head-dim 128 --docs "$docs" --iters "$iters" --warmup 1 \
       --check --retain-bench "$bin/retain-bench" --json "$out/bench-docs$docs.json"
   done
-  for logbeta in initial trained-like; do  # dense worst case, then the tile skip with trained-looking gates
-    step "bench: capacity, 36 layers at 128K, logβ $logbeta" "$log" 300 "$bin/retain-bench" attention --device cuda \
-      --seq 131072 --layers 36 --logbeta "$logbeta" --iters 3 --warmup 1 --json "$out/capacity-$logbeta.json"
+  # The dense worst case, the exact tile skip with trained-looking gates, and the opt-in skip at E = 20.
+  for run in initial:60 trained-like:60 trained-like:20; do
+    logbeta=${run%%:*} skip=${run##*:}
+    step "bench: capacity, 36 layers at 128K, logβ $logbeta, skip e^-$skip" "$log" 300 "$bin/retain-bench" attention \
+      --device cuda --seq 131072 --layers 36 --logbeta "$logbeta" --capacity-skip "$skip" --iters 3 --warmup 1 \
+      --json "$out/capacity-$logbeta-e$skip.json"
   done
 fi
 
