@@ -86,6 +86,8 @@ class Tensor {
   Tensor view_bytes(size_t byte_offset, const Shape& shape, DType dtype) const;
   // Deep copy to `device` (CPU<->CUDA needs a CUDA build).
   Tensor to(Device device) const;
+  // This tensor if it is on `device` already (shared, no copy), else to(device).
+  Tensor on(Device device) const { return device == device_ ? *this : to(device); }
   // Copies src's bytes into this tensor's memory, across devices when they differ. Same dtype
   // and numel (shapes may differ, as a reshape would allow).
   void copy_from(const Tensor& src);

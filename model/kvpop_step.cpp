@@ -20,18 +20,7 @@ void add_into(Tensor& out, const Tensor& g) {
   for (int64_t i = 0; i < g.numel(); ++i) out.data<float>()[i] += g.data<float>()[i];
 }
 
-// t as F32 on the host: a cast where it lives (bf16 q, k, v on CUDA), then the copy.
-Tensor f32_on_host(const Tensor& t) {
-  if (t.device() == Device::CPU && t.dtype() == DType::F32) return t;
-  Tensor f = t;
-  if (t.dtype() != DType::F32) {
-    f = Tensor::empty(t.shape(), DType::F32, t.device());
-    ops::cast(t, f);
-  }
-  return f.device() == Device::CPU ? f : f.to(Device::CPU);
-}
-
-// t as F32 on its own device.
+// t as F32 on its own device (bf16 q, k, v on CUDA are cast where they live).
 Tensor f32(const Tensor& t) {
   if (t.dtype() == DType::F32) return t;
   Tensor f = Tensor::empty(t.shape(), DType::F32, t.device());
@@ -40,7 +29,7 @@ Tensor f32(const Tensor& t) {
 }
 
 Projected projected_to(const Projected& P, Device dev) {
-  auto to = [dev](const Tensor& t) { return t.numel() == 0 || t.device() == dev ? t : t.to(dev); };
+  auto to = [dev](const Tensor& t) { return t.numel() == 0 ? t : t.on(dev); };
   return Projected{to(P.q), to(P.k), to(P.v), to(P.igate), to(P.log_f)};
 }
 
@@ -54,14 +43,13 @@ TeacherPass teacher_pass(WeightProvider& weights, const Tensor& ids, const Tenso
   // The frozen model and the targets run where the weights are (DESIGN §2); what the scorers
   // and the decisions need comes back to the host: k, v, log m, per layer.
   const Device dev = weights.device();
-  auto there = [dev](const Tensor& t) { return t.device() == dev ? t : t.to(dev); };
   TeacherPass pass;
-  pass.doc = doc.device() == Device::CPU ? doc : doc.to(Device::CPU);
+  pass.doc = doc.on(Device::CPU);
   pass.device = dev;
-  pass.doc_on_device = there(doc);
+  pass.doc_on_device = doc.on(dev);
   const Tensor& doc_d = pass.doc_on_device;
   Tensor x = Tensor::empty({T, c.hidden_size}, DType::F32, dev);
-  ops::embedding(weights.embedding(), there(ids), x);
+  ops::embedding(weights.embedding(), ids.on(dev), x);
   const Tensor positions = positions_of(doc_d);
   const RopeParams rope = compute_rope_params(c);
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
@@ -77,8 +65,9 @@ TeacherPass teacher_pass(WeightProvider& weights, const Tensor& ids, const Tenso
       ops::gated_attention(saved.q, saved.k, saved.v, Tensor::zeros({T, K}, DType::F32, dev), doc_d, scale, out,
                            lse);
     }
-    const Tensor log_m = f32_on_host(future_attention_target(f32(saved.q), f32(saved.k), lse, doc_d, s.window, scale));
-    const Tensor k_host = f32_on_host(saved.k), v_host = f32_on_host(saved.v);
+    const Tensor log_m = f32(future_attention_target(f32(saved.q), f32(saved.k), lse, doc_d, s.window, scale))
+                             .on(Device::CPU);
+    const Tensor k_host = f32(saved.k).on(Device::CPU), v_host = f32(saved.v).on(Device::CPU);
     pass.x.emplace_back();
     pass.decisions.emplace_back();
     for (int64_t kv = 0; kv < K; ++kv) {
@@ -115,12 +104,9 @@ double scorer_step(const TeacherPass& pass, const std::vector<std::vector<HeadPa
       const Projected P = project(pass.x[l][kv], p);
       // The mLSTM (the O(T·d·r) part, float64 on both devices) runs where the teacher ran; the
       // projections, the pairwise loss and the accumulation stay on the host (small).
-      const bool on_device = pass.device != Device::CPU;
-      const Projected P_run = on_device ? projected_to(P, pass.device) : P;
-      const Tensor w_o = on_device ? p.w_o.to(pass.device) : p.w_o, b_o = on_device ? p.b_o.to(pass.device) : p.b_o;
-      const Tensor& doc_run = on_device ? pass.doc_on_device : pass.doc;
-      Tensor score = mlstm_scores(P_run, doc_run, s.window, w_o, b_o);
-      if (on_device) score = score.to(Device::CPU);
+      const Projected P_run = projected_to(P, pass.device);
+      const Tensor w_o = p.w_o.on(pass.device), b_o = p.b_o.on(pass.device);
+      const Tensor score = mlstm_scores(P_run, pass.doc_on_device, s.window, w_o, b_o).on(Device::CPU);
       loss += grad_scale * pair_loss(score, p.theta, ds, margin_scale, s.tau);
       if (agreed) {
         // ŝ_new(q) − ŝ_b(q) = score[t_new] − score[b] + (b − t_new)·log γ
@@ -133,13 +119,10 @@ double scorer_step(const TeacherPass& pass, const std::vector<std::vector<HeadPa
       }
       Tensor dscore, dtheta, dw_o, db_o;
       pair_loss_backward(score, p.theta, ds, margin_scale, s.tau, grad_scale, dscore, dtheta);
-      Projected dP = mlstm_scores_backward(P_run, doc_run, s.window, w_o, b_o,
-                                           on_device ? dscore.to(pass.device) : dscore, dw_o, db_o);
-      if (on_device) {
-        dP = projected_to(dP, Device::CPU);
-        dw_o = dw_o.to(Device::CPU);
-        db_o = db_o.to(Device::CPU);
-      }
+      const Projected dP_run =
+          mlstm_scores_backward(P_run, pass.doc_on_device, s.window, w_o, b_o, dscore.on(pass.device), dw_o, db_o);
+      const Projected dP = projected_to(dP_run, Device::CPU);
+      dw_o = dw_o.on(Device::CPU), db_o = db_o.on(Device::CPU);
       // b_o is added to every score, so it cancels in each ŝ_new − ŝ_b: its gradient is exactly 0.
       // The summed ±dscore leaves float rounding (~1e-9), which AdamW would normalize into
       // lr-sized random steps; the exact value is used instead.

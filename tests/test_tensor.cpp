@@ -139,3 +139,10 @@ TEST(Tensor, HostTensorMemoryCountsLiveBytesAndThePeak) {
   reset_host_tensor_peak();
   EXPECT_EQ(host_tensor_memory().peak, base);
 }
+
+// on(device): the same tensor, storage shared, when it is there already (to() always copies).
+TEST(Tensor, OnSharesWhenAlreadyOnTheDevice) {
+  const Tensor t = Tensor::from_vector<float>({1, 2, 3}, {3});
+  EXPECT_EQ(t.on(Device::CPU).raw(), t.raw());
+  EXPECT_NE(t.to(Device::CPU).raw(), t.raw());
+}

@@ -121,8 +121,7 @@ void accumulate_stats(const Tensor& log_beta_any, const Tensor& doc_any, const T
   const int64_t L = log_beta_any.dim(0), T = log_beta_any.dim(1), K = log_beta_any.dim(2);
   Tensor S_any = Tensor::empty(log_beta_any.shape(), DType::F32, log_beta_any.device());
   ops::capacity_sums(log_beta_any, doc_any, S_any);
-  auto host = [](const Tensor& t) { return t.device() == Device::CPU ? t : t.to(Device::CPU); };
-  const Tensor log_beta = host(log_beta_any), S = host(S_any);
+  const Tensor log_beta = log_beta_any.on(Device::CPU), S = S_any.on(Device::CPU);
   const float* lb = log_beta.data<float>();
   const float* s = S.data<float>();
   const int32_t* d = doc_host.data<int32_t>();
@@ -147,7 +146,6 @@ StepLosses compute_gradients(WeightProvider& weights, gates::RetentionGates& gat
   // the loss masks stay on the host (kl_ntp_chunked lists the loss positions there).
   const Device dev = weights.device();
   const bool on_device = dev != Device::CPU;
-  auto there = [dev](const Tensor& t) { return t.device() == dev ? t : t.to(dev); };
   if (on_device) gates.sync_to_device();  // the values of the last optimizer step
   std::vector<Tensor> ids, docs;
   std::vector<Tensor> positions, loss_masks;
@@ -155,9 +153,9 @@ StepLosses compute_gradients(WeightProvider& weights, gates::RetentionGates& gat
   // (exact for counts below 2^53).
   double counts[3] = {0, 0, 0};
   for (const MicroBatch& mb : micro_batches) {
-    ids.push_back(there(mb.ids));
-    docs.push_back(there(mb.doc));
-    positions.push_back(there(ops::document_positions(mb.doc)));
+    ids.push_back(mb.ids.on(dev));
+    docs.push_back(mb.doc.on(dev));
+    positions.push_back(ops::document_positions(mb.doc).on(dev));
     loss_masks.push_back(loss_positions(mb.doc, mb.target_mask));
     counts[0] += static_cast<double>(count_nonzero(loss_masks.back()));
     counts[1] += static_cast<double>(count_tokens(mb.doc));

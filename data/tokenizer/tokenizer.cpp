@@ -184,9 +184,6 @@ void Tokenizer::Impl::load_model(const Reader& r, const json& m) {
   for (const auto& [token, id] : m.at("vocab").items()) {
     if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() > INT32_MAX)
       r.bad("model.vocab", "token '" + token + "' has an invalid id");
-    if (id.get<int64_t>() >= Bpe::kMaxVocabId)  // one table slot per id (Bpe): a bound on memory
-      r.bad("model.vocab", fmt::format("token '{}' has id {}; retain takes ids below {}", token,
-                                       id.get<int64_t>(), Bpe::kMaxVocabId));
     vocab.emplace(token, id.get<int32_t>());
   }
   // Views into the parsed JSON, which outlives the Bpe constructor.

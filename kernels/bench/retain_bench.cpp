@@ -127,10 +127,8 @@ Tensor random_tensor(const Shape& shape, DType dtype, Device device, uint64_t se
         host.data<float>()[x] = v;
     }
   }
-  return device == Device::CPU ? host : host.to(device);
+  return host.on(device);
 }
-
-Tensor on(const Tensor& host, Device device) { return device == Device::CPU ? host : host.to(device); }
 
 // logβ [L, T, K] of gates at their initial bias: logsigmoid(x) = −log1p(e^−x), x = 18 + 0.5·N(0, 1).
 Tensor initial_log_beta(int64_t L, int64_t T, int64_t K) {
@@ -327,10 +325,10 @@ int attention(int argc, char** argv) {
     const Tensor lb_host = logbeta == "initial" ? initial_log_beta(layers, T, K) : trained_like_log_beta(layers, T, K);
     Tensor doc_host = Tensor::empty({T}, DType::I32);
     for (int64_t t = 0; t < T; ++t) doc_host.data<int32_t>()[t] = static_cast<int32_t>(t / (T / docs));
-    const Tensor pos = on(ops::document_positions(doc_host), device);
-    const Tensor doc = on(doc_host, device);
-    const Tensor lb_all = on(lb_host, device);
-    const Tensor lb = on(lb_host.rows(0, 1).reshape({T, K}), device);  // layer 0 for attention
+    const Tensor pos = ops::document_positions(doc_host).on(device);
+    const Tensor doc = doc_host.on(device);
+    const Tensor lb_all = lb_host.on(device);
+    const Tensor lb = lb_host.rows(0, 1).reshape({T, K}).on(device);  // layer 0 for attention
 
     Tensor out = Tensor::empty({T, H, d}, act, device), lse = Tensor::empty({T, H}, DType::F32, device);
     Tensor dq = Tensor::empty({T, H, d}, act, device), dk = Tensor::empty({T, K, d}, act, device),

@@ -211,7 +211,7 @@ inline void expect_mlstm_close(const char* what, const Vec& got, const Vec& want
   std::printf("  %-8s %6zu values: worst %.2f ulp, %.3f of the tolerance\n", what, want.size(), worst_ulps, worst_fraction);
 }
 
-inline Vec host_vec(const Tensor& t) { return to_vec(t.device() == Device::CPU ? t : t.to(Device::CPU)); }
+inline Vec host_vec(const Tensor& t) { return to_vec(t.on(Device::CPU)); }
 
 // Forward and backward of one case against the CPU reference, by `run`: a callable
 // (MlstmInputs) -> {score, dP, dw_o, db_o} evaluated the way under test.

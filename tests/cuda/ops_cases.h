@@ -41,7 +41,7 @@ inline constexpr double kU = 1.0 / (1 << 24);
 inline Tensor f32(const Vec& v, const Shape& s) { return Tensor::from_vector(v, s); }
 inline Tensor i32(const std::vector<int32_t>& v) { return Tensor::from_vector(v, {static_cast<int64_t>(v.size())}); }
 inline Vec to_vec(const Tensor& t) {
-  const Tensor h = t.device() == Device::CPU ? t : t.to(Device::CPU);
+  const Tensor h = t.on(Device::CPU);
   return Vec(h.data<float>(), h.data<float>() + h.numel());
 }
 

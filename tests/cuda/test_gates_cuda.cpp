@@ -35,7 +35,7 @@ using namespace retain::gates;
 namespace {
 
 Tensor gpu(const Tensor& t) { return t.to(Device::CUDA); }
-Tensor host(const Tensor& t) { return t.device() == Device::CPU ? t : t.to(Device::CPU); }
+Tensor host(const Tensor& t) { return t.on(Device::CPU); }
 
 Tensor random_f32(const Shape& shape, double std, std::mt19937& rng) {
   std::normal_distribution<double> n(0, std);

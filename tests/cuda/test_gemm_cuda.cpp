@@ -36,7 +36,7 @@ namespace {
 constexpr double kU = 1.0 / (1 << 24);
 
 Tensor gpu(const Tensor& t) { return t.to(Device::CUDA); }
-Tensor host(const Tensor& t) { return t.device() == Device::CPU ? t : t.to(Device::CPU); }
+Tensor host(const Tensor& t) { return t.on(Device::CPU); }
 
 
 Tensor cast_to(const Tensor& t, DType dt) {  // on t's device

@@ -35,7 +35,7 @@ namespace {
 Tensor i32(const std::vector<int32_t>& v) { return Tensor::from_vector<int32_t>(v, {static_cast<int64_t>(v.size())}); }
 
 double rel_l2(const Tensor& got, const Tensor& want) {
-  const Tensor g = got.device() == Device::CPU ? got : got.to(Device::CPU);
+  const Tensor g = got.on(Device::CPU);
   double diff = 0, norm = 0;
   for (int64_t i = 0; i < want.numel(); ++i) {
     const double a = g.data<float>()[i], b = want.data<float>()[i];
