@@ -38,7 +38,7 @@ nlohmann::json to_json(const TrainConfig& c) {
       {"device", std::string(device_name(c.device))},
   };
   // Only an approximate skip is written, so configs of the exact default stay as before.
-  if (c.capacity_skip != 60) j["capacity_skip"] = c.capacity_skip;
+  if (c.capacity_skip != TrainConfig{}.capacity_skip) j["capacity_skip"] = c.capacity_skip;
   if (c.kvpop) {  // only kvpop runs have them, so gate runs' configs are as before
     j["window"] = c.window;
     j["sinks"] = c.sinks;
