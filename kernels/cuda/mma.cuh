@@ -9,6 +9,22 @@
 
 namespace retain::cuda::ptx {
 
+#if defined(RETAIN_CUDA_EMU)
+// Compiled for the CUDA emulator (kernels/cuda/emu/README.md): the same instructions, executed
+// by the emulator from the PTX ISA's definitions.
+inline void cp_async_16(void* dst, const void* src, bool valid) { cuda_emu::cp_async_16(dst, src, valid); }
+inline void cp_async_commit() { cuda_emu::cp_async_commit(); }
+template <int N>
+inline void cp_async_wait() {
+  cuda_emu::cp_async_wait(N);
+}
+inline void ldmatrix_x4(uint32_t (&r)[4], const void* row_addr) { cuda_emu::ldmatrix_x4(r, row_addr, false); }
+inline void ldmatrix_x4_trans(uint32_t (&r)[4], const void* row_addr) { cuda_emu::ldmatrix_x4(r, row_addr, true); }
+inline void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  cuda_emu::mma_bf16_16816(d, a, b0, b1);
+}
+#else
+
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
@@ -49,11 +65,19 @@ __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+#endif  // RETAIN_CUDA_EMU
+
 // Two floats as one register of two bf16 (round to nearest even): x in the low half, which
 // is the lower column / k index in every fragment layout.
 __device__ __forceinline__ uint32_t pack_bf16(float x, float y) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(x, y);
+#if defined(RETAIN_CUDA_EMU)  // the host compiler's strict aliasing: the same bits, copied
+  uint32_t bits;
+  memcpy(&bits, &v, sizeof bits);
+  return bits;
+#else
   return *reinterpret_cast<const uint32_t*>(&v);
+#endif
 }
 
 }  // namespace retain::cuda::ptx

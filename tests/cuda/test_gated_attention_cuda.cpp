@@ -165,6 +165,38 @@ Results run_gpu(const Problem& p) {
   return {host_values(out), host_values(lse), host_values(dq), host_values(dk), host_values(dv), host_values(dlb)};
 }
 
+// With one key per row the softmax is 1 whatever the score, so dq and dk are exactly 0: both
+// devices return rounding noise (dS = dP − D, two fp32 sums of the same products), which a
+// relative comparison of noise against noise cannot judge. Instead each head's gradient must
+// be far below the size it would have without the cancellation: scale · Σ_j |dout_j v_j| ·
+// ‖k‖ (dq), summed over the group's heads with ‖q_h‖ (dk). (Found by the CUDA emulator: the
+// relative check failed there, as it would on a GPU.)
+void expect_single_key_gradients_vanish(const Problem& p, const Results& got) {
+  const Case& c = p.c;
+  const float *q = p.q.host.data<float>(), *k = p.k.host.data<float>(), *v = p.v.host.data<float>(),
+              *dout = p.dout.host.data<float>();
+  const auto norm = [&](const float* x) {
+    double s = 0;
+    for (int64_t j = 0; j < c.d; ++j) s += static_cast<double>(x[j]) * x[j];
+    return std::sqrt(s);
+  };
+  std::vector<double> dk_bound(static_cast<size_t>(c.K), 0.0);
+  for (int64_t h = 0; h < c.H; ++h) {
+    const int64_t kv = h / (c.H / c.K);
+    double s = 0;
+    for (int64_t j = 0; j < c.d; ++j) s += std::abs(static_cast<double>(dout[h * c.d + j]) * v[kv * c.d + j]);
+    double got_dq = 0;
+    for (int64_t j = 0; j < c.d; ++j) got_dq += got.dq[static_cast<size_t>(h * c.d + j)] * got.dq[static_cast<size_t>(h * c.d + j)];
+    EXPECT_LE(std::sqrt(got_dq), 1e-3 * p.scale * s * norm(k + kv * c.d)) << "dq head " << h;
+    dk_bound[static_cast<size_t>(kv)] += 1e-3 * p.scale * s * norm(q + h * c.d);
+  }
+  for (int64_t kv = 0; kv < c.K; ++kv) {
+    double got_dk = 0;
+    for (int64_t j = 0; j < c.d; ++j) got_dk += got.dk[static_cast<size_t>(kv * c.d + j)] * got.dk[static_cast<size_t>(kv * c.d + j)];
+    EXPECT_LE(std::sqrt(got_dk), dk_bound[static_cast<size_t>(kv)]) << "dk head " << kv;
+  }
+}
+
 void check_case(const Case& c, uint32_t seed) {
   SCOPED_TRACE(::testing::Message() << "seed=" << seed << " (RETAIN_TEST_SEED replays it) T=" << c.T << " H=" << c.H
                                     << " K=" << c.K << " d=" << c.d << " docs=" << static_cast<int>(c.docs)
@@ -175,8 +207,12 @@ void check_case(const Case& c, uint32_t seed) {
   const Results got = run_gpu(p);
   const double tol = 1e-2;
   EXPECT_LE(rel_err(got.out, want.out, "out"), tol);
-  EXPECT_LE(rel_err(got.dq, want.dq, "dq"), tol);
-  EXPECT_LE(rel_err(got.dk, want.dk, "dk"), tol);
+  if (c.T == 1) {
+    expect_single_key_gradients_vanish(p, got);
+  } else {
+    EXPECT_LE(rel_err(got.dq, want.dq, "dq"), tol);
+    EXPECT_LE(rel_err(got.dk, want.dk, "dk"), tol);
+  }
   EXPECT_LE(rel_err(got.dv, want.dv, "dv"), tol);
   EXPECT_LE(rel_err(got.dlb, want.dlb, "dlog_beta"), tol);
   // lse: -inf exactly on rows with nothing allowed (padding), else close (fp32 statistics).

@@ -1,0 +1,75 @@
+// The CUDA emulator's interface to emulated device code (kernels/cuda/emu/README.md): the
+// launch of a kernel over its grid, each CUDA thread a fiber, blocks one at a time; block
+// barriers; warp collectives (shuffles, votes, ldmatrix, mma.sync) computed once all lanes of
+// the warp have arrived; and cp.async copies that land only when their group is waited on.
+// Everything here runs on the calling host thread; results are deterministic.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <tuple>
+#include <utility>
+
+namespace retain::cuda_emu {
+
+// ---- launch -------------------------------------------------------------------------------
+
+struct LaunchConfig {
+  dim3 grid, block;
+  size_t dynamic_shared = 0;
+  cudaStream_t stream = nullptr;
+  LaunchConfig(dim3 g, dim3 b, size_t smem = 0, cudaStream_t s = nullptr)
+      : grid(g), block(b), dynamic_shared(smem), stream(s) {}
+};
+
+// Runs `body` once per CUDA thread of the grid (what `kernel<<<...>>>(args)` becomes); a bad
+// configuration sets the launch error that cudaGetLastError reports, as the runtime does.
+void run_grid(const LaunchConfig& config, const void* kernel, const char* name, const std::function<void()>& body);
+
+template <class... Params, class... Args>
+void launch(void (*kernel)(Params...), const char* name, const LaunchConfig& config, Args&&... args) {
+  // Evaluated once in the caller, as kernel arguments are; each thread gets its own copies.
+  std::tuple<std::decay_t<Args>...> values(std::forward<Args>(args)...);
+  run_grid(config, reinterpret_cast<const void*>(kernel), name,
+           [&] { std::apply([&](const auto&... v) { kernel(v...); }, values); });
+}
+
+// ---- inside a kernel ----------------------------------------------------------------------
+
+struct ThreadPosition {
+  uint3 thread, block;
+  dim3 block_dim, grid_dim;
+};
+const ThreadPosition& position();  // the running CUDA thread's indices
+void* dynamic_shared();            // the block's dynamic shared memory (128-byte aligned)
+
+void syncthreads();
+int syncthreads_or(int predicate);
+int syncthreads_and(int predicate);
+int syncthreads_count(int predicate);
+void syncwarp(unsigned mask);
+
+// Warp collectives. Every lane named in `mask` must reach the same collective (the emulator
+// stops with a message naming the kernel and block otherwise); all are the full warp here.
+// __shfl_xor_sync (xor_lanes) / __shfl_sync of a value of `bytes` ≤ 8 bytes.
+void shuffle(bool xor_lanes, unsigned mask, const void* in, void* out, size_t bytes, int lane_arg);
+int any(unsigned mask, int predicate);
+int all(unsigned mask, int predicate);
+unsigned ballot(unsigned mask, int predicate);
+
+// PTX: ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16 (lane i gives the address of row i % 8
+// of matrix i / 8) and mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32.
+void ldmatrix_x4(uint32_t (&r)[4], const void* row_address, bool transpose);
+void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
+
+// PTX: cp.async.cg.shared.global 16 bytes (zero-fill when !valid), commit_group, wait_group N.
+void cp_async_16(void* dst, const void* src, bool valid);
+void cp_async_commit();
+void cp_async_wait(int pending);
+
+// Stops the emulation with a message naming the running kernel, block and thread.
+[[noreturn]] void device_fault(const char* what);
+
+}  // namespace retain::cuda_emu
