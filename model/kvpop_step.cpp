@@ -51,7 +51,7 @@ TeacherPass teacher_pass(WeightProvider& weights, const Tensor& ids, const Tenso
   Tensor x = Tensor::empty({T, c.hidden_size}, DType::F32, dev);
   ops::embedding(weights.embedding(), ids.on(dev), x);
   const Tensor positions = positions_of(doc_d);
-  const RopeParams rope = compute_rope_params(c);
+  const RopeParams rope = compute_rope_params(c, dev);
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
     DecoderLayerSaved saved;

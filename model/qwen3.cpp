@@ -161,7 +161,7 @@ Tensor qwen3_hidden(WeightProvider& weights, const Tensor& ids, const Tensor& do
   Tensor x = Tensor::empty({T, c.hidden_size}, DType::F32, ids.device());
   ops::embedding(weights.embedding(), ids, x);
   const Tensor positions = positions_of(doc_ids);
-  const RopeParams rope = compute_rope_params(c);
+  const RopeParams rope = compute_rope_params(c, x.device());
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
     qwen3_decoder_layer(c, weights.layer(l), rope, positions, doc_ids, gates, l, x);
     if (on_layer) on_layer(l + 1, c.num_hidden_layers);

@@ -24,9 +24,7 @@ double correction_dim(double rotations, int64_t dim, double base, int64_t max_po
 
 double yarn_mscale(double scale, double mscale) { return scale <= 1 ? 1.0 : 0.1 * mscale * std::log(scale) + 1.0; }
 
-}  // namespace
-
-RopeParams compute_rope_params(const Qwen3Config& c) {
+RopeParams host_rope_params(const Qwen3Config& c) {
   const int64_t dim = c.head_dim, half = dim / 2;
   const RopeConfig& r = c.rope;
   RopeParams out;
@@ -70,6 +68,14 @@ RopeParams compute_rope_params(const Qwen3Config& c) {
     inv[j] = interpolation * (1.0f - extrapolation_weight) + extrapolation * extrapolation_weight;
   }
   return out;
+}
+
+}  // namespace
+
+RopeParams compute_rope_params(const Qwen3Config& c, Device device) {
+  RopeParams p = host_rope_params(c);
+  p.inv_freq = p.inv_freq.on(device);
+  return p;
 }
 
 }  // namespace retain

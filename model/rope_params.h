@@ -12,6 +12,7 @@ struct RopeParams {
   float attention_factor = 1.0f;
 };
 
-RopeParams compute_rope_params(const Qwen3Config& config);
+// inv_freq is computed on the host and placed on `device`, where the pass's RoPE runs.
+RopeParams compute_rope_params(const Qwen3Config& config, Device device = Device::CPU);
 
 }  // namespace retain

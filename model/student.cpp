@@ -151,7 +151,7 @@ StudentPass student_forward(WeightProvider& weights, const gates::RetentionGates
   pass.log_beta = Tensor::empty({L, T, K}, DType::F32, dev);
   Tensor x = Tensor::empty({T, c.hidden_size}, DType::F32, dev);
   ops::embedding(weights.embedding(), ids, x);
-  const RopeParams rope = compute_rope_params(c);
+  const RopeParams rope = compute_rope_params(c, dev);
   pass.layer_inputs.reserve(static_cast<size_t>(L));
   for (int64_t l = 0; l < L; ++l) {
     pass.layer_inputs.push_back(checkpoint_of(x));
@@ -182,7 +182,7 @@ void student_backward(WeightProvider& weights, gates::RetentionGates& gates, con
                "student_backward: d_log_beta {} {}, expected F32 [{}, {}, {}] or none", dtype_name(d_log_beta.dtype()),
                shape_str(d_log_beta.shape()), L, T, K);
 
-  const RopeParams rope = compute_rope_params(c);
+  const RopeParams rope = compute_rope_params(c, d_hidden.device());
   Tensor dx = Tensor::empty({T, D}, DType::F32, d_hidden.device());  // ∂loss/∂x_l, from l = L down
   ops::rmsnorm_backward(pass.final_input, weights.final_norm(), static_cast<float>(c.rms_norm_eps), d_hidden, dx);
   for (int64_t l = L - 1; l >= 0; --l) {

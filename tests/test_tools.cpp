@@ -100,8 +100,9 @@ TEST_F(Tools, HelpPrintsUsage) {
 
 TEST_F(Tools, ForwardWritesTheLibraryLogits) {
   const fs::path out = root_ / "logits.safetensors";
-  const Result r = run("retain-forward --model " + tiny().string() + " --ids \"5 10 7 256 3,4\" --doc-ids \"0 0 0 1 1 1\" --out " +
-                       out.string());
+  // --device cpu: the CPU library's logits, bit for bit (a GPU, when present, is the default).
+  const Result r = run("retain-forward --device cpu --model " + tiny().string() +
+                       " --ids \"5 10 7 256 3,4\" --doc-ids \"0 0 0 1 1 1\" --out " + out.string());
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_NE(r.out.find("wrote logits [6, 512]"), std::string::npos) << r.out;
   const SafetensorsFile f = SafetensorsFile::open(out.string());
@@ -204,7 +205,7 @@ TEST_F(Tools, MakeTinyWritesGatesAndForwardRunsTheStudent) {
   EXPECT_EQ(g.bias_init(), 1.5);
 
   const fs::path out = root_ / "student.safetensors";
-  r = run("retain-forward --model " + dir.string() + " --gates " + (dir / "gates.safetensors").string() +
+  r = run("retain-forward --device cpu --model " + dir.string() + " --gates " + (dir / "gates.safetensors").string() +
           " --ids \"5 10 7 256 3 4\" --doc-ids \"0 0 0 1 1 1\" --out " + out.string());
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_NE(r.out.find("dbtrimkv gates G=8"), std::string::npos) << r.out;
