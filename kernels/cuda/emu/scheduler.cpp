@@ -7,7 +7,10 @@
 #include <boost/context/fiber.hpp>
 #include <boost/context/stack_context.hpp>
 
+#include <algorithm>
 #include <array>
+#include <numeric>
+#include <random>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -191,10 +194,41 @@ int barrier(int predicate, int Block::*result) {
   std::abort();
 }
 
+// The order threads take turns in (RETAIN_CUDA_EMU_SCHEDULE): forward (thread 0 first), reverse,
+// or shuffle (a fresh order every round, seeded by RETAIN_CUDA_EMU_SEED). A shared-memory race —
+// a read that a missing barrier leaves unordered with another warp's write — reads the written
+// value in one order and the old one in another, so running the tests under several orders
+// shows it.
+enum class Schedule { forward, reverse, shuffle };
+Schedule schedule() {
+  static const Schedule s = [] {
+    const char* e = std::getenv("RETAIN_CUDA_EMU_SCHEDULE");
+    const std::string v = e ? e : "forward";
+    if (v == "forward") return Schedule::forward;
+    if (v == "reverse") return Schedule::reverse;
+    if (v == "shuffle") return Schedule::shuffle;
+    std::fprintf(stderr, "cuda-emu: RETAIN_CUDA_EMU_SCHEDULE must be forward, reverse or shuffle, got '%s'\n", v.c_str());
+    std::exit(2);
+  }();
+  return s;
+}
+std::mt19937& schedule_rng() {
+  static std::mt19937 rng([] {
+    const char* e = std::getenv("RETAIN_CUDA_EMU_SEED");
+    return static_cast<uint32_t>(e ? std::strtoul(e, nullptr, 10) : 1);
+  }());
+  return rng;
+}
+
 void run_block(Block& b) {
+  std::vector<size_t> order(b.threads.size());
+  std::iota(order.begin(), order.end(), size_t{0});
+  if (schedule() == Schedule::reverse) std::reverse(order.begin(), order.end());
   for (;;) {
     bool moved = false;
-    for (Thread& t : b.threads) {
+    if (schedule() == Schedule::shuffle) std::shuffle(order.begin(), order.end(), schedule_rng());
+    for (const size_t i : order) {
+      Thread& t = b.threads[i];
       if (t.done || !ready(b, t)) continue;
       t.wait = Wait::None;
       g_launch->current = &t;

@@ -1,0 +1,288 @@
+// The CUDA emulator (kernels/cuda/emu) against independent references: ldmatrix + mma.sync on
+// tiles in shared memory equal a plain float64 matrix product (the canonical pairing that the
+// attention kernels use, so the two PTX layouts must agree with each other and with row-major
+// storage); shuffles, votes and block reductions against their definitions; cp.async lands
+// only at its wait; and the faults it must catch — a barrier some threads skip, a collective
+// some lanes skip, bad launches, copies outside device allocations — stop with one message.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "kernels/cuda/mma.cuh"
+#include "tests/cuda/cuda_test.h"
+
+namespace {
+
+using bf16 = __nv_bfloat16;
+
+#define EXPECT_CUDA_OK(call) EXPECT_EQ((call), cudaSuccess)
+
+// D (16×8, fp32) = A (16×16, row-major bf16) · B (16×8, stored as B^T: 8 rows of 16 k, the
+// "col" operand, i.e. like K rows in Q·K^T), through shared memory with ldmatrix.x4.
+__global__ void mma_tile_kernel(const bf16* a, const bf16* bt, const float* c, float* d) {
+  __shared__ __align__(16) bf16 sa[16][16];
+  __shared__ __align__(16) bf16 sb[8][16];
+  const int lane = threadIdx.x;
+  for (int x = lane; x < 256; x += 32) sa[x / 16][x % 16] = a[x];
+  for (int x = lane; x < 128; x += 32) sb[x / 16][x % 16] = bt[x];
+  __syncthreads();
+  // A: matrices 0..3 = (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 8-15).
+  uint32_t fa[4];
+  const int m = lane / 8, r = lane % 8;
+  retain::cuda::ptx::ldmatrix_x4(fa, &sa[(m % 2) * 8 + r][(m / 2) * 8]);
+  // B^T rows n = 0..7: matrices (n, k 0-7), (n, k 8-15); x4 loads them twice (lanes 16-31 repeat).
+  uint32_t fb[4];
+  retain::cuda::ptx::ldmatrix_x4(fb, &sb[r][(m % 2) * 8]);
+  const int g = lane / 4, q = lane % 4;
+  float acc[4] = {c[g * 8 + 2 * q], c[g * 8 + 2 * q + 1], c[(g + 8) * 8 + 2 * q], c[(g + 8) * 8 + 2 * q + 1]};
+  retain::cuda::ptx::mma_bf16_16816(acc, fa, fb[0], fb[1]);
+  d[g * 8 + 2 * q] = acc[0];
+  d[g * 8 + 2 * q + 1] = acc[1];
+  d[(g + 8) * 8 + 2 * q] = acc[2];
+  d[(g + 8) * 8 + 2 * q + 1] = acc[3];
+}
+
+// The same product with B stored row-major (k × n, like V in P·V), loaded with ldmatrix.trans.
+__global__ void mma_tile_trans_kernel(const bf16* a, const bf16* b, float* d) {
+  __shared__ __align__(16) bf16 sa[16][16];
+  __shared__ __align__(16) bf16 sb[16][8];
+  const int lane = threadIdx.x;
+  for (int x = lane; x < 256; x += 32) sa[x / 16][x % 16] = a[x];
+  for (int x = lane; x < 128; x += 32) sb[x / 8][x % 8] = b[x];
+  __syncthreads();
+  uint32_t fa[4], fb[4];
+  const int m = lane / 8, r = lane % 8;
+  retain::cuda::ptx::ldmatrix_x4(fa, &sa[(m % 2) * 8 + r][(m / 2) * 8]);
+  retain::cuda::ptx::ldmatrix_x4_trans(fb, &sb[(m % 2) * 8 + r][0]);  // k rows 0-7, then 8-15
+  float acc[4] = {0, 0, 0, 0};
+  retain::cuda::ptx::mma_bf16_16816(acc, fa, fb[0], fb[1]);
+  const int g = lane / 4, q = lane % 4;
+  d[g * 8 + 2 * q] = acc[0];
+  d[g * 8 + 2 * q + 1] = acc[1];
+  d[(g + 8) * 8 + 2 * q] = acc[2];
+  d[(g + 8) * 8 + 2 * q + 1] = acc[3];
+}
+
+template <class T>
+T* device_copy(const std::vector<T>& v) {
+  T* p = nullptr;
+  EXPECT_CUDA_OK(cudaMalloc(&p, v.size() * sizeof(T)));
+  EXPECT_CUDA_OK(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return p;
+}
+template <class T>
+std::vector<T> host_copy(const T* p, size_t n) {
+  std::vector<T> v(n);
+  EXPECT_CUDA_OK(cudaMemcpy(v.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
+  return v;
+}
+
+std::vector<bf16> random_bf16(size_t n, std::mt19937& rng, std::vector<double>& exact) {
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  std::vector<bf16> v(n);
+  exact.resize(n);
+  for (size_t i = 0; i < n; ++i) {
+    v[i] = __float2bfloat16(d(rng));
+    exact[i] = static_cast<double>(__bfloat162float(v[i]));
+  }
+  return v;
+}
+
+TEST(CudaEmu, LdmatrixAndMmaGiveTheMatrixProduct) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(7);
+  std::vector<double> A, Bt, C(128);
+  const std::vector<bf16> a = random_bf16(256, rng, A), bt = random_bf16(128, rng, Bt);
+  std::vector<float> c(128);
+  for (int i = 0; i < 128; ++i) c[i] = static_cast<float>(i % 7) - 3.0f, C[i] = c[i];
+  bf16 *da = device_copy(a), *db = device_copy(bt);
+  float *dc = device_copy(c), *dd = nullptr;
+  EXPECT_CUDA_OK(cudaMalloc(&dd, 128 * sizeof(float)));
+  mma_tile_kernel<<<1, 32>>>(da, db, dc, dd);
+  EXPECT_CUDA_OK(cudaGetLastError());
+  const std::vector<float> d = host_copy(dd, 128);
+  for (int i = 0; i < 16; ++i)
+    for (int n = 0; n < 8; ++n) {
+      double want = C[i * 8 + n];
+      for (int k = 0; k < 16; ++k) want += A[i * 16 + k] * Bt[n * 16 + k];
+      EXPECT_NEAR(d[i * 8 + n], want, 1e-4 * (1 + std::abs(want))) << "D[" << i << "][" << n << "]";
+    }
+  // B row-major through ldmatrix.trans: the same product.
+  std::vector<bf16> b(128);
+  for (int k = 0; k < 16; ++k)
+    for (int n = 0; n < 8; ++n) b[k * 8 + n] = bt[n * 16 + k];
+  bf16* db2 = device_copy(b);
+  mma_tile_trans_kernel<<<1, 32>>>(da, db2, dd);
+  EXPECT_CUDA_OK(cudaGetLastError());
+  const std::vector<float> d2 = host_copy(dd, 128);
+  for (int i = 0; i < 16; ++i)
+    for (int n = 0; n < 8; ++n) {
+      double want = 0;
+      for (int k = 0; k < 16; ++k) want += A[i * 16 + k] * Bt[n * 16 + k];
+      EXPECT_NEAR(d2[i * 8 + n], want, 1e-4 * (1 + std::abs(want))) << "D[" << i << "][" << n << "] (trans)";
+    }
+  for (void* p : {static_cast<void*>(da), static_cast<void*>(db), static_cast<void*>(db2), static_cast<void*>(dc),
+                  static_cast<void*>(dd)})
+    EXPECT_CUDA_OK(cudaFree(p));
+}
+
+// Per lane: its xor-2 partner's value, lane 5's value, the warp's any/all/ballot of (lane % 3 == 0),
+// and per block the __syncthreads_or/and/count of (thread < 40) over 64 threads.
+__global__ void collectives_kernel(int* out) {
+  const int t = threadIdx.x, lane = t % 32;
+  const float v = 10.0f * static_cast<float>(t);
+  out[t * 8 + 0] = static_cast<int>(__shfl_xor_sync(0xffffffffu, v, 2));
+  out[t * 8 + 1] = static_cast<int>(__shfl_sync(0xffffffffu, v, 5));
+  out[t * 8 + 2] = __any_sync(0xffffffffu, lane == 31);
+  out[t * 8 + 3] = __all_sync(0xffffffffu, lane % 3 == 0);
+  out[t * 8 + 4] = static_cast<int>(__ballot_sync(0xffffffffu, lane % 3 == 0));
+  out[t * 8 + 5] = __syncthreads_or(t == 63);
+  out[t * 8 + 6] = __syncthreads_and(t < 40);
+  out[t * 8 + 7] = __syncthreads_count(t < 40);
+}
+
+TEST(CudaEmu, ShufflesVotesAndBlockReductionsFollowTheirDefinitions) {
+  SKIP_WITHOUT_GPU();
+  int* d = nullptr;
+  EXPECT_CUDA_OK(cudaMalloc(&d, 64 * 8 * sizeof(int)));
+  collectives_kernel<<<1, 64>>>(d);
+  EXPECT_CUDA_OK(cudaGetLastError());
+  const std::vector<int> o = host_copy(d, 64 * 8);
+  unsigned ballot = 0;
+  for (int l = 0; l < 32; ++l) ballot |= (l % 3 == 0 ? 1u : 0u) << l;
+  for (int t = 0; t < 64; ++t) {
+    EXPECT_EQ(o[t * 8 + 0], 10 * (t ^ 2)) << t;
+    EXPECT_EQ(o[t * 8 + 1], 10 * ((t / 32) * 32 + 5)) << t;
+    EXPECT_EQ(o[t * 8 + 2], 1) << t;
+    EXPECT_EQ(o[t * 8 + 3], 0) << t;
+    EXPECT_EQ(static_cast<unsigned>(o[t * 8 + 4]), ballot) << t;
+    EXPECT_EQ(o[t * 8 + 5], 1) << t;
+    EXPECT_EQ(o[t * 8 + 6], 0) << t;
+    EXPECT_EQ(o[t * 8 + 7], 40) << t;
+  }
+  EXPECT_CUDA_OK(cudaFree(d));
+}
+
+#if defined(RETAIN_CUDA_EMU)  // the emulator's own guarantees and fault messages
+
+// Thread 0 reads the tile before and after cp.async.wait_group: the copy lands at the wait.
+__global__ void cp_async_kernel(const float* src, float* out) {
+  __shared__ __align__(16) float tile[4];
+  if (threadIdx.x != 0) return;
+  for (float& x : tile) x = -1.0f;
+  retain::cuda::ptx::cp_async_16(tile, src, true);
+  retain::cuda::ptx::cp_async_commit();
+  out[0] = tile[0];
+  retain::cuda::ptx::cp_async_wait<0>();
+  out[1] = tile[0];
+  retain::cuda::ptx::cp_async_16(tile, src, false);  // zero-fill
+  retain::cuda::ptx::cp_async_commit();
+  retain::cuda::ptx::cp_async_wait<0>();
+  out[2] = tile[3];
+}
+
+TEST(CudaEmu, CpAsyncLandsAtItsWait) {
+  SKIP_WITHOUT_GPU();
+  float* src = device_copy(std::vector<float>{5, 6, 7, 8});
+  float* out = nullptr;
+  EXPECT_CUDA_OK(cudaMalloc(&out, 3 * sizeof(float)));
+  cp_async_kernel<<<1, 32>>>(src, out);
+  const std::vector<float> o = host_copy(out, 3);
+  EXPECT_EQ(o[0], -1.0f);
+  EXPECT_EQ(o[1], 5.0f);
+  EXPECT_EQ(o[2], 0.0f);
+}
+
+// A racy kernel: warp 1 reads what warp 0 writes with no barrier between. Its result depends
+// on the order the emulator runs threads in — which is how RETAIN_CUDA_EMU_SCHEDULE=reverse
+// (or shuffle) exposes a missing __syncthreads.
+__global__ void racy_kernel(int* out) {
+  __shared__ int s;
+  if (threadIdx.x == 0) s = 1;
+  if (threadIdx.x == 32) *out = s;
+}
+
+TEST(CudaEmu, ScheduleOrderExposesAMissingBarrier) {
+  SKIP_WITHOUT_GPU();
+  int* out = nullptr;
+  EXPECT_CUDA_OK(cudaMalloc(&out, sizeof(int)));
+  EXPECT_CUDA_OK(cudaMemset(out, 0, sizeof(int)));
+  racy_kernel<<<1, 64>>>(out);
+  const int got = host_copy(out, 1)[0];
+  const char* s = std::getenv("RETAIN_CUDA_EMU_SCHEDULE");
+  if (!s || std::string(s) == "forward") {
+    EXPECT_EQ(got, 1) << "forward: thread 0 runs first";
+  } else if (std::string(s) == "reverse") {
+    EXPECT_NE(got, 1) << "reverse: thread 32 reads before thread 0 writes";
+  }
+}
+
+// Warp 0 waits at the barrier while half of warp 1 waits at a shuffle its other half never
+// reaches (those lanes return): nothing can move.
+__global__ void divergent_barrier_kernel(float* out) {
+  if (threadIdx.x < 32)
+    __syncthreads();
+  else if (threadIdx.x < 48)
+    out[threadIdx.x - 32] = __shfl_xor_sync(0xffffffffu, 1.0f, 1);
+}
+__global__ void divergent_shuffle_kernel(float* out) {
+  if (threadIdx.x % 32 < 16) out[threadIdx.x] = __shfl_xor_sync(0xffffffffu, 1.0f, 1);
+}
+__global__ void misaligned_ldmatrix_kernel(const bf16* p) {
+  __shared__ __align__(16) bf16 tile[8 * 16 + 1];
+  uint32_t r[4];
+  retain::cuda::ptx::ldmatrix_x4(r, &tile[1 + (threadIdx.x % 8) * 16]);
+  (void)p;
+}
+__global__ void noop_kernel(int) {}
+
+TEST(CudaEmuDeathTest, StuckBlocksAndMisalignedAddressesStopWithOneMessage) {
+  SKIP_WITHOUT_GPU();
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  float* out = nullptr;
+  ASSERT_EQ(cudaMalloc(&out, 32 * sizeof(float)), cudaSuccess);
+  EXPECT_DEATH(divergent_barrier_kernel<<<1, 64>>>(out),
+               "kernel divergent_barrier_kernel block \\(0, 0, 0\\) cannot go on: 32 threads wait at __syncthreads, "
+               "16 at a warp collective");
+  EXPECT_DEATH(divergent_shuffle_kernel<<<1, 32>>>(out), "cannot go on: 0 threads wait at __syncthreads, 16 at a warp");
+  EXPECT_DEATH(misaligned_ldmatrix_kernel<<<1, 32>>>(nullptr), "ldmatrix: a row address is not 16-byte aligned");
+}
+
+TEST(CudaEmu, BadLaunchesAndCopiesAreTheRuntimesErrors) {
+  SKIP_WITHOUT_GPU();
+  noop_kernel<<<1, 1025>>>(0);
+  EXPECT_EQ(cudaGetLastError(), cudaErrorInvalidConfiguration);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess) << "cudaGetLastError clears the error";
+  noop_kernel<<<dim3(1, 65536), 32>>>(0);
+  EXPECT_EQ(cudaGetLastError(), cudaErrorInvalidConfiguration);
+  noop_kernel<<<1, 32, 64 * 1024>>>(0);  // past 48 KB without the opt-in
+  EXPECT_EQ(cudaGetLastError(), cudaErrorInvalidValue);
+  EXPECT_CUDA_OK(cudaFuncSetAttribute(noop_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 64 * 1024));
+  noop_kernel<<<1, 32, 64 * 1024>>>(0);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+
+  float* d = nullptr;
+  ASSERT_EQ(cudaMalloc(&d, 16 * sizeof(float)), cudaSuccess);
+  std::vector<float> h(32, 1.0f);
+  EXPECT_EQ(cudaMemcpy(d, h.data(), 17 * sizeof(float), cudaMemcpyHostToDevice), cudaErrorInvalidValue)
+      << "past the allocation's end";
+  EXPECT_EQ(cudaMemcpy(h.data(), h.data() + 16, 4, cudaMemcpyHostToDevice), cudaErrorInvalidValue)
+      << "a host pointer as the device side";
+  EXPECT_EQ(cudaMemcpy(d, d + 8, 4, cudaMemcpyHostToDevice), cudaErrorInvalidValue) << "device memory as the host side";
+  EXPECT_EQ(cudaMemset(h.data(), 0, 4), cudaErrorInvalidValue);
+  EXPECT_CUDA_OK(cudaMemcpy(d + 8, d, 8 * sizeof(float), cudaMemcpyDeviceToDevice));
+  EXPECT_CUDA_OK(cudaFree(d));
+  EXPECT_EQ(cudaFree(d), cudaErrorInvalidValue) << "a second free";
+  cudaGetLastError();
+}
+
+#endif  // RETAIN_CUDA_EMU
+
+}  // namespace
