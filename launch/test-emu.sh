@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The GPU tests on the CUDA emulator (kernels/cuda/emu/README.md): configures build-emu/ with
+# -DRETAIN_CUDA_EMU=ON (the .cu sources compiled by the host compiler, each CUDA thread a
+# fiber), builds the GPU test binaries and runs them through CTest (label cuda).
+#
+#   launch/test-emu.sh              # the kernel and step tests (CI runs these, a few minutes)
+#   launch/test-emu.sh --all        # also the slow ones: 32K/128K attention, the 1,000-step GPU
+#                                   # runs, the trainer and communicator on device buffers
+#   RETAIN_CUDA_EMU_SCHEDULE=reverse launch/test-emu.sh   # threads in the other order (races)
+#
+# Extra arguments after --all (or instead of it) go to ctest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BUILD_DIR=${EMU_BUILD_DIR:-build-emu}
+all=0
+if [ "${1:-}" = "--all" ]; then
+  all=1
+  shift
+fi
+if [ ! -f "$BUILD_DIR/CMakeCache.txt" ]; then
+  generator=()
+  command -v ninja >/dev/null && generator=(-G Ninja)
+  cmake -S . -B "$BUILD_DIR" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DRETAIN_WERROR=ON \
+        -DRETAIN_CUDA_EMU=ON -DRETAIN_ASAN_TESTS=OFF
+fi
+# The quick set: every kernel family against its CPU reference, the emulator's own tests and
+# the whole GPU training step (TRIM-KV, DBTrimKV, KVPOP) against the CPU step.
+targets=(test_cuda_emu test_cublaslt_emu test_gated_attention_cuda test_capacity_cuda test_kvpop_cuda test_ops_cuda
+         test_gemm_cuda test_gates_cuda test_loss_cuda test_step_cuda test_kvpop_step_cuda)
+# Cases that take minutes under emulation: T ≥ 2K kernels, and the runs of retain-train.
+slow='_NOT_BUILT|GatedAttentionCuda.LongerSequences|GatedAttentionLong|Large/|LongSequence|TrainCuda|LossCurveCuda|DumpGradsCuda|comm_cuda'
+if [ "$all" = 1 ]; then
+  targets+=(test_gated_attention_long test_train_cuda test_comm_cuda retain-train retain-forward retain-make-tiny)
+  cmake --build "$BUILD_DIR" --parallel "$(nproc)" --target "${targets[@]}"
+  exec ctest --test-dir "$BUILD_DIR" -L cuda --output-on-failure --timeout 3600 --parallel "$(nproc)" "$@"
+fi
+cmake --build "$BUILD_DIR" --parallel "$(nproc)" --target "${targets[@]}"
+exec ctest --test-dir "$BUILD_DIR" -L cuda -E "$slow" --output-on-failure --timeout 900 --parallel "$(nproc)" "$@"
