@@ -8,6 +8,7 @@ PACKAGES=(
   libopenmpi-dev openmpi-bin          # MPI: multi-rank training and tests
   libhdf5-dev                         # packed datasets
   libboost-program-options-dev        # command lines
+  libboost-context-dev                # fibers: the CUDA emulator's threads (kernels/cuda/emu)
   libgtest-dev                        # tests
   nlohmann-json3-dev                  # config.json, safetensors headers
   libopenblas-dev                     # CPU GEMM

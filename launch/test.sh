@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite: dependencies -> configure -> build -> every test through CTest
-# (unit tests, AddressSanitizer tests, and multi-rank tests under mpirun -np 2), then every
+# (unit tests, AddressSanitizer tests, and multi-rank tests under mpirun -np 2), the GPU tests on
+# the CUDA emulator (launch/test-emu.sh; CUDA_EMU=0 skips them), then every
 # fuzz target for FUZZ_SECONDS (default 10) in its own clang build (launch/fuzz.sh, without the
 # libhdf5-bound target's fuzzing: docs/reliability.md; FUZZ_SECONDS=0 skips it all).
 set -euo pipefail
@@ -8,6 +9,12 @@ cd "$(dirname "$0")/.."
 ./launch/install-deps.sh
 ./launch/build.sh
 ctest --test-dir "${BUILD_DIR:-build}" --output-on-failure --timeout 600 --parallel "$(nproc)" "$@"
+if [ "${CUDA_EMU:-1}" != 0 ]; then
+  # The GPU tests again, on the CUDA emulator (kernels/cuda/emu/README.md; build-emu/), with the
+  # threads taking turns in both orders so that a missing barrier shows in one of them.
+  ./launch/test-emu.sh
+  RETAIN_CUDA_EMU_SCHEDULE=reverse ./launch/test-emu.sh
+fi
 if [ "${FUZZ_SECONDS:-10}" != 0 ]; then
   # CI mode: a fixed number of inputs per target from a fixed seed, so the same command run before
   # a push tries what CI will (docs/reliability.md); launch/fuzz.sh alone explores anew.
