@@ -241,6 +241,10 @@ __global__ void misaligned_ldmatrix_kernel(const bf16* p) {
   retain::cuda::ptx::ldmatrix_x4(r, &tile[1 + (threadIdx.x % 8) * 16]);
   (void)p;
 }
+__global__ void early_return_kernel() {
+  if (threadIdx.x >= 32) return;
+  __syncthreads();
+}
 __global__ void noop_kernel(int) {}
 
 TEST(CudaEmuDeathTest, StuckBlocksAndMisalignedAddressesStopWithOneMessage) {
@@ -253,6 +257,7 @@ TEST(CudaEmuDeathTest, StuckBlocksAndMisalignedAddressesStopWithOneMessage) {
                "16 at a warp collective");
   EXPECT_DEATH(divergent_shuffle_kernel<<<1, 32>>>(out), "cannot go on: 0 threads wait at __syncthreads, 16 at a warp");
   EXPECT_DEATH(misaligned_ldmatrix_kernel<<<1, 32>>>(nullptr), "ldmatrix: a row address is not 16-byte aligned");
+  EXPECT_DEATH(early_return_kernel<<<1, 64>>>(), "threads returned before a __syncthreads that the block's other");
 }
 
 TEST(CudaEmu, BadLaunchesAndCopiesAreTheRuntimesErrors) {

@@ -156,10 +156,14 @@ bool ready(const Block& b, const Thread& t) {
   return false;
 }
 
-// The barrier opens when every live thread has arrived (threads that returned count as there,
-// as on the device when whole warps exit early).
+// The barrier opens when every thread has arrived. A barrier that the block's remaining threads
+// reach after some have returned is undefined on the device ("__syncthreads() is allowed in
+// conditional code but only if the conditional evaluates identically across the entire thread
+// block"), so it stops the emulation instead of opening.
 void maybe_open_barrier(Block& b) {
   if (b.arrived == 0 || b.arrived < b.live) return;
+  if (b.live < static_cast<int>(b.threads.size()))
+    device_fault("threads returned before a __syncthreads that the block's other threads reach");
   b.result_or = b.reduce_or;
   b.result_and = b.reduce_and;
   b.result_count = b.reduce_count;
