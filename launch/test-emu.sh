@@ -30,13 +30,14 @@ if [ ! -f "$BUILD_DIR/CMakeCache.txt" ]; then
         -DRETAIN_CUDA_EMU=ON -DRETAIN_ASAN_TESTS=OFF
 fi
 # The quick set: every kernel family against its CPU reference, the emulator's own tests and
-# the whole GPU training step (TRIM-KV, DBTrimKV, KVPOP) against the CPU step.
+# the whole GPU training step (TRIM-KV, DBTrimKV, KVPOP) against the CPU step, and the FSDP
+# provider on device buffers, one rank and two under mpirun (staged through the host).
 targets=(test_cuda_emu test_cublaslt_emu test_gated_attention_cuda test_capacity_cuda test_kvpop_cuda test_ops_cuda
-         test_gemm_cuda test_gates_cuda test_loss_cuda test_step_cuda test_kvpop_step_cuda)
+         test_gemm_cuda test_gates_cuda test_loss_cuda test_step_cuda test_kvpop_step_cuda test_comm_cuda)
 # Cases that take minutes under emulation: T ≥ 2K kernels, and the runs of retain-train.
-slow='_NOT_BUILT|GatedAttentionCuda.LongerSequences|GatedAttentionLong|Large/|LongSequence|TrainCuda|LossCurveCuda|DumpGradsCuda|comm_cuda'
+slow='_NOT_BUILT|GatedAttentionCuda.LongerSequences|GatedAttentionLong|Large/|LongSequence|TrainCuda|LossCurveCuda|DumpGradsCuda'
 if [ "$all" = 1 ]; then
-  targets+=(test_gated_attention_long test_train_cuda test_comm_cuda retain-train retain-forward retain-make-tiny)
+  targets+=(test_gated_attention_long test_train_cuda retain-train retain-forward retain-make-tiny)
   cmake --build "$BUILD_DIR" --parallel "$(nproc)" --target "${targets[@]}"
   exec ctest --test-dir "$BUILD_DIR" -L cuda --output-on-failure --timeout 3600 --parallel "$(nproc)" "$@"
 fi
