@@ -183,8 +183,7 @@ int run(int argc, char** argv, dist::Comm& host_comm, std::unique_ptr<dist::Comm
     throw cli::UsageError(fmt::format("--comm: unknown backend '{}' (expected auto, mpi or nccl)", c.comm));
   if (!device.empty() && device != "cpu" && device != "cuda")
     throw cli::UsageError(fmt::format("--device: unknown device '{}' (expected cpu or cuda)", device));
-  if (c.kvpop && device == "cuda") throw cli::UsageError("--gate kvpop trains on the CPU only so far: use --device cpu");
-  c.device = c.kvpop ? Device::CPU : resolve_device(device);  // a missing GPU: one line, exit 1
+  c.device = resolve_device(device);  // a missing GPU: one line, exit 1
   if (c.comm == "nccl" && c.device != Device::CUDA) throw cli::UsageError("--comm nccl needs --device cuda");
   // A GPU step is seconds, so 10 minutes in one collective means a rank is gone; a CPU step of a
   // large model can legitimately keep ranks waiting longer.
