@@ -92,10 +92,14 @@ TEST_P(DumpGradsCuda, RanksAndBackendsAgree) {
   // (tests/cuda/test_step_cuda.cpp).
   expect_close_dumps(one, cpu, 3e-2, "cuda vs cpu");
 
-  // The same bf16 math in other micro-batch shapes and summation orders: 1e-3.
+  // The same bf16 math in other micro-batch shapes: 1e-2. Not tighter: a sequence packed at
+  // another offset meets other attention tile boundaries, so the online softmax rescales by
+  // other running maxima and P, dS round to bf16 differently (measured on the CUDA emulator:
+  // micro-batch 1 vs 4 on one rank differ by up to 2.5e-3 in the gate gradients, while each is
+  // 1.2e-2 from the float32 CPU step; the 1e-3 first written here had never run).
   const std::string two = dump(m, kind, "cuda", mpirun(2), "--comm mpi --micro-batch 1", dir, "two_ranks_mpi", &why);
   ASSERT_FALSE(two.empty()) << why;
-  expect_close_dumps(two, one, 1e-3, "2 ranks sharing the GPU (mpi, FSDP staged) vs 1 rank");
+  expect_close_dumps(two, one, 1e-2, "2 ranks sharing the GPU (mpi, FSDP staged) vs 1 rank");
 
   // One rank over NCCL: the same computation; only the reductions go through NCCL.
   const std::string nccl = dump(m, kind, "cuda", "", "--comm nccl --micro-batch 4", dir, "one_rank_nccl", &why);
