@@ -4,8 +4,8 @@
 # fiber), builds the GPU test binaries and runs them through CTest (label cuda).
 #
 #   launch/test-emu.sh              # the kernel and step tests (CI runs these, a few minutes)
-#   launch/test-emu.sh --all        # also the slow ones: 32K/128K attention, the 1,000-step GPU
-#                                   # runs, the trainer and communicator on device buffers
+#   launch/test-emu.sh --all        # also the slow ones: T ≥ 2K kernels, the 100- and 1,000-step
+#                                   # GPU runs vs the CPU runs (0.8 s per emulated step: ~13 min each)
 #   RETAIN_CUDA_EMU_SCHEDULE=reverse launch/test-emu.sh   # threads in the other order (races)
 #
 # Extra arguments after --all (or instead of it) go to ctest.
@@ -39,9 +39,11 @@ targets=(test_cuda_emu test_cublaslt_emu test_gated_attention_cuda test_capacity
 # Cases that take minutes under emulation: T ≥ 2K kernels, and the 100- and 1,000-step runs.
 slow='_NOT_BUILT|GatedAttentionCuda.LongerSequences|GatedAttentionLong|Large/|LongSequence|KvpopTrainCuda|LossCurveCuda'
 if [ "$all" = 1 ]; then
-  targets+=(test_gated_attention_long retain-forward)
+  # Not test_gated_attention_long: 32K and 128K tokens of attention would take the emulator
+  # hours (a GPU's seconds); its sampled-row checks are for a real device.
   cmake --build "$BUILD_DIR" --parallel "$(nproc)" --target "${targets[@]}"
-  exec ctest --test-dir "$BUILD_DIR" -L cuda --output-on-failure --timeout 3600 --parallel "$(nproc)" "$@"
+  exec ctest --test-dir "$BUILD_DIR" -L cuda -E "_NOT_BUILT|GatedAttentionLong" --output-on-failure --timeout 3600 \
+       --parallel "$(nproc)" "$@"
 fi
 cmake --build "$BUILD_DIR" --parallel "$(nproc)" --target "${targets[@]}"
 exec ctest --test-dir "$BUILD_DIR" -L cuda -E "$slow" --output-on-failure --timeout 900 --parallel "$(nproc)" "$@"
