@@ -6,17 +6,27 @@
 #   launch/test-emu.sh              # the kernel and step tests (CI runs these, a few minutes)
 #   launch/test-emu.sh --all        # also the slow ones: T ≥ 2K kernels, the 100- and 1,000-step
 #                                   # GPU runs vs the CPU runs (0.8 s per emulated step: ~13 min each)
+#   launch/test-emu.sh --asan       # in build-emu-asan/ with AddressSanitizer: kernels reading or
+#                                   # writing past a device allocation are reported (a memcheck)
 #   RETAIN_CUDA_EMU_SCHEDULE=reverse launch/test-emu.sh   # threads in the other order (races)
 #
-# Extra arguments after --all (or instead of it) go to ctest.
+# Extra arguments after --all / --asan go to ctest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD_DIR=${EMU_BUILD_DIR:-build-emu}
 all=0
-if [ "${1:-}" = "--all" ]; then
-  all=1
-  shift
-fi
+asan=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --all) all=1; shift ;;
+    --asan)  # AddressSanitizer over the emulated kernels: an overrun of a device buffer is reported
+      BUILD_DIR=${EMU_BUILD_DIR:-build-emu-asan}
+      asan=("-DCMAKE_CXX_FLAGS=-fsanitize=address -fno-omit-frame-pointer" "-DCMAKE_EXE_LINKER_FLAGS=-fsanitize=address")
+      export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=0}
+      shift ;;
+    *) break ;;
+  esac
+done
 # The emulator compiles against the CUDA toolkit's headers (cuda_runtime.h, cuda_bf16.h,
 # cublasLt.h); without them there is no CUDA code to emulate.
 if [ ! -f /usr/local/cuda/include/cuda_runtime.h ]; then
@@ -27,7 +37,7 @@ if [ ! -f "$BUILD_DIR/CMakeCache.txt" ]; then
   generator=()
   command -v ninja >/dev/null && generator=(-G Ninja)
   cmake -S . -B "$BUILD_DIR" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DRETAIN_WERROR=ON \
-        -DRETAIN_CUDA_EMU=ON -DRETAIN_ASAN_TESTS=OFF
+        -DRETAIN_CUDA_EMU=ON -DRETAIN_ASAN_TESTS=OFF ${asan[@]+"${asan[@]}"}
 fi
 # The quick set: every kernel family against its CPU reference, the emulator's own tests and
 # the whole GPU training step (TRIM-KV, DBTrimKV, KVPOP) against the CPU step, and the FSDP

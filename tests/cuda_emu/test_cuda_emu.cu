@@ -288,6 +288,19 @@ TEST(CudaEmu, BadLaunchesAndCopiesAreTheRuntimesErrors) {
   cudaGetLastError();
 }
 
+#if defined(__SANITIZE_ADDRESS__)
+// In an AddressSanitizer build (launch/test-emu.sh --asan) device allocations are exact, so a
+// kernel writing one element past its buffer is reported like any heap overflow.
+__global__ void overrun_kernel(float* d, int n) { d[n + threadIdx.x] = 1.0f; }
+
+TEST(CudaEmuDeathTest, AddressSanitizerSeesAKernelOverrun) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  float* d = nullptr;
+  ASSERT_EQ(cudaMalloc(&d, 16 * sizeof(float)), cudaSuccess);
+  EXPECT_DEATH(overrun_kernel<<<1, 1>>>(d, 16), "heap-buffer-overflow");
+}
+#endif
+
 #endif  // RETAIN_CUDA_EMU
 
 }  // namespace

@@ -32,7 +32,6 @@ struct State {
   size_t used = 0, high = 0;
   std::map<const void*, int> max_dynamic_shared;  // cudaFuncSetAttribute's opt-ins
   std::set<void*> streams, events;
-  long long launches = 0;
 };
 State& state() {
   static auto* s = new State;  // never destroyed: frees at exit may come after static teardown
@@ -167,11 +166,6 @@ bool dynamic_shared_allowed(const void* kernel, size_t bytes) {
   std::lock_guard<std::mutex> lock(state().mutex);
   auto it = state().max_dynamic_shared.find(kernel);
   return it != state().max_dynamic_shared.end() && bytes <= static_cast<size_t>(it->second);
-}
-
-void kernel_ran() {
-  std::lock_guard<std::mutex> lock(state().mutex);
-  ++state().launches;
 }
 
 }  // namespace retain::cuda_emu::runtime

@@ -12,6 +12,7 @@
 
 Usage: rewrite_cu.py IN.cu OUT.cpp
 """
+import os
 import re
 import sys
 
@@ -127,7 +128,6 @@ def main():
     tmp = out_path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(text)
-    import os
     os.replace(tmp, out_path)
 
 

@@ -10,6 +10,5 @@ void set_launch_error(cudaError_t e);  // what the next cudaGetLastError reports
 // Whether `bytes` of dynamic shared memory may be launched with: 48 KB, or up to the opt-in
 // maximum once cudaFuncSetAttribute(kernel, MaxDynamicSharedMemorySize) raised it.
 bool dynamic_shared_allowed(const void* kernel, size_t bytes);
-void kernel_ran();  // counts launches (RETAIN_CUDA_EMU_TRACE prints them)
 
 }  // namespace retain::cuda_emu::runtime

@@ -1,20 +1,20 @@
 // The emulator's grid executor (kernels/cuda/emu/emu.h): each block runs as one fiber per CUDA
 // thread (Boost.Context) on the launching host thread; a thread runs until it reaches a barrier
-// or a warp collective, then the next one runs. A barrier opens when every live thread of the
-// block has arrived; a warp collective is computed once, by its last lane to arrive, from all
-// lanes' inputs. A block where no thread can move on (a barrier some threads never reach, a
-// collective some lanes skip) stops the program with a message naming the kernel and block.
+// or a warp collective, then the next one runs. A barrier opens when every thread of the block
+// has arrived; a warp collective is computed once, by its last lane to arrive, from all lanes'
+// inputs. A block where no thread can move on (a barrier some threads never reach, a collective
+// some lanes skip) stops the program with a message naming the kernel and block.
 #include <boost/context/fiber.hpp>
 #include <boost/context/stack_context.hpp>
 
 #include <algorithm>
 #include <array>
-#include <numeric>
-#include <random>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <numeric>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -34,7 +34,7 @@ constexpr unsigned kFullMask = 0xffffffffu;
 class StackPool {
  public:
   ctx::stack_context allocate() {
-    if (free_.empty()) free_.push_back(std::make_unique<unsigned char[]>(kStackBytes));
+    if (free_.empty()) free_.push_back(std::make_unique_for_overwrite<unsigned char[]>(kStackBytes));
     std::unique_ptr<unsigned char[]> s = std::move(free_.back());
     free_.pop_back();
     ctx::stack_context sc;
@@ -115,7 +115,7 @@ struct Launch {
 };
 
 thread_local Launch* g_launch = nullptr;
-StackPool g_stacks;
+thread_local StackPool g_stacks;  // each host thread launches on its own
 
 Thread& self() {
   if (!g_launch || !g_launch->current) {
@@ -459,7 +459,10 @@ int syncthreads_and(int p) { return barrier(p, &Block::result_and); }
 int syncthreads_count(int p) { return barrier(p, &Block::result_count); }
 
 const ThreadPosition& position() { return self().pos; }
-void* dynamic_shared() { return g_launch->shared.data(); }
+void* dynamic_shared() {  // 128-byte aligned, as `extern __shared__ __align__(128)` asks
+  const auto p = reinterpret_cast<uintptr_t>(g_launch->shared.data());
+  return reinterpret_cast<void*>((p + 127) & ~uintptr_t{127});
+}
 
 [[noreturn]] void device_fault(const char* what) {
   const Thread* t = g_launch ? g_launch->current : nullptr;
@@ -525,7 +528,6 @@ void run_grid(const LaunchConfig& config, const void* kernel, const char* name, 
         }
         run_block(b);
       }
-  runtime::kernel_ran();
 }
 
 }  // namespace retain::cuda_emu
