@@ -273,18 +273,21 @@ TEST(GatedAttentionCuda, WeightSkipKeepsNegligibleErrors) {
   SCOPED_TRACE(::testing::Message() << "seed=" << seed);
   std::mt19937 rng(seed);
   Problem p = make_problem({1000, 4, 2, 128, Docs::contiguous}, rng);
-  auto set_log_beta = [&](float lo, float hi) {
+  auto set_log_beta = [&](Problem& q, float lo, float hi) {
     std::uniform_real_distribution<float> u(lo, hi);
-    std::vector<float> lb(static_cast<size_t>(p.c.T * p.c.K));
+    std::vector<float> lb(static_cast<size_t>(q.c.T * q.c.K));
     for (float& x : lb) x = u(rng);
-    p.lb_host = Tensor::from_vector<float>(lb, {p.c.T, p.c.K});
-    p.lb_dev = p.lb_host.to(Device::CUDA);
+    q.lb_host = Tensor::from_vector<float>(lb, {q.c.T, q.c.K});
+    q.lb_dev = q.lb_host.to(Device::CUDA);
   };
-  set_log_beta(-0.5f, -0.1f);
+  set_log_beta(p, -0.5f, -0.1f);
   for (double err : skip_errors(p, 1e-6f, run_cpu(p))) EXPECT_LE(err, 1e-2);
   // Weak decays (logβ ∈ [−0.02, −0.01]) and ε = 0.5: tiles three blocks back (weights up to
-  // e^-1.3) are dropped, which must show.
-  set_log_beta(-0.02f, -0.01f);
+  // e^-1.3) are dropped, which must show. One document: with random ones, all shorter than
+  // three blocks for some seeds, nothing is that far back (the CUDA emulator met such a seed:
+  // 424475689, error 1.7e-3).
+  p = make_problem({1000, 4, 2, 128, Docs::one}, rng);
+  set_log_beta(p, -0.02f, -0.01f);
   EXPECT_GT(skip_errors(p, 0.5f, run_cpu(p))[0], 1e-2) << "ε = 0.5 should drop mass that matters";
   Tensor out = Tensor::empty({p.c.T, p.c.H, p.c.d}, DType::BF16, Device::CUDA);
   Tensor lse = Tensor::empty({p.c.T, p.c.H}, DType::F32, Device::CUDA);
