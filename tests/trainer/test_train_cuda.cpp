@@ -110,6 +110,32 @@ TEST_P(DumpGradsCuda, RanksAndBackendsAgree) {
 
 INSTANTIATE_TEST_SUITE_P(Kinds, DumpGradsCuda, ::testing::Values("trimkv", "dbtrimkv"));
 
+// retain-forward --device cuda (the teacher, and the student with --gates) writes the same
+// logits as the CPU within bf16 tolerance, over 1,100 tokens: two 1,024-row chunks of the file.
+TEST(ForwardCuda, LogitsInRowChunksMatchTheCpu) {
+  SKIP_WITHOUT_GPU();
+  TempDir dir;
+  const GpuModel m = make_gpu_model(dir, "dbtrimkv");
+  std::string ids, docs;
+  for (int t = 0; t < 1100; ++t) {
+    ids += std::to_string((t * 37 + 11) % 300) + " ";
+    docs += t < 600 ? "0 " : "1 ";
+  }
+  for (const std::string& gates : {std::string(), " --gates " + m.gates}) {
+    std::vector<Tensor> logits;
+    for (const char* device : {"cpu", "cuda"}) {
+      const std::string out = dir / (std::string("logits-") + device + ".safetensors");
+      const Result r = run(bin("retain-forward") + " --device " + device + " --model " + m.model + gates + " --ids \"" +
+                               ids + "\" --doc-ids \"" + docs + "\" --out " + out,
+                           dir);
+      ASSERT_EQ(r.code, 0) << device << ": " << r.err;
+      logits.push_back(SafetensorsFile::open(out).tensor("logits").to_dtype(DType::F32));
+    }
+    ASSERT_EQ(logits[1].shape(), (Shape{1100, 300}));
+    EXPECT_LE(rel_diff(logits[1], logits[0]), 2e-2) << (gates.empty() ? "teacher" : "student");
+  }
+}
+
 // A model whose head_dim has no CUDA kernel (the fixture model's 16) is refused in one line
 // before its weights are loaded, not at the first attention call.
 TEST(TrainCuda, HeadDimWithoutAKernelIsAClearError) {
