@@ -53,7 +53,9 @@ void syncwarp(unsigned mask);
 
 // Warp collectives. Every lane named in `mask` must reach the same collective (the emulator
 // stops with a message naming the kernel and block otherwise); all are the full warp here.
-// __shfl_xor_sync (xor_lanes) / __shfl_sync of a value of `bytes` ≤ 8 bytes.
+
+// __shfl_xor_sync (xor_lanes) or __shfl_sync of a value of `bytes` ≤ 8 bytes; each lane names
+// its own source lane (or xor mask) in lane_arg.
 void shuffle(bool xor_lanes, unsigned mask, const void* in, void* out, size_t bytes, int lane_arg);
 int any(unsigned mask, int predicate);
 int all(unsigned mask, int predicate);
