@@ -8,12 +8,13 @@
 // CUBLAS_STATUS_NOT_SUPPORTED rather than silently approximated.
 #include <cublasLt.h>
 
-#include <bit>
 #include <cstdint>
 #include <cstring>
 #include <new>
 #include <type_traits>
 #include <vector>
+
+#include "kernels/base/half.h"
 
 struct cublasLtContext {};  // the emulation has no per-handle state
 
@@ -106,7 +107,7 @@ float element(const void* base, const Layout& l, uint64_t r, uint64_t c) {
   if (l.type == CUDA_R_32F) return static_cast<const float*>(base)[i];
   uint16_t bits;
   std::memcpy(&bits, static_cast<const unsigned char*>(base) + i * sizeof bits, sizeof bits);
-  return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16);
+  return retain::bf16_to_f32(bits);
 }
 
 }  // namespace

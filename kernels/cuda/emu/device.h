@@ -38,19 +38,11 @@ inline int __syncthreads_count(int p) { return ::retain::cuda_emu::syncthreads_c
 inline void __syncwarp(unsigned mask = 0xffffffffu) { ::retain::cuda_emu::syncwarp(mask); }
 template <class T>
 inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32) {
-  if (width != 32) ::retain::cuda_emu::device_fault("__shfl_xor_sync: only width 32 is emulated");
-  static_assert(sizeof(T) <= 8, "the emulator shuffles values of up to 8 bytes");
-  T r;
-  ::retain::cuda_emu::shuffle(true, mask, &v, &r, sizeof(T), lane_mask);
-  return r;
+  return ::retain::cuda_emu::shuffle(true, mask, v, lane_mask, width);
 }
 template <class T>
 inline T __shfl_sync(unsigned mask, T v, int src_lane, int width = 32) {
-  if (width != 32) ::retain::cuda_emu::device_fault("__shfl_sync: only width 32 is emulated");
-  static_assert(sizeof(T) <= 8, "the emulator shuffles values of up to 8 bytes");
-  T r;
-  ::retain::cuda_emu::shuffle(false, mask, &v, &r, sizeof(T), src_lane);
-  return r;
+  return ::retain::cuda_emu::shuffle(false, mask, v, src_lane, width);
 }
 inline int __any_sync(unsigned mask, int p) { return ::retain::cuda_emu::any(mask, p); }
 inline int __all_sync(unsigned mask, int p) { return ::retain::cuda_emu::all(mask, p); }

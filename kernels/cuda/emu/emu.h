@@ -38,6 +38,9 @@ void launch(void (*kernel)(Params...), const char* name, const LaunchConfig& con
 
 // ---- inside a kernel ----------------------------------------------------------------------
 
+// Stops the emulation with a message naming the running kernel, block and thread.
+[[noreturn]] void device_fault(const char* what);
+
 struct ThreadPosition {
   uint3 thread, block;
   dim3 block_dim, grid_dim;
@@ -57,6 +60,14 @@ void syncwarp(unsigned mask);
 // __shfl_xor_sync (xor_lanes) or __shfl_sync of a value of `bytes` ≤ 8 bytes; each lane names
 // its own source lane (or xor mask) in lane_arg.
 void shuffle(bool xor_lanes, unsigned mask, const void* in, void* out, size_t bytes, int lane_arg);
+template <class T>
+T shuffle(bool xor_lanes, unsigned mask, T v, int lane_arg, int width) {
+  static_assert(sizeof(T) <= 8, "the emulator shuffles values of up to 8 bytes");
+  if (width != 32) device_fault("a shuffle of width other than 32 is not emulated");
+  T r;
+  shuffle(xor_lanes, mask, &v, &r, sizeof(T), lane_arg);
+  return r;
+}
 int any(unsigned mask, int predicate);
 int all(unsigned mask, int predicate);
 unsigned ballot(unsigned mask, int predicate);
@@ -70,8 +81,5 @@ void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t
 void cp_async_16(void* dst, const void* src, bool valid);
 void cp_async_commit();
 void cp_async_wait(int pending);
-
-// Stops the emulation with a message naming the running kernel, block and thread.
-[[noreturn]] void device_fault(const char* what);
 
 }  // namespace retain::cuda_emu

@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/base/half.h"
 #include "kernels/cuda/emu/emu.h"
 #include "kernels/cuda/emu/runtime_state.h"
 
@@ -89,7 +90,6 @@ struct Thread {
 struct WarpSlot {
   static constexpr size_t kBytes = 64;
   int op = 0;
-  int arg = 0;
   unsigned mask = 0;
   int arrived = 0;
   uint64_t generation = 0;
@@ -245,15 +245,14 @@ void run_block(Block& b) {
   }
 }
 
-}  // namespace
-
 // ---- warp collectives ---------------------------------------------------------------------
-
-namespace {
 
 using Compute = void (*)(WarpSlot&, int lanes);
 
-void collective(int op, int arg, unsigned mask, const void* in, size_t in_bytes, void* out, size_t out_bytes,
+// The mask naming a warp's `lanes` lanes (a block's last warp may be short).
+unsigned lanes_mask(int lanes) { return lanes == 32 ? kFullMask : ((1u << lanes) - 1u); }
+
+void collective(int op, unsigned mask, const void* in, size_t in_bytes, void* out, size_t out_bytes,
                 Compute compute) {
   Block& b = *g_launch->block;
   Thread& t = self();
@@ -261,14 +260,12 @@ void collective(int op, int arg, unsigned mask, const void* in, size_t in_bytes,
   const int lane = tid % 32;
   WarpSlot& w = b.warps[static_cast<size_t>(tid / 32)];
   const int lanes = std::min<int>(32, static_cast<int>(b.threads.size()) - (tid / 32) * 32);
-  const unsigned expected = lanes == 32 ? kFullMask : ((1u << lanes) - 1u);
-  if (mask != kFullMask && mask != expected) device_fault("a warp collective with a partial mask is not emulated");
+  if (mask != kFullMask && mask != lanes_mask(lanes)) device_fault("a warp collective with a partial mask is not emulated");
   if (w.arrived == 0) {
     w.op = op;
-    w.arg = arg;
     w.mask = mask;
-  } else if (w.op != op || w.arg != arg || w.mask != mask) {
-    device_fault("lanes of one warp reached different collectives (or the same one with different arguments)");
+  } else if (w.op != op || w.mask != mask) {
+    device_fault("lanes of one warp reached different collectives (or the same one with different masks)");
   }
   std::memcpy(w.in[static_cast<size_t>(lane)].data(), in, in_bytes);
   const uint64_t gen = w.generation;
@@ -297,35 +294,15 @@ void write_out(WarpSlot& w, int lane, const T& v) {
 
 enum Op { kShflXor = 1, kShfl, kAny, kAll, kBallot, kSyncwarp, kLdmatrix, kLdmatrixTrans, kMma };
 
-// Each lane names its own source lane (or xor mask), as the instruction allows.
-void shuffle_op(int op, unsigned mask, const void* in, void* out, size_t bytes, int arg) {
-  struct In {
-    uint64_t v;
-    int arg;
-  } x{0, arg};
-  std::memcpy(&x.v, in, bytes);
-  uint64_t r = 0;
-  collective(op, 0, mask, &x, sizeof x, &r, sizeof r, [](WarpSlot& w, int lanes) {
-    for (int l = 0; l < lanes; ++l) {
-      const int a = read_in<In>(w, l).arg;
-      int src = (w.op == kShflXor ? (l ^ a) : a) & 31;  // a source lane is taken modulo the width
-      if (src >= lanes) src = l;                         // a lane past a short warp's end: its own
-      write_out(w, l, read_in<In>(w, src).v);
-    }
-  });
-  std::memcpy(out, &r, bytes);
-}
-
 int vote(int op, unsigned mask, int p) {
   unsigned r = 0;
   const int in = p != 0;
-  collective(op, 0, mask, &in, sizeof in, &r, sizeof r, [](WarpSlot& w, int lanes) {
+  collective(op, mask, &in, sizeof in, &r, sizeof r, [](WarpSlot& w, int lanes) {
     unsigned bits = 0;
     for (int l = 0; l < lanes; ++l) bits |= static_cast<unsigned>(read_in<int>(w, l)) << l;
-    const unsigned all = lanes == 32 ? kFullMask : ((1u << lanes) - 1u);
     unsigned v = bits;
     if (w.op == kAny) v = bits != 0;
-    if (w.op == kAll) v = bits == all;
+    if (w.op == kAll) v = bits == lanes_mask(lanes);
     for (int l = 0; l < lanes; ++l) write_out(w, l, v);
   });
   return static_cast<int>(r);
@@ -337,19 +314,29 @@ uint16_t load_u16(const void* row, int col) {
   return v;
 }
 
-float bf16_to_float(uint16_t h) {
-  const uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
 }  // namespace
 
-void shuffle(bool xor_lanes, unsigned mask, const void* in, void* out, size_t bytes, int lane_arg) {
+// Each lane names its own source lane (or xor mask), as the instruction allows.
+void shuffle(bool xor_lanes, unsigned mask, const void* in, void* out, size_t bytes, int arg) {
   if (bytes > 8) device_fault("a shuffle of more than 8 bytes");
-  shuffle_op(xor_lanes ? kShflXor : kShfl, mask, in, out, bytes, lane_arg);
+  const int op = xor_lanes ? kShflXor : kShfl;
+  struct In {
+    uint64_t v;
+    int arg;
+  } x{0, arg};
+  std::memcpy(&x.v, in, bytes);
+  uint64_t r = 0;
+  collective(op, mask, &x, sizeof x, &r, sizeof r, [](WarpSlot& w, int lanes) {
+    for (int l = 0; l < lanes; ++l) {
+      const int a = read_in<In>(w, l).arg;
+      int src = (w.op == kShflXor ? (l ^ a) : a) & 31;  // a source lane is taken modulo the width
+      if (src >= lanes) src = l;                         // a lane past a short warp's end: its own
+      write_out(w, l, read_in<In>(w, src).v);
+    }
+  });
+  std::memcpy(out, &r, bytes);
 }
+
 int any(unsigned m, int p) { return vote(kAny, m, p); }
 int all(unsigned m, int p) { return vote(kAll, m, p); }
 unsigned ballot(unsigned m, int p) { return static_cast<unsigned>(vote(kBallot, m, p)); }
@@ -362,7 +349,7 @@ void syncwarp(unsigned m) { (void)vote(kSyncwarp, m, 0); }
 void ldmatrix_x4(uint32_t (&r)[4], const void* row_address, bool transpose) {
   if (reinterpret_cast<uintptr_t>(row_address) % 16 != 0) device_fault("ldmatrix: a row address is not 16-byte aligned");
   uint32_t out[4];
-  collective(transpose ? kLdmatrixTrans : kLdmatrix, 0, kFullMask, &row_address, sizeof row_address, out, sizeof out,
+  collective(transpose ? kLdmatrixTrans : kLdmatrix, kFullMask, &row_address, sizeof row_address, out, sizeof out,
              [](WarpSlot& w, int lanes) {
                if (lanes != 32) device_fault("ldmatrix needs a whole warp");
                for (int l = 0; l < 32; ++l) {
@@ -396,7 +383,7 @@ void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t
   } in{{a[0], a[1], a[2], a[3]}, {b0, b1}, {d[0], d[1], d[2], d[3]}};
   static_assert(sizeof(In) <= WarpSlot::kBytes);
   float out[4];
-  collective(kMma, 0, kFullMask, &in, sizeof in, out, sizeof out, [](WarpSlot& w, int lanes) {
+  collective(kMma, kFullMask, &in, sizeof in, out, sizeof out, [](WarpSlot& w, int lanes) {
     if (lanes != 32) device_fault("mma.sync needs a whole warp");
     float A[16][16], B[16][8], C[16][8];
     for (int l = 0; l < 32; ++l) {
@@ -404,12 +391,12 @@ void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t
       const int g = l / 4, c = l % 4;
       const int rows[4] = {g, g + 8, g, g + 8}, cols[4] = {2 * c, 2 * c, 2 * c + 8, 2 * c + 8};
       for (int r = 0; r < 4; ++r) {
-        A[rows[r]][cols[r]] = bf16_to_float(static_cast<uint16_t>(x.a[r] & 0xffff));
-        A[rows[r]][cols[r] + 1] = bf16_to_float(static_cast<uint16_t>(x.a[r] >> 16));
+        A[rows[r]][cols[r]] = bf16_to_f32(static_cast<uint16_t>(x.a[r] & 0xffff));
+        A[rows[r]][cols[r] + 1] = bf16_to_f32(static_cast<uint16_t>(x.a[r] >> 16));
       }
       for (int r = 0; r < 2; ++r) {
-        B[2 * c + 8 * r][g] = bf16_to_float(static_cast<uint16_t>(x.b[r] & 0xffff));
-        B[2 * c + 8 * r + 1][g] = bf16_to_float(static_cast<uint16_t>(x.b[r] >> 16));
+        B[2 * c + 8 * r][g] = bf16_to_f32(static_cast<uint16_t>(x.b[r] & 0xffff));
+        B[2 * c + 8 * r + 1][g] = bf16_to_f32(static_cast<uint16_t>(x.b[r] >> 16));
       }
       C[g][2 * c] = x.c[0];
       C[g][2 * c + 1] = x.c[1];
