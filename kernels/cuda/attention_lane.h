@@ -20,6 +20,22 @@ namespace retain::cuda::tiles {
 inline constexpr float kLog2e = 1.4426950408889634f;
 inline constexpr float kLn2 = 0.6931471805599453f;
 
+// 2^x for the probabilities, with results below the smallest normal float flushed to 0: on
+// the device one MUFU.EX2 (ex2.approx.ftz). exp2f without fast math wraps the same MUFU in a
+// range test and two multiplies for subnormal results (four instructions per score element,
+// kernels/cuda/sass_report.py); a probability below 2^-126 of the row's maximum adds nothing
+// a bf16 P could hold. The host (tests, the CUDA emulator) flushes the same way.
+RETAIN_HD float exp2_ftz(float x) {
+#if defined(__CUDA_ARCH__)
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#else
+  const float y = exp2f(x);
+  return y < 1.17549435e-38f ? 0.0f : y;  // FLT_MIN
+#endif
+}
+
 // ---- what the kernels stage per key -------------------------------------------------------
 // lb2 = logβ·log2 e, clamped at kMinLb2 so that a −inf logβ stays finite in the unmasked tiles'
 // fused form below (there t − i ≥ 1, so such a key's weight is still exp2(≤ −1e30) = 0, as
@@ -88,7 +104,7 @@ RETAIN_UNROLL
   for (int x = 0; x < 2; ++x) {
     const float m_new = fmaxf(m[x], tile_max[x]);
     m_use[x] = m_new == -INFINITY ? 0.0f : m_new;
-    alpha[x] = exp2f(m[x] - m_use[x]);
+    alpha[x] = exp2_ftz(m[x] - m_use[x]);
     m[x] = m_new;
   }
   float rowsum[2] = {0.0f, 0.0f};
@@ -96,7 +112,7 @@ RETAIN_UNROLL
   for (int nt = 0; nt < NT; ++nt)
 RETAIN_UNROLL
     for (int e = 0; e < 4; ++e) {
-      const float p = exp2f(s[nt][e] - m_use[e / 2]);  // masked: exp2(−inf) = 0
+      const float p = exp2_ftz(s[nt][e] - m_use[e / 2]);  // masked: exp2(−inf) = 0
       s[nt][e] = p;
       rowsum[e / 2] += p;
     }
@@ -130,7 +146,7 @@ RETAIN_UNROLL
       for (int e = 0; e < 4; ++e) {
         const int x = e / 2, c = 8 * nt + c_col(lane, e);
         const float val = fmaf(s[nt][e], scale2, fmaf(dt[x], lb2[c], ncl[c]));
-        s[nt][e] = exp2f(val - lse2[x]) * (dp[nt][e] - delta[x]);
+        s[nt][e] = exp2_ftz(val - lse2[x]) * (dp[nt][e] - delta[x]);
       }
     return;
   }
@@ -142,7 +158,7 @@ RETAIN_UNROLL
       const int64_t i = i0 + c;
       const bool allowed = pair_allowed(t[x], i, doc_t[x], doc_k[c]);
       const float val = s[nt][e] * scale2 + decay(t[x], i, lb2[c]);
-      const float p = allowed ? exp2f(val - lse2[x]) : 0.0f;
+      const float p = allowed ? exp2_ftz(val - lse2[x]) : 0.0f;
       s[nt][e] = p * (dp[nt][e] - delta[x]);
     }
 }
@@ -168,7 +184,7 @@ RETAIN_UNROLL
       for (int e = 0; e < 4; ++e) {
         const int x = e / 2, c = col0 + 8 * nt + c_col(lane, e);
         const float d = d0[x] + static_cast<float>(8 * nt + e % 2);  // t − i, exact
-        const float p = exp2f(fmaf(s[nt][e], scale2, d * lb2_i[x]) - lse2[c]);
+        const float p = exp2_ftz(fmaf(s[nt][e], scale2, d * lb2_i[x]) - lse2[c]);
         const float ds = p * (dp[nt][e] - delta[c]);
         dlb[x] = fmaf(d, ds, dlb[x]);
         s[nt][e] = p;
@@ -184,7 +200,7 @@ RETAIN_UNROLL
       const int64_t t = q0 + c;
       const bool allowed = pair_allowed(t, i[x], doc_q[c], doc_i[x]);
       const float val = s[nt][e] * scale2 + decay(t, i[x], lb2_i[x]);
-      const float p = allowed ? exp2f(val - lse2[c]) : 0.0f;
+      const float p = allowed ? exp2_ftz(val - lse2[c]) : 0.0f;
       const float ds = p * (dp[nt][e] - delta[c]);
       dlb[x] += allowed ? static_cast<float>(t - i[x]) * ds : 0.0f;  // t − i ≥ 0 where allowed
       s[nt][e] = p;

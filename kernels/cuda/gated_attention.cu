@@ -84,21 +84,44 @@ struct Params {
 
 // ---- block-level helpers -----------------------------------------------------------------
 
-// Issues cp.async copies of rows [row0, row0 + kBlock) of a [rows, stride] bf16 matrix
-// (columns [0, D) of each row, starting at `base`) into a swizzled smem tile. Rows at or past
-// `valid` (a short last block) are zero-filled, reading row row0 instead (valid ≥ 1 always).
+// Copies rows [row0, row0 + kBlock) of a [rows, stride] bf16 matrix (columns [0, D) of each
+// row, starting at `base`) into a swizzled smem tile with cp.async. Rows at or past `valid` (a
+// short last block) are zero-filled, reading row row0 instead (valid ≥ 1 always).
+// Thread x copies the 16-byte chunk x % (D/8) of rows x / (D/8) + j·kRowStep, j < kPerThread.
+// kRowStep is a multiple of 8, so the swizzle (chunk ^ row % 8) is the same for all of a
+// thread's rows and its destinations are one slot plus j·kThreads chunks: the addresses are
+// worked out once per CTA and advance by constants, instead of a division, a swizzle and a
+// 64-bit row product per chunk in the tile loop (which made the copies cost about as many
+// instructions as the tile's mma.sync did, kernels/cuda/sass_report.py).
 template <int D>
-__device__ __forceinline__ void load_tile_async(bf16* tile, const bf16* base, int64_t stride, int64_t row0,
-                                                int valid) {
-  constexpr int kChunks = D / 8;  // 16-byte chunks per row
+struct TileCopy {
+  static constexpr int kChunks = D / 8;  // 16-byte chunks per row
+  static constexpr int kRowStep = kThreads / kChunks;
+  static constexpr int kPerThread = kBlock / kRowStep;
+  static_assert(kThreads % kChunks == 0 && kRowStep % 8 == 0 && kBlock % kRowStep == 0,
+                "each thread copies one chunk column of rows kRowStep apart, all with one swizzle");
+  int row;   // this thread's first row of the tile
+  int col;   // its column (elements): 8 · chunk
+  int slot;  // element offset of its first destination chunk in a tile
+
+  __device__ __forceinline__ TileCopy()
+      : row(static_cast<int>(threadIdx.x) / kChunks),
+        col(8 * (static_cast<int>(threadIdx.x) % kChunks)),
+        slot(8 * swizzled_chunk(row, static_cast<int>(threadIdx.x) % kChunks, kChunks)) {}
+
+  __device__ __forceinline__ void operator()(bf16* tile, const bf16* base, int64_t stride, int64_t row0,
+                                             int valid) const {
+    const bf16* first = base + row0 * stride + col;  // row row0: the read of zero-filled rows
+    const bf16* src = first + row * stride;
+    const int64_t step = kRowStep * stride;
 #pragma unroll
-  for (int c = threadIdx.x; c < kBlock * kChunks; c += kThreads) {
-    const int r = c / kChunks, ch = c % kChunks;
-    const bool in = r < valid;
-    const bf16* src = base + (row0 + (in ? r : 0)) * stride + ch * 8;
-    cp_async_16(tile + swizzled_chunk(r, ch, kChunks) * 8, src, in);
+    for (int j = 0; j < kPerThread; ++j) {
+      const bool in = row + j * kRowStep < valid;
+      cp_async_16(tile + slot + j * kThreads * 8, in ? src : first, in);
+      src += step;
+    }
   }
-}
+};
 
 // The 16-byte chunk (8 bf16) of a swizzled tile holding (row, chunk).
 template <int D>
@@ -249,6 +272,7 @@ __global__ void delta_kernel(const bf16* out, const bf16* dout, float* delta, in
 template <int D>
 __global__ void __launch_bounds__(kThreads) forward_kernel(const Params p) {
   extern __shared__ __align__(128) unsigned char smem[];
+  const TileCopy<D> copy_tile;
   bf16* sQ = reinterpret_cast<bf16*>(smem);
   bf16* sK = sQ + kBlock * D;      // stages 0, 1
   bf16* sV = sK + 2 * kBlock * D;  // stages 0, 1
@@ -277,8 +301,8 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const Params p) {
   auto load_keys = [&](int64_t kb, int stage) {
     const int64_t i0 = block_begin(kb);
     const int nk = static_cast<int>(block_size(p.T, kb));
-    load_tile_async<D>(sK + stage * kBlock * D, p.k + kv * D, int64_t{p.K} * D, i0, nk);
-    load_tile_async<D>(sV + stage * kBlock * D, p.v + kv * D, int64_t{p.K} * D, i0, nk);
+    copy_tile(sK + stage * kBlock * D, p.k + kv * D, int64_t{p.K} * D, i0, nk);
+    copy_tile(sV + stage * kBlock * D, p.v + kv * D, int64_t{p.K} * D, i0, nk);
     for (int c = threadIdx.x; c < kBlock; c += kThreads) {
       const bool in = c < nk;
       const float lb2 = in ? staged_lb2(p.log_beta[(i0 + c) * p.K + kv]) : 0.0f;
@@ -289,7 +313,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const Params p) {
   };
 
   const TileFilter tiles{p.ranges, p.spans, p.lbmax ? p.lbmax + kv : nullptr, p.K, p.log_eps};
-  load_tile_async<D>(sQ, p.q + int64_t{h} * D, int64_t{p.H} * D, q0, nq);
+  copy_tile(sQ, p.q + int64_t{h} * D, int64_t{p.H} * D, q0, nq);
   int64_t kb = next_key_block(tiles, qb, 0);
   if (kb <= qb) load_keys(kb, 0);
   cp_async_commit();
@@ -358,6 +382,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const Params p) {
 template <int D>
 __global__ void __launch_bounds__(kThreads) dq_kernel(const Params p) {
   extern __shared__ __align__(128) unsigned char smem[];
+  const TileCopy<D> copy_tile;
   bf16* sQ = reinterpret_cast<bf16*>(smem);
   bf16* sdO = sQ + kBlock * D;
   bf16* sK = sdO + kBlock * D;     // stages 0, 1
@@ -389,8 +414,8 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const Params p) {
   auto load_keys = [&](int64_t kb, int stage) {
     const int64_t i0 = block_begin(kb);
     const int nk = static_cast<int>(block_size(p.T, kb));
-    load_tile_async<D>(sK + stage * kBlock * D, p.k + kv * D, int64_t{p.K} * D, i0, nk);
-    load_tile_async<D>(sV + stage * kBlock * D, p.v + kv * D, int64_t{p.K} * D, i0, nk);
+    copy_tile(sK + stage * kBlock * D, p.k + kv * D, int64_t{p.K} * D, i0, nk);
+    copy_tile(sV + stage * kBlock * D, p.v + kv * D, int64_t{p.K} * D, i0, nk);
     for (int c = threadIdx.x; c < kBlock; c += kThreads) {
       const bool in = c < nk;
       const float lb2 = in ? staged_lb2(p.log_beta[(i0 + c) * p.K + kv]) : 0.0f;
@@ -400,8 +425,8 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const Params p) {
     }
   };
 
-  load_tile_async<D>(sQ, p.q + int64_t{h} * D, int64_t{p.H} * D, q0, nq);
-  load_tile_async<D>(sdO, p.dout + int64_t{h} * D, int64_t{p.H} * D, q0, nq);
+  copy_tile(sQ, p.q + int64_t{h} * D, int64_t{p.H} * D, q0, nq);
+  copy_tile(sdO, p.dout + int64_t{h} * D, int64_t{p.H} * D, q0, nq);
   const TileFilter tiles{p.ranges, p.spans, p.lbmax ? p.lbmax + kv : nullptr, p.K, p.log_eps};
   int64_t kb = next_key_block(tiles, qb, 0);
   if (kb <= qb) load_keys(kb, 0);
@@ -454,6 +479,7 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(const Params p) {
   constexpr int kSub = D == 128 ? 16 : 32;
   constexpr int kSubTiles = kSub / 8;
   extern __shared__ __align__(128) unsigned char smem[];
+  const TileCopy<D> copy_tile;
   bf16* sK = reinterpret_cast<bf16*>(smem);
   bf16* sV = sK + kBlock * D;
   bf16* sQ = sV + kBlock * D;       // stages 0, 1
@@ -485,8 +511,8 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(const Params p) {
   auto load_queries = [&](int h, int64_t qb, int stage) {
     const int64_t q0 = block_begin(qb);
     const int nq = static_cast<int>(block_size(p.T, qb));
-    load_tile_async<D>(sQ + stage * kBlock * D, p.q + int64_t{h} * D, int64_t{p.H} * D, q0, nq);
-    load_tile_async<D>(sdO + stage * kBlock * D, p.dout + int64_t{h} * D, int64_t{p.H} * D, q0, nq);
+    copy_tile(sQ + stage * kBlock * D, p.q + int64_t{h} * D, int64_t{p.H} * D, q0, nq);
+    copy_tile(sdO + stage * kBlock * D, p.dout + int64_t{h} * D, int64_t{p.H} * D, q0, nq);
     for (int c = threadIdx.x; c < kBlock; c += kThreads) {
       const bool in = c < nq;
       sLse2[stage * kBlock + c] = lse_base2(in ? p.lse[(q0 + c) * p.H + h] : kNegInf);
@@ -495,8 +521,8 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(const Params p) {
     }
   };
 
-  load_tile_async<D>(sK, p.k + int64_t{kv} * D, int64_t{p.K} * D, i0, nk);
-  load_tile_async<D>(sV, p.v + int64_t{kv} * D, int64_t{p.K} * D, i0, nk);
+  copy_tile(sK, p.k + int64_t{kv} * D, int64_t{p.K} * D, i0, nk);
+  copy_tile(sV, p.v + int64_t{kv} * D, int64_t{p.K} * D, i0, nk);
   // The (query head, query block) pairs to visit: heads of the group in order, and for each
   // the query blocks qb ≥ kb that share a document with kb (first .. nb).
   const TileFilter tiles{p.ranges, p.spans, p.lbmax ? p.lbmax + kv : nullptr, p.K, p.log_eps};

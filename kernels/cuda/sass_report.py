@@ -1,0 +1,312 @@
+#!/usr/bin/env python3
+"""What the compiled CUDA kernels cost per loop iteration, read from their SASS.
+
+Without a GPU nothing can be timed, but the machine code nvcc emits for sm_90a can be read:
+a kernel whose inner loop issues many instructions per tensor-core instruction (HMMA) is
+issue-bound, whatever the GPU does with it. This script parses `cuobjdump -sass` output,
+builds each kernel's control-flow graph, finds its loops (back edges, natural loops), and
+for every loop counts the instructions issued on each path through one iteration:
+
+  kernel  regs  stack  loop  HMMA  instructions (fewest..most over paths with that many
+  HMMA)  instructions per HMMA  the instruction mix of the shortest such path
+
+A predicated instruction issues whether or not its predicate holds, so it counts. Inner
+loops are walked once (their own line gives their cost per trip). Registers, stack and
+local (spill) bytes come from `cuobjdump -res-usage`.
+
+    python3 kernels/cuda/sass_report.py --cuobjdump cuobjdump OBJ.o [--kernel REGEX] [--json F]
+    python3 kernels/cuda/sass_report.py --sass FILE.sass            (a saved listing)
+
+Exit status: 0, 2 for usage errors, 1 when the input cannot be read or parsed.
+"""
+import argparse
+import collections
+import json
+import re
+import subprocess
+import sys
+
+INSTR = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)\s*(.*?)\s*;")
+FUNC = re.compile(r"^\s+Function : (\S+)")
+RES = re.compile(r"^\s*Function (\S+):\s*$")
+RES_LINE = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
+TARGET = re.compile(r"`?\(?\.?L?_?x?_?\d*\)?\s*0x([0-9a-f]+)\b")
+ENDS_BLOCK = ("BRA", "BRX", "JMP", "JMX", "EXIT", "RET", "CALL", "KILL")
+
+
+class Instr:
+    __slots__ = ("addr", "pred", "op", "args")
+
+    def __init__(self, addr, pred, op, args):
+        self.addr, self.pred, self.op, self.args = addr, pred, op, args
+
+    @property
+    def base(self):
+        return self.op.split(".")[0]
+
+    def conditional(self):
+        # A branch taken on a predicate: a guard (@P0 BRA) or a uniform predicate operand
+        # (BRA.U !UP0, 0x…) other than the always-true UPT / PT.
+        if self.pred and self.pred.strip() not in ("@PT",):
+            return True
+        first = self.args.split(",")[0].strip()
+        return bool(re.fullmatch(r"!?U?P[0-6]", first))
+
+    def target(self):
+        m = re.search(r"0x([0-9a-f]+)", self.args)
+        return int(m.group(1), 16) if m else None
+
+
+def parse_functions(text):
+    """{mangled name: [Instr]} from `cuobjdump -sass` text."""
+    funcs, cur = {}, None
+    for line in text.splitlines():
+        m = FUNC.match(line)
+        if m:
+            cur = funcs.setdefault(m.group(1), [])
+            continue
+        m = INSTR.match(line)
+        if m and cur is not None:
+            pred = (m.group(2) or "").strip()
+            cur.append(Instr(int(m.group(1), 16), pred, m.group(3), m.group(4)))
+    return funcs
+
+
+def parse_resources(text):
+    """{mangled name: {regs, stack, shared, local}} from `cuobjdump -res-usage` text."""
+    out, cur = {}, None
+    for line in text.splitlines():
+        m = RES.match(line)
+        if m:
+            cur = m.group(1)
+            continue
+        m = RES_LINE.search(line)
+        if m and cur:
+            out[cur] = dict(zip(("regs", "stack", "shared", "local"), map(int, m.groups())))
+            cur = None
+    return out
+
+
+def basic_blocks(instrs):
+    """(blocks as [start, end) index ranges, successors by block index)."""
+    at = {ins.addr: i for i, ins in enumerate(instrs)}
+    leaders = {0}
+    for i, ins in enumerate(instrs):
+        if ins.base in ENDS_BLOCK:
+            if i + 1 < len(instrs):
+                leaders.add(i + 1)
+            t = ins.target() if ins.base in ("BRA", "JMP", "CALL") else None
+            if t is not None and t in at:
+                leaders.add(at[t])
+    starts = sorted(leaders)
+    blocks = [(s, (starts[k + 1] if k + 1 < len(starts) else len(instrs))) for k, s in enumerate(starts)]
+    block_of = {s: k for k, (s, _) in enumerate(blocks)}
+    succ = []
+    for k, (s, e) in enumerate(blocks):
+        last = instrs[e - 1]
+        nxt = [k + 1] if k + 1 < len(blocks) else []
+        if last.base == "BRA" or last.base == "JMP":
+            t = last.target()
+            tb = [block_of[at[t]]] if t is not None and t in at else []
+            succ.append(sorted(set(tb + (nxt if last.conditional() else []))))
+        elif last.base in ("EXIT", "RET", "KILL"):
+            succ.append(nxt if last.conditional() else [])
+        else:  # CALL returns; BRX/JMX targets are unknown: fall through only
+            succ.append(nxt)
+    return blocks, succ
+
+
+def natural_loops(succ):
+    """{header: set of blocks} for back edges latch → header with header ≤ latch."""
+    pred = collections.defaultdict(list)
+    for a, ss in enumerate(succ):
+        for b in ss:
+            pred[b].append(a)
+    loops = {}
+    for latch, ss in enumerate(succ):
+        for header in ss:
+            if header > latch:
+                continue
+            body = loops.setdefault(header, {header})
+            stack = [latch]
+            while stack:
+                n = stack.pop()
+                if n in body:
+                    continue
+                body.add(n)
+                stack.extend(pred[n])
+    return loops
+
+
+def loop_paths(instrs, blocks, succ, header, body, loops):
+    """{(HMMA, LDGSTS): (fewest, most instructions, mix of the fewest)} over the paths of one
+    iteration, from the header back to it, inner back edges dropped (inner loops once). Paths
+    with LDGSTS (cp.async) are the steady state that prefetches the next tile; those without
+    are the last tile or a path that skips the copy."""
+    inner_headers = {h for h in loops if h != header and h in body}
+
+    def cost(b):  # (instructions, (HMMA, LDGSTS)) of block b
+        s, e = blocks[b]
+        ops = [ins.base for ins in instrs[s:e]]
+        return e - s, (ops.count("HMMA"), ops.count("LDGSTS"))
+
+    # DAG of the body without back edges (edges to the header, to inner headers from inside
+    # their loops).
+    def forward(b):
+        for n in succ[b]:
+            if n not in body or n == header:
+                continue
+            if n in inner_headers and b in loops[n]:
+                continue
+            yield n
+
+    order, seen = [], set()
+
+    def visit(b):  # iterative DFS post-order
+        stack = [(b, iter(list(forward(b))))]
+        seen.add(b)
+        while stack:
+            node, it = stack[-1]
+            for n in it:
+                if n not in seen:
+                    seen.add(n)
+                    stack.append((n, iter(list(forward(n)))))
+                    break
+            else:
+                order.append(node)
+                stack.pop()
+
+    visit(header)
+    # best[b]: {(hmma, ldgsts): (min_instr, max_instr, min_path)} for paths from b to a latch.
+    best = {}
+    for b in order:  # post-order: successors first
+        n_instr, n_hmma = cost(b)
+        table = {}
+        ends_here = header in succ[b]
+        if ends_here:
+            table[n_hmma] = (n_instr, n_instr, [b])
+        for n in forward(b):
+            for h, (lo, hi, path) in best.get(n, {}).items():
+                key = (h[0] + n_hmma[0], h[1] + n_hmma[1])
+                cand = (lo + n_instr, hi + n_instr, [b] + path)
+                if key not in table:
+                    table[key] = cand
+                else:
+                    old = table[key]
+                    table[key] = (min(old[0], cand[0]), max(old[1], cand[1]),
+                                  cand[2] if cand[0] < old[0] else old[2])
+        best[b] = table
+    out = {}
+    for h, (lo, hi, path) in best.get(header, {}).items():
+        mix = collections.Counter()
+        for b in path:
+            s, e = blocks[b]
+            mix.update(ins.base for ins in instrs[s:e])
+        out[h] = (lo, hi, mix)
+    return out
+
+
+def analyse(name, instrs, res):
+    blocks, succ = basic_blocks(instrs)
+    loops = natural_loops(succ)
+    result = {"kernel": name, "instructions": len(instrs),
+              "hmma": sum(1 for i in instrs if i.base == "HMMA"), "loops": []}
+    result.update(res.get(name, {}))
+    for header in sorted(loops):
+        body = loops[header]
+        paths = loop_paths(instrs, blocks, succ, header, body, loops)
+        if not paths:
+            continue
+        depth = sum(1 for h, b in loops.items() if h != header and header in b)
+        entry = {"address": f"{instrs[blocks[header][0]].addr:#x}", "depth": depth,
+                 "body_instructions": sum(blocks[b][1] - blocks[b][0] for b in body), "paths": []}
+        for key in sorted(paths, reverse=True):
+            lo, hi, mix = paths[key]
+            h = key[0]
+            entry["paths"].append({"hmma": h, "ldgsts": key[1], "fewest": lo, "most": hi,
+                                   "per_hmma": round(lo / h, 2) if h else None,
+                                   "mix": dict(mix.most_common())})
+        result["loops"].append(entry)
+    return result
+
+
+def demangle_short(name):
+    m = re.search(r"(\w+_kernel)ILi(\d+)E", name)
+    if m:
+        return f"{m.group(1)}<{m.group(2)}>"
+    m = re.search(r"\d+(\w+_kernel)", name)
+    return m.group(1) if m else name
+
+
+def print_report(results, min_hmma, out):
+    for r in results:
+        loops = [l for l in r["loops"] if any(p["hmma"] >= min_hmma for p in l["paths"])]
+        if min_hmma and not loops:
+            continue
+        print(f"{demangle_short(r['kernel'])}: {r.get('regs', '?')} registers, stack {r.get('stack', '?')} B, "
+              f"local {r.get('local', '?')} B, {r['instructions']} instructions, {r['hmma']} HMMA", file=out)
+        for l in loops:
+            top = l["paths"][0]
+            head = f"  loop at {l['address']} (depth {l['depth']}): "
+            if not top["hmma"]:
+                print(head + f"no HMMA, {top['fewest']}..{top['most']} instructions per iteration", file=out)
+                continue
+            # The iterations with the most HMMA: the one issuing the most cp.async (the steady
+            # state, prefetching the next tile) and the one issuing the fewest (the last tile).
+            same = [p for p in l["paths"] if p["hmma"] == top["hmma"]]
+            shown = [same[0]] + ([same[-1]] if same[-1] is not same[0] else [])
+            for p in shown:
+                mix = ", ".join(f"{k} {v}" for k, v in list(p["mix"].items())[:10])
+                print(head + f"{p['hmma']} HMMA + {p['ldgsts']} LDGSTS per iteration, {p['fewest']}..{p['most']} "
+                      f"instructions ({p['per_hmma']} per HMMA on the shortest): {mix}", file=out)
+                head = " " * len(head)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("objects", nargs="*", default=[], help="object files or fatbins with sm_90a SASS")
+    src.add_argument("--sass", help="a saved `cuobjdump -sass` listing instead of objects")
+    ap.add_argument("--cuobjdump", default="cuobjdump", help="the cuobjdump to run (default: from PATH)")
+    ap.add_argument("--kernel", default="", help="only kernels whose mangled name matches this regex")
+    ap.add_argument("--min-hmma", type=int, default=1,
+                    help="only loops with at least this many HMMA per iteration (0: every loop)")
+    ap.add_argument("--json", help="also write the full analysis here")
+    args = ap.parse_args()
+    if not args.sass and not args.objects:
+        ap.error("give object files or --sass")
+    texts, res_texts = [], []
+    try:
+        if args.sass:
+            with open(args.sass) as f:
+                texts.append(f.read())
+        for obj in args.objects:
+            for flag, dest in (("-sass", texts), ("-res-usage", res_texts)):
+                p = subprocess.run([args.cuobjdump, flag, obj], capture_output=True, text=True)
+                if p.returncode != 0:
+                    msg = (p.stderr.strip().splitlines() or ["failed"])[-1]
+                    sys.exit(f"sass_report: {obj}: cuobjdump {flag}: {msg}")
+                dest.append(p.stdout)
+    except OSError as e:
+        sys.exit(f"sass_report: {e.filename or args.cuobjdump}: {e.strerror}")
+    funcs, res = {}, {}
+    for t in texts:
+        funcs.update(parse_functions(t))
+    for t in res_texts:
+        res.update(parse_resources(t))
+    if not funcs:
+        sys.exit(f"sass_report: {args.sass or ' '.join(args.objects)}: no SASS functions found")
+    pattern = re.compile(args.kernel)
+    results = [analyse(n, ins, res) for n, ins in sorted(funcs.items()) if pattern.search(n)]
+    if not results:
+        sys.exit(f"sass_report: no kernel matches --kernel {args.kernel!r}")
+    print_report(results, args.min_hmma, sys.stdout)
+    if args.json:
+        with open(args.json + ".tmp", "w") as f:
+            json.dump(results, f, indent=1)
+        import os
+        os.replace(args.json + ".tmp", args.json)
+
+
+if __name__ == "__main__":
+    main()
