@@ -155,6 +155,58 @@ RETAIN_HD HeadBlock next_head_block(const TileFilter& f, int64_t nb, int64_t kb,
   return {at.h + 1, first_qb};
 }
 
+// ---- a CTA's walk as bits in shared memory ------------------------------------------------
+// Deciding visits() tile by tile inside the loop put a chain of dependent global loads (the
+// span, both blocks' ranges, the skip's maximum) in front of every tile, with every warp of
+// the CTA waiting on it. Instead a CTA sets, once, two bits per block it may meet: `visit`
+// (visits()) and `full` (tile_all_allowed), in shared words; the loop then finds its next
+// block with one shared load and a count of trailing zeros. Bit b lives in word b / 32.
+//   query side (forward, dq; query block qb): bit kb for kb ∈ [spans[qb].key_begin, qb];
+//   key side (dk/dv; key block kb): bit qb for qb ∈ [kb, spans[kb].query_end).
+// key_walk_range / query_walk_range give [lo, hi); walk_bits the two bits of one block.
+RETAIN_HD int64_t walk_words(int64_t nb) { return (nb + 31) / 32; }
+struct WalkRange {
+  int64_t lo, hi;
+};
+RETAIN_HD WalkRange key_walk_range(const TileFilter& f, int64_t qb) { return {f.spans[qb].key_begin, qb + 1}; }
+RETAIN_HD WalkRange query_walk_range(const TileFilter& f, int64_t kb) { return {kb, f.spans[kb].query_end}; }
+struct WalkBits {
+  bool visit, full;
+};
+RETAIN_HD WalkBits walk_bits(const TileFilter& f, int64_t qb, int64_t kb) {
+  const bool visit = visits(f, qb, kb);
+  return {visit, visit && tile_all_allowed(f.ranges, qb, kb)};
+}
+
+RETAIN_HD int count_trailing_zeros(uint32_t w) {  // w ≠ 0
+#if defined(__CUDA_ARCH__)
+  return __ffs(w) - 1;
+#else
+  return __builtin_ctz(w);
+#endif
+}
+
+// The first set bit b ≥ from with b < end, or end when there is none (from ≥ the walk's lo).
+RETAIN_HD int64_t next_walk_bit(const uint32_t* bits, int64_t from, int64_t end) {
+  while (from < end) {
+    const uint32_t w = bits[from / 32] >> (from % 32);
+    if (w != 0) {
+      const int64_t b = from + count_trailing_zeros(w);
+      return b < end ? b : end;
+    }
+    from = (from / 32 + 1) * 32;
+  }
+  return end;
+}
+RETAIN_HD bool walk_bit(const uint32_t* bits, int64_t b) { return (bits[b / 32] >> (b % 32)) & 1u; }
+
+// next_head_block on a key block's walk (r = query_walk_range, first_qb its first set bit).
+RETAIN_HD HeadBlock next_walk_head_block(const uint32_t* visit, WalkRange r, int64_t first_qb, HeadBlock at) {
+  const int64_t qb = next_walk_bit(visit, at.qb + 1, r.hi);
+  if (qb < r.hi) return {at.h, qb};
+  return {at.h + 1, first_qb};
+}
+
 // The pair (t, i) enters the softmax: causal, same document, not padding. doc_t / doc_i are
 // the ids of tokens t and i, or -1 for a row beyond T (a short last block), so an out-of-range
 // token is never allowed (doc_t ≥ 0 is required, and doc_i = -1 never equals it).

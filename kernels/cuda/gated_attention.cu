@@ -226,16 +226,87 @@ template <int D>
 constexpr size_t tile_bytes() {
   return sizeof(bf16) * kBlock * D;
 }
-// forward / dq: [Q][dO (dq only)][K × 2][V × 2][lb2 × 2][−c·lb2 × 2][doc of keys × 2]
+// The CTA's walk (attention_tiles.h): visit and full bits of nb blocks.
+inline size_t walk_bytes(int64_t nb) { return 2 * sizeof(uint32_t) * static_cast<size_t>(walk_words(nb)); }
+// forward / dq: [Q][dO (dq only)][K × 2][V × 2][lb2 × 2][−c·lb2 × 2][doc of keys × 2][walk]
 template <int D>
-constexpr size_t query_side_smem(bool with_dout) {
-  return tile_bytes<D>() * (with_dout ? 6 : 5) + 2 * kBlock * (2 * sizeof(float) + sizeof(int32_t));
+size_t query_side_smem(bool with_dout, int64_t nb) {
+  return tile_bytes<D>() * (with_dout ? 6 : 5) + 2 * kBlock * (2 * sizeof(float) + sizeof(int32_t)) + walk_bytes(nb);
 }
-// dk/dv: [K][V][Q × 2][dO × 2][lse·log2e × 2][D × 2][doc of queries × 2]
+// dk/dv: [K][V][Q × 2][dO × 2][lse·log2e × 2][D × 2][doc of queries × 2][walk]
 template <int D>
-constexpr size_t key_side_smem() {
-  return tile_bytes<D>() * 6 + 2 * kBlock * (2 * sizeof(float) + sizeof(int32_t));
+size_t key_side_smem(int64_t nb) {
+  return tile_bytes<D>() * 6 + 2 * kBlock * (2 * sizeof(float) + sizeof(int32_t)) + walk_bytes(nb);
 }
+
+// Sets the walk bits of blocks [r.lo, r.hi) in shared memory: warp w takes words w, w + kWarps,
+// ..., a lane one block (bits(b) → WalkBits), a word by ballot. The caller's barrier follows.
+// All the blocks' global loads are issued side by side here, once per CTA, instead of one
+// dependent chain per tile in the loop.
+template <typename Bits>
+__device__ __forceinline__ void fill_walk(uint32_t* visit, uint32_t* full, WalkRange r, Bits bits) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int64_t w = r.lo / 32 + warp; 32 * w < r.hi; w += kWarps) {  // warp-uniform trip count
+    const int64_t b = 32 * w + lane;
+    WalkBits x{false, false};
+    if (b >= r.lo && b < r.hi) x = bits(b);
+    const uint32_t v = __ballot_sync(0xffffffffu, x.visit), a = __ballot_sync(0xffffffffu, x.full);
+    if (lane == 0) {
+      visit[w] = v;
+      full[w] = a;
+    }
+  }
+}
+
+// What a query-side CTA stages per key of a tile (thread c < kBlock: key i0 + c), fetched from
+// global memory when the tile's copies are issued and written to shared memory only after the
+// current tile's math, so the loads' latency hides behind it.
+struct KeyRow {
+  float log_beta = 0.0f;  // 0 past T (staged as lb2 = 0)
+  int32_t doc = -1;
+};
+// The same for a key-side CTA (thread c: query q0 + c of query head h).
+struct QueryRow {
+  float lse = kNegInf;  // −inf past T (staged as 0)
+  float delta = 0.0f;
+  int32_t doc = -1;
+};
+
+// A query-side CTA's key stages (forward, dq): K and V tiles, and per key lb2, −c·lb2, doc.
+template <int D>
+struct KeyStages {
+  bf16* k;
+  bf16* v;
+  float* lb2;
+  float* ncl;
+  int32_t* doc;
+
+  // Issues the copies of key block kb (KV head kv) into `stage`; returns this thread's key row.
+  __device__ __forceinline__ KeyRow fetch(const Params& p, const TileCopy<D>& copy_tile, int kv, int64_t kb,
+                                          int stage) const {
+    const int64_t i0 = block_begin(kb);
+    const int nk = static_cast<int>(block_size(p.T, kb));
+    copy_tile(k + stage * kBlock * D, p.k + kv * D, int64_t{p.K} * D, i0, nk);
+    copy_tile(v + stage * kBlock * D, p.v + kv * D, int64_t{p.K} * D, i0, nk);
+    KeyRow r;
+    const int c = threadIdx.x;
+    if (c < nk) {  // nk ≤ kBlock ≤ kThreads
+      r.log_beta = p.log_beta[(i0 + c) * p.K + kv];
+      r.doc = p.doc[i0 + c];
+    }
+    return r;
+  }
+  __device__ __forceinline__ void store(const KeyRow& r, int stage) const {
+    const int c = threadIdx.x;
+    if (c < kBlock) {
+      const float b = staged_lb2(r.log_beta);
+      lb2[stage * kBlock + c] = b;
+      ncl[stage * kBlock + c] = staged_neg_c_lb2(c, b);
+      doc[stage * kBlock + c] = r.doc;
+    }
+  }
+};
+static_assert(kBlock <= kThreads, "one thread stages one key or query of a tile");
 
 // ---- small kernels -----------------------------------------------------------------------
 
@@ -279,6 +350,8 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const Params p) {
   float* sLb = reinterpret_cast<float*>(sV + 2 * kBlock * D);  // [2][kBlock] staged_lb2
   float* sNcl = sLb + 2 * kBlock;                                 // [2][kBlock] staged_neg_c_lb2
   int32_t* sDoc = reinterpret_cast<int32_t*>(sNcl + 2 * kBlock);  // [2][kBlock]
+  uint32_t* sVisit = reinterpret_cast<uint32_t*>(sDoc + 2 * kBlock);  // [walk_words(nb)]
+  uint32_t* sFull = sVisit + walk_words(p.nb);
 
   const int64_t qb = p.nb - 1 - static_cast<int64_t>(blockIdx.x);  // the longest rows first
   const int h = blockIdx.y, kv = h / p.group;
@@ -298,24 +371,17 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const Params p) {
     doc_t[x] = in_t[x] ? p.doc[t[x]] : -1;
   }
 
-  auto load_keys = [&](int64_t kb, int stage) {
-    const int64_t i0 = block_begin(kb);
-    const int nk = static_cast<int>(block_size(p.T, kb));
-    copy_tile(sK + stage * kBlock * D, p.k + kv * D, int64_t{p.K} * D, i0, nk);
-    copy_tile(sV + stage * kBlock * D, p.v + kv * D, int64_t{p.K} * D, i0, nk);
-    for (int c = threadIdx.x; c < kBlock; c += kThreads) {
-      const bool in = c < nk;
-      const float lb2 = in ? staged_lb2(p.log_beta[(i0 + c) * p.K + kv]) : 0.0f;
-      sLb[stage * kBlock + c] = lb2;
-      sNcl[stage * kBlock + c] = staged_neg_c_lb2(c, lb2);
-      sDoc[stage * kBlock + c] = in ? p.doc[i0 + c] : -1;
-    }
-  };
+  const KeyStages<D> keys{sK, sV, sLb, sNcl, sDoc};
+  auto fetch_keys = [&](int64_t kb, int st) { return keys.fetch(p, copy_tile, kv, kb, st); };
+  auto stage_keys = [&](const KeyRow& r, int st) { keys.store(r, st); };
 
   const TileFilter tiles{p.ranges, p.spans, p.lbmax ? p.lbmax + kv : nullptr, p.K, p.log_eps};
+  const WalkRange walk = key_walk_range(tiles, qb);
+  fill_walk(sVisit, sFull, walk, [&](int64_t kb) { return walk_bits(tiles, qb, kb); });
   copy_tile(sQ, p.q + int64_t{h} * D, int64_t{p.H} * D, q0, nq);
-  int64_t kb = next_key_block(tiles, qb, 0);
-  if (kb <= qb) load_keys(kb, 0);
+  __syncthreads();  // the walk bits
+  int64_t kb = next_walk_bit(sVisit, walk.lo, walk.hi);
+  if (kb < walk.hi) stage_keys(fetch_keys(kb, 0), 0);
   cp_async_commit();
   cp_async_wait<0>();
   __syncthreads();
@@ -329,9 +395,11 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const Params p) {
   float m[2] = {kNegInf, kNegInf};  // running row max (base-2 units); -inf: nothing seen yet
   float l[2] = {0.0f, 0.0f};        // running row sum of this lane's columns, relative to m
   int stage = 0;
-  while (kb <= qb) {
-    const int64_t kb_next = next_key_block(tiles, qb, kb + 1);
-    if (kb_next <= qb) load_keys(kb_next, stage ^ 1);  // stage ^ 1 was released by the last barrier
+  while (kb < walk.hi) {
+    const int64_t kb_next = next_walk_bit(sVisit, kb + 1, walk.hi);
+    const bool prefetch = kb_next < walk.hi;
+    KeyRow next_row;
+    if (prefetch) next_row = fetch_keys(kb_next, stage ^ 1);  // stage ^ 1 was released by the last barrier
     cp_async_commit();
     cp_async_wait<1>();  // everything but the group just committed: this stage has landed
     __syncthreads();     // ... for every thread, and the plain stores of sLb/sNcl/sDoc too
@@ -342,7 +410,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const Params p) {
     const float* ncl_s = sNcl + stage * kBlock;
     const int32_t* doc_s = sDoc + stage * kBlock;
     const int64_t i0 = block_begin(kb);
-    const bool all_allowed = tile_all_allowed(p.ranges, qb, kb);
+    const bool all_allowed = walk_bit(sFull, kb);
 
     float s[kBlock / 8][4] = {};
     frags_times_rows_t<D, kBlock / 8>(s, qf, k_s, 0, lane);
@@ -359,6 +427,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const Params p) {
       for (int e = 0; e < 4; ++e) o_acc[nt][e] *= alpha[e / 2];
     weights_times_rows<D, kBlock / 8>(o_acc, s, v_s, 0, lane);
 
+    if (prefetch) stage_keys(next_row, stage ^ 1);
     __syncthreads();  // every warp is done with this stage before the next iteration refills it
     kb = kb_next;
     stage ^= 1;
@@ -390,6 +459,8 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const Params p) {
   float* sLb = reinterpret_cast<float*>(sV + 2 * kBlock * D);
   float* sNcl = sLb + 2 * kBlock;
   int32_t* sDoc = reinterpret_cast<int32_t*>(sNcl + 2 * kBlock);
+  uint32_t* sVisit = reinterpret_cast<uint32_t*>(sDoc + 2 * kBlock);
+  uint32_t* sFull = sVisit + walk_words(p.nb);
 
   const int64_t qb = p.nb - 1 - static_cast<int64_t>(blockIdx.x);
   const int h = blockIdx.y, kv = h / p.group;
@@ -411,32 +482,27 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const Params p) {
     delta[x] = in_t[x] ? p.delta[t[x] * p.H + h] : 0.0f;
   }
 
-  auto load_keys = [&](int64_t kb, int stage) {
-    const int64_t i0 = block_begin(kb);
-    const int nk = static_cast<int>(block_size(p.T, kb));
-    copy_tile(sK + stage * kBlock * D, p.k + kv * D, int64_t{p.K} * D, i0, nk);
-    copy_tile(sV + stage * kBlock * D, p.v + kv * D, int64_t{p.K} * D, i0, nk);
-    for (int c = threadIdx.x; c < kBlock; c += kThreads) {
-      const bool in = c < nk;
-      const float lb2 = in ? staged_lb2(p.log_beta[(i0 + c) * p.K + kv]) : 0.0f;
-      sLb[stage * kBlock + c] = lb2;
-      sNcl[stage * kBlock + c] = staged_neg_c_lb2(c, lb2);
-      sDoc[stage * kBlock + c] = in ? p.doc[i0 + c] : -1;
-    }
-  };
+  const KeyStages<D> keys{sK, sV, sLb, sNcl, sDoc};
+  auto fetch_keys = [&](int64_t kb, int st) { return keys.fetch(p, copy_tile, kv, kb, st); };
+  auto stage_keys = [&](const KeyRow& r, int st) { keys.store(r, st); };
 
+  const TileFilter tiles{p.ranges, p.spans, p.lbmax ? p.lbmax + kv : nullptr, p.K, p.log_eps};
+  const WalkRange walk = key_walk_range(tiles, qb);
+  fill_walk(sVisit, sFull, walk, [&](int64_t kb) { return walk_bits(tiles, qb, kb); });
   copy_tile(sQ, p.q + int64_t{h} * D, int64_t{p.H} * D, q0, nq);
   copy_tile(sdO, p.dout + int64_t{h} * D, int64_t{p.H} * D, q0, nq);
-  const TileFilter tiles{p.ranges, p.spans, p.lbmax ? p.lbmax + kv : nullptr, p.K, p.log_eps};
-  int64_t kb = next_key_block(tiles, qb, 0);
-  if (kb <= qb) load_keys(kb, 0);
+  __syncthreads();  // the walk bits
+  int64_t kb = next_walk_bit(sVisit, walk.lo, walk.hi);
+  if (kb < walk.hi) stage_keys(fetch_keys(kb, 0), 0);
   cp_async_commit();
 
   float dq_acc[D / 8][4] = {};
   int stage = 0;
-  while (kb <= qb) {
-    const int64_t kb_next = next_key_block(tiles, qb, kb + 1);
-    if (kb_next <= qb) load_keys(kb_next, stage ^ 1);
+  while (kb < walk.hi) {
+    const int64_t kb_next = next_walk_bit(sVisit, kb + 1, walk.hi);
+    const bool prefetch = kb_next < walk.hi;
+    KeyRow next_row;
+    if (prefetch) next_row = fetch_keys(kb_next, stage ^ 1);
     cp_async_commit();
     cp_async_wait<1>();
     __syncthreads();
@@ -447,7 +513,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const Params p) {
     const float* ncl_s = sNcl + stage * kBlock;
     const int32_t* doc_s = sDoc + stage * kBlock;
     const int64_t i0 = block_begin(kb);
-    const bool all_allowed = tile_all_allowed(p.ranges, qb, kb);
+    const bool all_allowed = walk_bit(sFull, kb);
 
     float s[kBlock / 8][4] = {};
     float dp[kBlock / 8][4] = {};
@@ -456,6 +522,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const Params p) {
     query_row_dscores(s, dp, lane, t, doc_t, i0, lb_s, ncl_s, doc_s, all_allowed, p.scale2, lse2, delta);  // s = dS
     weights_times_rows<D, kBlock / 8>(dq_acc, s, k_s, 0, lane);  // dS·K
 
+    if (prefetch) stage_keys(next_row, stage ^ 1);
     __syncthreads();
     kb = kb_next;
     stage ^= 1;
@@ -487,6 +554,8 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(const Params p) {
   float* sLse2 = reinterpret_cast<float*>(sdO + 2 * kBlock * D);  // [2][kBlock]
   float* sDelta = sLse2 + 2 * kBlock;                                // [2][kBlock]
   int32_t* sDocQ = reinterpret_cast<int32_t*>(sDelta + 2 * kBlock);  // [2][kBlock]
+  uint32_t* sVisit = reinterpret_cast<uint32_t*>(sDocQ + 2 * kBlock);  // [walk_words(nb)]
+  uint32_t* sFull = sVisit + walk_words(p.nb);
 
   const int64_t kb = blockIdx.x;  // early key blocks meet the most query blocks: first
   const int kv = blockIdx.y;
@@ -508,29 +577,43 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(const Params p) {
     lb2[x] = in_i[x] ? staged_lb2(p.log_beta[i[x] * p.K + kv]) : 0.0f;
   }
 
-  auto load_queries = [&](int h, int64_t qb, int stage) {
+  // Issues the copies of query block qb of head h into `stage`; returns this thread's row.
+  auto fetch_queries = [&](int h, int64_t qb, int st) {
     const int64_t q0 = block_begin(qb);
     const int nq = static_cast<int>(block_size(p.T, qb));
-    copy_tile(sQ + stage * kBlock * D, p.q + int64_t{h} * D, int64_t{p.H} * D, q0, nq);
-    copy_tile(sdO + stage * kBlock * D, p.dout + int64_t{h} * D, int64_t{p.H} * D, q0, nq);
-    for (int c = threadIdx.x; c < kBlock; c += kThreads) {
-      const bool in = c < nq;
-      sLse2[stage * kBlock + c] = lse_base2(in ? p.lse[(q0 + c) * p.H + h] : kNegInf);
-      sDelta[stage * kBlock + c] = in ? p.delta[(q0 + c) * p.H + h] : 0.0f;
-      sDocQ[stage * kBlock + c] = in ? p.doc[q0 + c] : -1;
+    copy_tile(sQ + st * kBlock * D, p.q + int64_t{h} * D, int64_t{p.H} * D, q0, nq);
+    copy_tile(sdO + st * kBlock * D, p.dout + int64_t{h} * D, int64_t{p.H} * D, q0, nq);
+    QueryRow r;
+    const int c = threadIdx.x;
+    if (c < nq) {  // nq ≤ kBlock ≤ kThreads
+      r.lse = p.lse[(q0 + c) * p.H + h];
+      r.delta = p.delta[(q0 + c) * p.H + h];
+      r.doc = p.doc[q0 + c];
+    }
+    return r;
+  };
+  auto stage_queries = [&](const QueryRow& r, int st) {
+    const int c = threadIdx.x;
+    if (c < kBlock) {
+      sLse2[st * kBlock + c] = lse_base2(r.lse);
+      sDelta[st * kBlock + c] = r.delta;
+      sDocQ[st * kBlock + c] = r.doc;
     }
   };
 
   copy_tile(sK, p.k + int64_t{kv} * D, int64_t{p.K} * D, i0, nk);
   copy_tile(sV, p.v + int64_t{kv} * D, int64_t{p.K} * D, i0, nk);
   // The (query head, query block) pairs to visit: heads of the group in order, and for each
-  // the query blocks qb ≥ kb that share a document with kb (first .. nb).
+  // the query blocks qb ≥ kb that share a document with kb (the walk's set bits).
   const TileFilter tiles{p.ranges, p.spans, p.lbmax ? p.lbmax + kv : nullptr, p.K, p.log_eps};
-  const int64_t first_qb = next_query_block(tiles, p.nb, kb, kb);
+  const WalkRange walk = query_walk_range(tiles, kb);
+  fill_walk(sVisit, sFull, walk, [&](int64_t qb) { return walk_bits(tiles, qb, kb); });
+  __syncthreads();  // the walk bits
+  const int64_t first_qb = next_walk_bit(sVisit, walk.lo, walk.hi);
   const int h_end = (kv + 1) * p.group;
-  int h = first_qb < p.nb ? kv * p.group : h_end;
+  int h = first_qb < walk.hi ? kv * p.group : h_end;
   int64_t qb = first_qb;
-  if (h < h_end) load_queries(h, qb, 0);
+  if (h < h_end) stage_queries(fetch_queries(h, qb, 0), 0);
   cp_async_commit();
 
   float dk_acc[D / 8][4] = {};
@@ -540,10 +623,12 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(const Params p) {
   double dlb[2] = {0.0, 0.0};
   int stage = 0;
   while (h < h_end) {
-    const HeadBlock next = next_head_block(tiles, p.nb, kb, first_qb, {h, qb});
+    const HeadBlock next = next_walk_head_block(sVisit, walk, first_qb, {h, qb});
     const int h_next = next.h;
     const int64_t qb_next = next.qb;
-    if (h_next < h_end) load_queries(h_next, qb_next, stage ^ 1);
+    const bool prefetch = h_next < h_end;
+    QueryRow next_row;
+    if (prefetch) next_row = fetch_queries(h_next, qb_next, stage ^ 1);
     cp_async_commit();
     cp_async_wait<1>();
     __syncthreads();
@@ -554,7 +639,7 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(const Params p) {
     const float* delta_s = sDelta + stage * kBlock;
     const int32_t* doc_s = sDocQ + stage * kBlock;
     const int64_t q0 = block_begin(qb);
-    const bool all_allowed = tile_all_allowed(p.ranges, qb, kb);
+    const bool all_allowed = walk_bit(sFull, qb);
 
     float dlb_tile[2] = {0.0f, 0.0f};
 #pragma unroll 1
@@ -571,6 +656,7 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(const Params p) {
     dlb[0] += static_cast<double>(dlb_tile[0]);
     dlb[1] += static_cast<double>(dlb_tile[1]);
 
+    if (prefetch) stage_queries(next_row, stage ^ 1);
     __syncthreads();
     h = h_next;
     qb = qb_next;
@@ -707,7 +793,7 @@ void launch(Kernel kernel, unsigned grid_x, unsigned grid_y, size_t smem, const 
 
 template <int D>
 void forward(const Params& p) {
-  launch(forward_kernel<D>, static_cast<unsigned>(p.nb), static_cast<unsigned>(p.H), query_side_smem<D>(false), p);
+  launch(forward_kernel<D>, static_cast<unsigned>(p.nb), static_cast<unsigned>(p.H), query_side_smem<D>(false, p.nb), p);
 }
 
 template <int D>
@@ -717,8 +803,8 @@ void backward(const Params& p) {
   delta_kernel<<<static_cast<unsigned>((rows + warps_per_cta - 1) / warps_per_cta), 32 * warps_per_cta>>>(
       p.out, p.dout, const_cast<float*>(p.delta), rows, D);
   CUDA_CHECK(cudaGetLastError());
-  launch(dq_kernel<D>, static_cast<unsigned>(p.nb), static_cast<unsigned>(p.H), query_side_smem<D>(true), p);
-  launch(dkdv_kernel<D>, static_cast<unsigned>(p.nb), static_cast<unsigned>(p.K), key_side_smem<D>(), p);
+  launch(dq_kernel<D>, static_cast<unsigned>(p.nb), static_cast<unsigned>(p.H), query_side_smem<D>(true, p.nb), p);
+  launch(dkdv_kernel<D>, static_cast<unsigned>(p.nb), static_cast<unsigned>(p.K), key_side_smem<D>(p.nb), p);
 }
 
 }  // namespace

@@ -168,6 +168,106 @@ TEST(AttentionTiles, ScheduleVisitsExactlyTheTilesThatMatter) {
 
 // Each row's chunks are a permutation of that row's slots, and the 8 chunks an ldmatrix reads
 // (same logical chunk, 8 consecutive rows) fall in 8 distinct bank groups.
+// next_walk_bit finds the first set bit in [from, end) of random words, across word edges.
+TEST(AttentionTiles, NextWalkBitIsTheFirstSetBit) {
+  std::mt19937 rng(4);
+  for (int round = 0; round < 200; ++round) {
+    uint32_t words[3];
+    for (uint32_t& w : words) w = rng() & rng() & (round % 2 ? rng() : ~0u);  // sparse and dense
+    for (int64_t from = 0; from <= 96; ++from)
+      for (int64_t end = from; end <= 96; ++end) {
+        int64_t want = end;
+        for (int64_t b = from; b < end; ++b)
+          if ((words[b / 32] >> (b % 32)) & 1u) {
+            want = b;
+            break;
+          }
+        ASSERT_EQ(next_walk_bit(words, from, end), want) << "from " << from << " end " << end;
+      }
+  }
+}
+
+// What fill_walk (gated_attention.cu) writes: whole words w ∈ [lo/32, ⌈hi/32⌉), bit b set when
+// b ∈ [lo, hi) and bits(b) says so; other words keep whatever they held.
+template <typename Bits>
+void fill_walk_like_the_kernel(std::vector<uint32_t>& visit, std::vector<uint32_t>& full, WalkRange r, Bits bits) {
+  for (int64_t w = r.lo / 32; 32 * w < r.hi; ++w) {
+    uint32_t v = 0, a = 0;
+    for (int lane = 0; lane < 32; ++lane) {
+      const int64_t b = 32 * w + lane;
+      if (b < r.lo || b >= r.hi) continue;
+      const WalkBits x = bits(b);
+      v |= uint32_t{x.visit} << lane;
+      a |= uint32_t{x.full} << lane;
+    }
+    visit[static_cast<size_t>(w)] = v;
+    full[static_cast<size_t>(w)] = a;
+  }
+}
+
+// The walks the kernels take on their shared-memory bits visit the same tiles in the same
+// order as the filter's own walks (next_key_block, next_head_block), exact and with the weight
+// skip, and the full bits are tile_all_allowed; words outside the filled range (garbage here)
+// are never read.
+TEST(AttentionTiles, WalkBitsWalkLikeTheFilter) {
+  std::mt19937 rng(5);
+  for (int64_t T : {1, 64, 65, 2000, 4100, 9000}) {
+    for (bool interleaved : {false, true}) {
+      const std::vector<int32_t> doc = random_docs(T, rng, interleaved);
+      const std::vector<DocRange> r = ranges_of(doc);
+      const std::vector<spans::BlockSpan> sp = spans_of(r);
+      const int64_t nb = block_count(T);
+      std::vector<float> lbmax(static_cast<size_t>(nb));
+      std::uniform_real_distribution<float> lb(-0.05f, 0.0f);
+      for (float& x : lbmax) x = lb(rng);
+      for (bool skip : {false, true}) {
+        SCOPED_TRACE(::testing::Message() << "T=" << T << " interleaved=" << interleaved << " skip=" << skip);
+        const TileFilter f = skip ? TileFilter{r.data(), sp.data(), lbmax.data(), 1, std::log(1e-3f)}
+                                  : exact_tiles(r.data(), sp.data());
+        const size_t words = static_cast<size_t>(walk_words(nb));
+        int64_t skipped = 0;
+        for (int64_t qb = 0; qb < nb; ++qb) {  // forward, dq
+          std::vector<uint32_t> visit(words), full(words);
+          for (size_t w = 0; w < words; ++w) visit[w] = rng(), full[w] = rng();
+          const WalkRange walk = key_walk_range(f, qb);
+          fill_walk_like_the_kernel(visit, full, walk, [&](int64_t kb) { return walk_bits(f, qb, kb); });
+          int64_t want = next_key_block(f, qb, 0);
+          for (int64_t kb = next_walk_bit(visit.data(), walk.lo, walk.hi); kb < walk.hi;
+               kb = next_walk_bit(visit.data(), kb + 1, walk.hi)) {
+            ASSERT_EQ(kb, want) << "query block " << qb;
+            ASSERT_EQ(walk_bit(full.data(), kb), tile_all_allowed(r.data(), qb, kb));
+            want = next_key_block(f, qb, kb + 1);
+          }
+          ASSERT_GT(want, qb) << "query block " << qb << ": the bits ended early";
+          for (int64_t kb = 0; kb <= qb; ++kb) skipped += tile_visited(r.data(), qb, kb) && !visits(f, qb, kb);
+        }
+        if (skip && T >= 4100) {
+          EXPECT_GT(skipped, 0) << "the skip case skips nothing";
+        }
+        for (int64_t kb = 0; kb < nb; ++kb) {  // dk/dv, a GQA group of heads 2..4
+          std::vector<uint32_t> visit(words), full(words);
+          for (size_t w = 0; w < words; ++w) visit[w] = rng(), full[w] = rng();
+          const WalkRange walk = query_walk_range(f, kb);
+          fill_walk_like_the_kernel(visit, full, walk, [&](int64_t qb) { return walk_bits(f, qb, kb); });
+          const int64_t first = next_walk_bit(visit.data(), walk.lo, walk.hi);
+          const int64_t first_want = next_query_block(f, nb, kb, kb);
+          ASSERT_EQ(first < walk.hi, first_want < nb);
+          std::vector<std::pair<int, int64_t>> got, want;
+          for (HeadBlock at{first < walk.hi ? 2 : 5, first}; at.h < 5;
+               at = next_walk_head_block(visit.data(), walk, first, at)) {
+            got.emplace_back(at.h, at.qb);
+            ASSERT_EQ(walk_bit(full.data(), at.qb), tile_all_allowed(r.data(), at.qb, kb));
+          }
+          for (HeadBlock at{first_want < nb ? 2 : 5, first_want}; at.h < 5;
+               at = next_head_block(f, nb, kb, first_want, at))
+            want.emplace_back(at.h, at.qb);
+          ASSERT_EQ(got, want) << "key block " << kb;
+        }
+      }
+    }
+  }
+}
+
 TEST(AttentionTiles, SwizzleIsAConflictFreePermutation) {
   for (int chunks : {8, 16}) {
     for (int row = 0; row < kBlock; ++row) {
