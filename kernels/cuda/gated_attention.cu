@@ -114,11 +114,15 @@ struct TileCopy {
     const bf16* first = base + row0 * stride + col;  // row row0: the read of zero-filled rows
     const bf16* src = first + row * stride;
     const int64_t step = kRowStep * stride;
+    if (valid == kBlock) {  // every block but a short last one: no per-chunk test
 #pragma unroll
-    for (int j = 0; j < kPerThread; ++j) {
+      for (int j = 0; j < kPerThread; ++j, src += step) cp_async_16(tile + slot + j * kThreads * 8, src, true);
+      return;
+    }
+#pragma unroll
+    for (int j = 0; j < kPerThread; ++j, src += step) {
       const bool in = row + j * kRowStep < valid;
       cp_async_16(tile + slot + j * kThreads * 8, in ? src : first, in);
-      src += step;
     }
   }
 };
