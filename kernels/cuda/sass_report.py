@@ -14,7 +14,7 @@ A predicated instruction issues whether or not its predicate holds, so it counts
 loops are walked once (their own line gives their cost per trip). Registers, stack and
 local (spill) bytes come from `cuobjdump -res-usage`.
 
-    python3 kernels/cuda/sass_report.py --cuobjdump cuobjdump OBJ.o [--kernel REGEX] [--json F]
+    python3 kernels/cuda/sass_report.py [--cuobjdump PATH] [--arch sm_90a] OBJ.o [--kernel REGEX] [--json F]
     python3 kernels/cuda/sass_report.py --sass FILE.sass            (a saved listing)
 
 Exit status: 0, 2 for usage errors, 1 when the input cannot be read or parsed.
@@ -231,11 +231,18 @@ def analyse(name, instrs, res):
 
 
 def demangle_short(name):
-    m = re.search(r"(\w+_kernel)ILi(\d+)E", name)
-    if m:
-        return f"{m.group(1)}<{m.group(2)}>"
-    m = re.search(r"\d+(\w+_kernel)", name)
-    return m.group(1) if m else name
+    """forward_kernel<128> from an Itanium-mangled name: the <length><identifier> piece that
+    ends in "kernel" (the nearest length prefix; the digits before it may belong to a hash)."""
+    m = re.search(r"kernel(?=ILi|E|$)", name)
+    if not m:
+        return name
+    end = m.end()
+    for j in range(m.start() - 1, 0, -1):
+        if name[j].isalpha() or name[j] == "_":
+            if name[:j].endswith(str(end - j)) and not name[j].isdigit():
+                t = re.match(r"ILi(\d+)E", name[end:])
+                return f"{name[j:end]}<{t.group(1)}>" if t else name[j:end]
+    return name
 
 
 def print_report(results, min_hmma, out):
@@ -268,6 +275,7 @@ def main():
     src.add_argument("objects", nargs="*", default=[], help="object files or fatbins with sm_90a SASS")
     src.add_argument("--sass", help="a saved `cuobjdump -sass` listing instead of objects")
     ap.add_argument("--cuobjdump", default="cuobjdump", help="the cuobjdump to run (default: from PATH)")
+    ap.add_argument("--arch", default="sm_90a", help="the SASS to read when an object holds several (default sm_90a)")
     ap.add_argument("--kernel", default="", help="only kernels whose mangled name matches this regex")
     ap.add_argument("--min-hmma", type=int, default=1,
                     help="only loops with at least this many HMMA per iteration (0: every loop)")
@@ -282,7 +290,7 @@ def main():
                 texts.append(f.read())
         for obj in args.objects:
             for flag, dest in (("-sass", texts), ("-res-usage", res_texts)):
-                p = subprocess.run([args.cuobjdump, flag, obj], capture_output=True, text=True)
+                p = subprocess.run([args.cuobjdump, "-arch", args.arch, flag, obj], capture_output=True, text=True)
                 if p.returncode != 0:
                     msg = (p.stderr.strip().splitlines() or ["failed"])[-1]
                     sys.exit(f"sass_report: {obj}: cuobjdump {flag}: {msg}")
