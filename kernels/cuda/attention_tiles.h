@@ -271,4 +271,23 @@ RETAIN_HD int ldsm_a_chunk(int lane) { return lane / 16; }
 RETAIN_HD int ldsm_b_row(int lane) { return (lane % 8) + 8 * (lane / 16); }
 RETAIN_HD int ldsm_b_chunk(int lane) { return (lane / 8) % 2; }
 
+// This lane's ldmatrix addresses in a swizzled tile of kBlock × D bf16 (D ≥ 64), as byte
+// offsets from the tile's start, for one of the patterns above (row(lane), chunk(lane)):
+// rows r0 + row(lane), chunks 2k + chunk(lane), k < D/16, with r0 a multiple of 8. Then
+// row % 8 = row(lane) % 8 and (2k + chunk) ^ (row % 8) = 8·(k / 4) + ((2·(k % 4) + chunk) ^
+// row(lane) % 8): the lane part takes four values, worked out once per CTA; the rest is
+// r0·2D + 128·(k / 4), a compile-time constant wherever r0 is. The kernels' tile loops paid a
+// swizzle, an OR and two multiply-adds per ldmatrix before (kernels/cuda/sass_report.py).
+template <int D>
+struct LdsmLane {
+  static_assert(D % 64 == 0, "the swizzle XOR stays inside a row of ≥ 8 chunks");
+  uint32_t off[4];
+  RETAIN_HD LdsmLane(int row, int chunk) {
+    for (int j = 0; j < 4; ++j) off[j] = static_cast<uint32_t>(swizzled_chunk(row, 2 * j + chunk, D / 8) * 16);
+  }
+  RETAIN_HD uint32_t at(int r0, int k) const {
+    return off[k % 4] + static_cast<uint32_t>(r0 * 2 * D + 128 * (k / 4));
+  }
+};
+
 }  // namespace retain::cuda::tiles

@@ -52,7 +52,10 @@ using ptx::cp_async_16;
 using ptx::cp_async_commit;
 using ptx::cp_async_wait;
 using ptx::ldmatrix_x4;
-using ptx::ldmatrix_x4_trans;
+using ptx::ldmatrix_x4_at;
+using ptx::ldmatrix_x4_trans_at;
+using ptx::smem_base;
+using ptx::SmemBase;
 using ptx::mma_bf16_16816;
 using ptx::pack_bf16;
 
@@ -133,21 +136,30 @@ __device__ __forceinline__ const bf16* tile_chunk(const bf16* tile, int row, int
   return tile + swizzled_chunk(row, chunk, D / 8) * 8;
 }
 
+// This lane's ldmatrix offsets in both patterns, set once per CTA (attention_tiles.h LdsmLane):
+// `a` for A operands and .trans B operands, `b` for B operands without .trans.
+template <int D>
+struct LaneLdsm {
+  LdsmLane<D> a, b;
+  __device__ __forceinline__ explicit LaneLdsm(int lane)
+      : a(ldsm_a_row(lane), ldsm_a_chunk(lane)), b(ldsm_b_row(lane), ldsm_b_chunk(lane)) {}
+};
+
 // acc[NT][4] += A(16 rows of `a_tile` from a_row0, all D dims) · B, where B's columns are the
 // NT·8 rows of `b_tile` from b_row0 (B = [k = dim][n = row]): S = Q·Kᵀ-shaped products.
-// A via ldmatrix (pattern_a), B via ldmatrix without .trans (pattern_b).
+// A via ldmatrix (pattern a), B via ldmatrix without .trans (pattern b); rows multiples of 16.
 template <int D, int NT>
-__device__ __forceinline__ void rows_times_rows_t(float (&acc)[NT][4], const bf16* a_tile, int a_row0,
-                                                  const bf16* b_tile, int b_row0, int lane) {
+__device__ __forceinline__ void rows_times_rows_t(float (&acc)[NT][4], SmemBase a_tile, int a_row0, SmemBase b_tile,
+                                                  int b_row0, const LaneLdsm<D>& ln) {
   static_assert(NT % 2 == 0, "n-tiles come in pairs (16 rows of B per ldmatrix.x4)");
 #pragma unroll
   for (int ks = 0; ks < D / 16; ++ks) {
     uint32_t a[4];
-    ldmatrix_x4(a, tile_chunk<D>(a_tile, a_row0 + ldsm_a_row(lane), 2 * ks + ldsm_a_chunk(lane)));
+    ldmatrix_x4_at(a, a_tile, ln.a.at(a_row0, ks));
 #pragma unroll
     for (int np = 0; np < NT / 2; ++np) {
       uint32_t b[4];
-      ldmatrix_x4(b, tile_chunk<D>(b_tile, b_row0 + 16 * np + ldsm_b_row(lane), 2 * ks + ldsm_b_chunk(lane)));
+      ldmatrix_x4_at(b, b_tile, ln.b.at(b_row0 + 16 * np, ks));
       mma_bf16_16816(acc[2 * np], a, b[0], b[1]);
       mma_bf16_16816(acc[2 * np + 1], a, b[2], b[3]);
     }
@@ -157,13 +169,13 @@ __device__ __forceinline__ void rows_times_rows_t(float (&acc)[NT][4], const bf1
 // Same with A held in registers (the forward's Q fragments, qf[ks] = k-step ks).
 template <int D, int NT>
 __device__ __forceinline__ void frags_times_rows_t(float (&acc)[NT][4], const uint32_t (&qf)[D / 16][4],
-                                                   const bf16* b_tile, int b_row0, int lane) {
+                                                   SmemBase b_tile, int b_row0, const LaneLdsm<D>& ln) {
 #pragma unroll
   for (int ks = 0; ks < D / 16; ++ks) {
 #pragma unroll
     for (int np = 0; np < NT / 2; ++np) {
       uint32_t b[4];
-      ldmatrix_x4(b, tile_chunk<D>(b_tile, b_row0 + 16 * np + ldsm_b_row(lane), 2 * ks + ldsm_b_chunk(lane)));
+      ldmatrix_x4_at(b, b_tile, ln.b.at(b_row0 + 16 * np, ks));
       mma_bf16_16816(acc[2 * np], qf[ks], b[0], b[1]);
       mma_bf16_16816(acc[2 * np + 1], qf[ks], b[2], b[3]);
     }
@@ -172,10 +184,10 @@ __device__ __forceinline__ void frags_times_rows_t(float (&acc)[NT][4], const ui
 
 // acc[D/8][4] += W · B where W (16 × NT·8, fp32 C fragments, rounded to bf16 here) is the
 // left operand with its columns as the k dimension, and B = rows b_row0.. b_row0 + NT·8 of
-// `b_tile` ([k = row][n = dim], ldmatrix .trans, pattern_a): P·V, dS·K, Pᵀ·dO, dSᵀ·Q.
+// `b_tile` ([k = row][n = dim], ldmatrix .trans, pattern a): P·V, dS·K, Pᵀ·dO, dSᵀ·Q.
 template <int D, int NT>
-__device__ __forceinline__ void weights_times_rows(float (&acc)[D / 8][4], const float (&w)[NT][4],
-                                                   const bf16* b_tile, int b_row0, int lane) {
+__device__ __forceinline__ void weights_times_rows(float (&acc)[D / 8][4], const float (&w)[NT][4], SmemBase b_tile,
+                                                   int b_row0, const LaneLdsm<D>& ln) {
 #pragma unroll
   for (int s = 0; s < NT / 2; ++s) {  // k-step s: columns 16s..16s+15 of W
     uint32_t a[4];
@@ -187,7 +199,7 @@ __device__ __forceinline__ void weights_times_rows(float (&acc)[D / 8][4], const
 #pragma unroll
     for (int dp = 0; dp < D / 16; ++dp) {
       uint32_t b[4];
-      ldmatrix_x4_trans(b, tile_chunk<D>(b_tile, b_row0 + 16 * s + ldsm_a_row(lane), 2 * dp + ldsm_a_chunk(lane)));
+      ldmatrix_x4_trans_at(b, b_tile, ln.a.at(b_row0 + 16 * s, dp));
       mma_bf16_16816(acc[2 * dp], a, b[0], b[1]);
       mma_bf16_16816(acc[2 * dp + 1], a, b[2], b[3]);
     }
@@ -360,6 +372,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const Params p) {
   const int64_t qb = p.nb - 1 - static_cast<int64_t>(blockIdx.x);  // the longest rows first
   const int h = blockIdx.y, kv = h / p.group;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const LaneLdsm<D> ldsm(lane);
   const int64_t q0 = block_begin(qb);
   const int nq = static_cast<int>(block_size(p.T, qb));
 
@@ -417,7 +430,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const Params p) {
     const bool all_allowed = walk_bit(sFull, kb);
 
     float s[kBlock / 8][4] = {};
-    frags_times_rows_t<D, kBlock / 8>(s, qf, k_s, 0, lane);
+    frags_times_rows_t<D, kBlock / 8>(s, qf, smem_base(k_s), 0, ldsm);
 
     query_row_logits(s, lane, t, doc_t, i0, lb_s, ncl_s, doc_s, all_allowed, p.scale2);
     float mx[2], alpha[2];
@@ -429,7 +442,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const Params p) {
     for (int nt = 0; nt < D / 8; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) o_acc[nt][e] *= alpha[e / 2];
-    weights_times_rows<D, kBlock / 8>(o_acc, s, v_s, 0, lane);
+    weights_times_rows<D, kBlock / 8>(o_acc, s, smem_base(v_s), 0, ldsm);
 
     if (prefetch) stage_keys(next_row, stage ^ 1);
     __syncthreads();  // every warp is done with this stage before the next iteration refills it
@@ -469,6 +482,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const Params p) {
   const int64_t qb = p.nb - 1 - static_cast<int64_t>(blockIdx.x);
   const int h = blockIdx.y, kv = h / p.group;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const LaneLdsm<D> ldsm(lane);
   const int64_t q0 = block_begin(qb);
   const int nq = static_cast<int>(block_size(p.T, qb));
 
@@ -521,10 +535,10 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const Params p) {
 
     float s[kBlock / 8][4] = {};
     float dp[kBlock / 8][4] = {};
-    rows_times_rows_t<D, kBlock / 8>(s, sQ, warp * kRowsPerWarp, k_s, 0, lane);    // Q·Kᵀ
-    rows_times_rows_t<D, kBlock / 8>(dp, sdO, warp * kRowsPerWarp, v_s, 0, lane);  // dO·Vᵀ
+    rows_times_rows_t<D, kBlock / 8>(s, smem_base(sQ), warp * kRowsPerWarp, smem_base(k_s), 0, ldsm);    // Q·Kᵀ
+    rows_times_rows_t<D, kBlock / 8>(dp, smem_base(sdO), warp * kRowsPerWarp, smem_base(v_s), 0, ldsm);  // dO·Vᵀ
     query_row_dscores(s, dp, lane, t, doc_t, i0, lb_s, ncl_s, doc_s, all_allowed, p.scale2, lse2, delta);  // s = dS
-    weights_times_rows<D, kBlock / 8>(dq_acc, s, k_s, 0, lane);  // dS·K
+    weights_times_rows<D, kBlock / 8>(dq_acc, s, smem_base(k_s), 0, ldsm);  // dS·K
 
     if (prefetch) stage_keys(next_row, stage ^ 1);
     __syncthreads();
@@ -564,6 +578,7 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(const Params p) {
   const int64_t kb = blockIdx.x;  // early key blocks meet the most query blocks: first
   const int kv = blockIdx.y;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const LaneLdsm<D> ldsm(lane);
   const int64_t i0 = block_begin(kb);
   const int nk = static_cast<int>(block_size(p.T, kb));
 
@@ -651,11 +666,11 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(const Params p) {
       const int c0 = sub * kSub;  // query columns c0 .. c0 + kSub of the tile
       float s[kSubTiles][4] = {};
       float dp[kSubTiles][4] = {};
-      rows_times_rows_t<D, kSubTiles>(s, sK, warp * kRowsPerWarp, q_s, c0, lane);    // K·Qᵀ
-      rows_times_rows_t<D, kSubTiles>(dp, sV, warp * kRowsPerWarp, do_s, c0, lane);  // V·dOᵀ
+      rows_times_rows_t<D, kSubTiles>(s, smem_base(sK), warp * kRowsPerWarp, smem_base(q_s), c0, ldsm);    // K·Qᵀ
+      rows_times_rows_t<D, kSubTiles>(dp, smem_base(sV), warp * kRowsPerWarp, smem_base(do_s), c0, ldsm);  // V·dOᵀ
       key_row_grads(s, dp, lane, i, doc_i, lb2, q0, c0, lse2_s, delta_s, doc_s, all_allowed, p.scale2, dlb_tile);
-      weights_times_rows<D, kSubTiles>(dv_acc, s, do_s, c0, lane);  // Pᵀ·dO
-      weights_times_rows<D, kSubTiles>(dk_acc, dp, q_s, c0, lane);  // dSᵀ·Q
+      weights_times_rows<D, kSubTiles>(dv_acc, s, smem_base(do_s), c0, ldsm);  // Pᵀ·dO
+      weights_times_rows<D, kSubTiles>(dk_acc, dp, smem_base(q_s), c0, ldsm);  // dSᵀ·Q
     }
     dlb[0] += static_cast<double>(dlb_tile[0]);
     dlb[1] += static_cast<double>(dlb_tile[1]);

@@ -23,6 +23,16 @@ inline void ldmatrix_x4_trans(uint32_t (&r)[4], const void* row_addr) { cuda_emu
 inline void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   cuda_emu::mma_bf16_16816(d, a, b0, b1);
 }
+// A shared-memory tile as ldmatrix addresses it: here a pointer, on the device a 32-bit
+// shared-window address (set once per tile, so a load is base + offset).
+using SmemBase = const unsigned char*;
+inline SmemBase smem_base(const void* tile) { return static_cast<SmemBase>(tile); }
+inline void ldmatrix_x4_at(uint32_t (&r)[4], SmemBase base, uint32_t byte_offset) {
+  cuda_emu::ldmatrix_x4(r, base + byte_offset, false);
+}
+inline void ldmatrix_x4_trans_at(uint32_t (&r)[4], SmemBase base, uint32_t byte_offset) {
+  cuda_emu::ldmatrix_x4(r, base + byte_offset, true);
+}
 #else
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -54,6 +64,21 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(smem_addr(row_addr)));
+}
+
+// ldmatrix at a tile's shared-window address plus a byte offset (kernels/cuda/attention_tiles.h
+// LdsmLane): one add per load, the tile's address converted once.
+using SmemBase = uint32_t;
+__device__ __forceinline__ SmemBase smem_base(const void* tile) { return smem_addr(tile); }
+__device__ __forceinline__ void ldmatrix_x4_at(uint32_t (&r)[4], SmemBase base, uint32_t byte_offset) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(base + byte_offset));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans_at(uint32_t (&r)[4], SmemBase base, uint32_t byte_offset) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(base + byte_offset));
 }
 
 // d += a · b for one 16×8 fp32 tile (a: 16×16 bf16, b: 16×8 bf16).

@@ -268,6 +268,26 @@ TEST(AttentionTiles, WalkBitsWalkLikeTheFilter) {
   }
 }
 
+// LdsmLane's split address (four lane values + a constant) is the swizzled chunk of every
+// row block r0 (a multiple of 8) and k-step, for both ldmatrix patterns and every lane.
+template <int D>
+void check_ldsm_lane() {
+  for (int lane = 0; lane < 32; ++lane)
+    for (int pattern = 0; pattern < 2; ++pattern) {
+      const int row = pattern == 0 ? ldsm_a_row(lane) : ldsm_b_row(lane);
+      const int chunk = pattern == 0 ? ldsm_a_chunk(lane) : ldsm_b_chunk(lane);
+      const LdsmLane<D> l(row, chunk);
+      for (int r0 = 0; r0 + 16 <= kBlock; r0 += 8)
+        for (int k = 0; k < D / 16; ++k)
+          ASSERT_EQ(l.at(r0, k), static_cast<uint32_t>(16 * swizzled_chunk(r0 + row, 2 * k + chunk, D / 8)))
+              << "D " << D << " lane " << lane << " pattern " << pattern << " r0 " << r0 << " k " << k;
+    }
+}
+TEST(AttentionTiles, LdsmLaneAddressesAreTheSwizzledChunks) {
+  check_ldsm_lane<64>();
+  check_ldsm_lane<128>();
+}
+
 TEST(AttentionTiles, SwizzleIsAConflictFreePermutation) {
   for (int chunks : {8, 16}) {
     for (int row = 0; row < kBlock; ++row) {

@@ -7,7 +7,8 @@ counts are worked out by hand below (exit 0 or 1).
 With --object OBJ (the compiled gated_attention.cu): the attention kernels' tile loops, read
 from the real sm_90a SASS, hold the mma.sync count their tile math implies, no register spills,
 no global load in front of a tile but the prefetched row, and stay below the instruction
-budget per HMMA they were tuned to (kernels/cuda/gated_attention.cu; docs/benchmarks.md).
+budget per HMMA they were tuned to, with no register spills in the innermost tile loop
+(kernels/cuda/gated_attention.cu; docs/benchmarks.md).
 Exits 77 (skipped) when no cuobjdump is found (PATH, /usr/local/cuda/bin, --cuobjdump).
 """
 import argparse
@@ -113,12 +114,12 @@ def find_cuobjdump(given):
 # plus 15 % for other compiler versions. Before tuning, forward<128> issued ≈ 11.6.
 KERNELS = {
     # kernel: (HMMA per iteration of its innermost tile loop, budget per HMMA)
-    "forward_kernelILi128": (2 * 8 * 8, 6.73),        # S = Q·Kᵀ, O += P·V
-    "forward_kernelILi64": (2 * 8 * 4, 9.12),
-    "dq_kernelILi128": (3 * 8 * 8, 4.83),             # Q·Kᵀ, dO·Vᵀ, dS·K
-    "dq_kernelILi64": (3 * 8 * 4, 6.68),
-    "dkdv_kernelILi128": (4 * 2 * 8, 4.12),           # per 16-query sub-tile: 4 products
-    "dkdv_kernelILi64": (4 * 4 * 4, 5.52),            # per 32-query sub-tile
+    "forward_kernelILi128": (2 * 8 * 8, 5.29),        # S = Q·Kᵀ, O += P·V
+    "forward_kernelILi64": (2 * 8 * 4, 8.53),
+    "dq_kernelILi128": (3 * 8 * 8, 3.74),             # Q·Kᵀ, dO·Vᵀ, dS·K
+    "dq_kernelILi64": (3 * 8 * 4, 5.76),
+    "dkdv_kernelILi128": (4 * 2 * 8, 3.44),           # per 16-query sub-tile: 4 products
+    "dkdv_kernelILi64": (4 * 4 * 4, 4.55),            # per 32-query sub-tile
 }
 
 
@@ -139,14 +140,15 @@ def object_tests(obj, cuobjdump):
             failures.append(f"{key}: {len(names)} kernels match")
             continue
         r = sass_report.analyse(names[0], funcs[names[0]], res)
-        check(r.get("local") == 0 and r.get("stack") == 0, f"{key}: no spills (local {r.get('local')}, "
-              f"stack {r.get('stack')})", failures)
+        check(r.get("local") == 0, f"{key}: no local memory ({r.get('local')} B)", failures)
         tile_loops = [l for l in r["loops"] if l["paths"] and l["paths"][0]["hmma"]]
         innermost = max(tile_loops, key=lambda l: l["depth"]) if tile_loops else None
         if innermost is None:
             failures.append(f"{key}: no loop with HMMA")
             continue
         top = innermost["paths"][0]
+        spills = sum(top["mix"].get(op, 0) for op in ("LDL", "STL"))
+        check(spills == 0, f"{key}: {spills} register spill loads/stores in the innermost tile loop", failures)
         check(top["hmma"] == hmma, f"{key}: {top['hmma']} HMMA per iteration, the tile math gives {hmma}", failures)
         outer = min(tile_loops, key=lambda l: l["depth"])
         steady = outer["paths"][0]
@@ -157,7 +159,7 @@ def object_tests(obj, cuobjdump):
         check(per_hmma <= budget * 1.15, f"{key}: {per_hmma} instructions per HMMA, budget {budget} + 15 %",
               failures)
         print(f"{key}: {top['hmma']} HMMA per iteration, {per_hmma} instructions per HMMA (budget {budget}), "
-              f"{r['regs']} registers")
+              f"{r['regs']} registers, stack {r['stack']} B")
     return failures
 
 
