@@ -94,7 +94,8 @@ RETAIN_UNROLL
 // One online-softmax step: tile_max = the rows' maxima over this tile (whole quad), m the
 // running maxima (−inf: nothing allowed yet), l this lane's running partial sums relative to
 // m. Logits in s become probabilities relative to the new maxima; alpha = exp2(m_old − m_new)
-// rescales what was accumulated before (0 when nothing was). A row with nothing allowed so far
+// rescales what was accumulated before (0 when nothing was; exactly 1 when the maximum held,
+// which the forward kernel tests to skip the rescale). A row with nothing allowed so far
 // keeps m = −inf and uses 0 as its reference, so no −inf − (−inf) ever occurs.
 template <int NT>
 RETAIN_HD void online_softmax_step(float (&s)[NT][4], const float (&tile_max)[2], float (&m)[2], float (&l)[2],
@@ -104,7 +105,7 @@ RETAIN_UNROLL
   for (int x = 0; x < 2; ++x) {
     const float m_new = fmaxf(m[x], tile_max[x]);
     m_use[x] = m_new == -INFINITY ? 0.0f : m_new;
-    alpha[x] = exp2_ftz(m[x] - m_use[x]);
+    alpha[x] = m_new == m[x] ? 1.0f : exp2_ftz(m[x] - m_use[x]);  // exactly 1 when the maximum held
     m[x] = m_new;
   }
   float rowsum[2] = {0.0f, 0.0f};

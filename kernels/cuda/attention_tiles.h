@@ -200,6 +200,29 @@ RETAIN_HD int64_t next_walk_bit(const uint32_t* bits, int64_t from, int64_t end)
 }
 RETAIN_HD bool walk_bit(const uint32_t* bits, int64_t b) { return (bits[b / 32] >> (b % 32)) & 1u; }
 
+RETAIN_HD int count_leading_zeros(uint32_t w) {  // w ≠ 0
+#if defined(__CUDA_ARCH__)
+  return __clz(w);
+#else
+  return __builtin_clz(w);
+#endif
+}
+
+// The last set bit b ≤ from with b ≥ lo, or lo − 1 when there is none (from < the walk's hi;
+// lo ≥ 0). The forward walks its key blocks from the diagonal down with it (see forward_kernel).
+RETAIN_HD int64_t prev_walk_bit(const uint32_t* bits, int64_t from, int64_t lo) {
+  while (from >= lo) {
+    const int shift = 31 - static_cast<int>(from % 32);
+    const uint32_t w = bits[from / 32] << shift;  // bits ≤ from, at the top
+    if (w != 0) {
+      const int64_t b = from - count_leading_zeros(w);
+      return b >= lo ? b : lo - 1;
+    }
+    from = from / 32 * 32 - 1;
+  }
+  return lo - 1;
+}
+
 // next_head_block on a key block's walk (r = query_walk_range, first_qb its first set bit).
 RETAIN_HD HeadBlock next_walk_head_block(const uint32_t* visit, WalkRange r, int64_t first_qb, HeadBlock at) {
   const int64_t qb = next_walk_bit(visit, at.qb + 1, r.hi);

@@ -168,7 +168,8 @@ TEST(AttentionTiles, ScheduleVisitsExactlyTheTilesThatMatter) {
 
 // Each row's chunks are a permutation of that row's slots, and the 8 chunks an ldmatrix reads
 // (same logical chunk, 8 consecutive rows) fall in 8 distinct bank groups.
-// next_walk_bit finds the first set bit in [from, end) of random words, across word edges.
+// next_walk_bit finds the first set bit in [from, end) of random words, prev_walk_bit the last
+// in [lo, from], across word edges.
 TEST(AttentionTiles, NextWalkBitIsTheFirstSetBit) {
   std::mt19937 rng(4);
   for (int round = 0; round < 200; ++round) {
@@ -183,6 +184,16 @@ TEST(AttentionTiles, NextWalkBitIsTheFirstSetBit) {
             break;
           }
         ASSERT_EQ(next_walk_bit(words, from, end), want) << "from " << from << " end " << end;
+      }
+    for (int64_t lo = 0; lo <= 95; ++lo)  // prev_walk_bit: the last set bit in [lo, from]
+      for (int64_t from = lo - 1; from <= 95; ++from) {
+        int64_t want = lo - 1;
+        for (int64_t b = from; b >= lo; --b)
+          if ((words[b / 32] >> (b % 32)) & 1u) {
+            want = b;
+            break;
+          }
+        ASSERT_EQ(prev_walk_bit(words, from, lo), want) << "from " << from << " lo " << lo;
       }
   }
 }
@@ -232,13 +243,20 @@ TEST(AttentionTiles, WalkBitsWalkLikeTheFilter) {
           const WalkRange walk = key_walk_range(f, qb);
           fill_walk_like_the_kernel(visit, full, walk, [&](int64_t kb) { return walk_bits(f, qb, kb); });
           int64_t want = next_key_block(f, qb, 0);
+          std::vector<int64_t> forward_order;
           for (int64_t kb = next_walk_bit(visit.data(), walk.lo, walk.hi); kb < walk.hi;
                kb = next_walk_bit(visit.data(), kb + 1, walk.hi)) {
             ASSERT_EQ(kb, want) << "query block " << qb;
             ASSERT_EQ(walk_bit(full.data(), kb), tile_all_allowed(r.data(), qb, kb));
             want = next_key_block(f, qb, kb + 1);
+            forward_order.push_back(kb);
           }
           ASSERT_GT(want, qb) << "query block " << qb << ": the bits ended early";
+          std::vector<int64_t> backward_order;  // the forward kernel's order: diagonal first
+          for (int64_t kb = prev_walk_bit(visit.data(), walk.hi - 1, walk.lo); kb >= walk.lo;
+               kb = prev_walk_bit(visit.data(), kb - 1, walk.lo))
+            backward_order.push_back(kb);
+          ASSERT_EQ(backward_order, std::vector<int64_t>(forward_order.rbegin(), forward_order.rend()));
           for (int64_t kb = 0; kb <= qb; ++kb) skipped += tile_visited(r.data(), qb, kb) && !visits(f, qb, kb);
         }
         if (skip && T >= 4100) {

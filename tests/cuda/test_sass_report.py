@@ -111,11 +111,11 @@ def find_cuobjdump(given):
 # rows, m16n8k16: a 16 × 64 × d product is 8 n-tiles × d/16 k-steps), and the instruction
 # budget per HMMA on the steady-state unmasked path (the fewest instructions over the paths
 # that issue every copy): the values measured when these kernels were tuned (nvcc 13.0),
-# plus 15 % for other compiler versions. Before tuning, forward<128> issued ≈ 11.6.
+# plus 15 % for other compiler versions (before tuning, forward<128> issued ≥ 10 per HMMA).
 KERNELS = {
     # kernel: (HMMA per iteration of its innermost tile loop, budget per HMMA)
-    "forward_kernelILi128": (2 * 8 * 8, 5.29),        # S = Q·Kᵀ, O += P·V
-    "forward_kernelILi64": (2 * 8 * 4, 8.53),
+    "forward_kernelILi128": (2 * 8 * 8, 4.99),        # S = Q·Kᵀ, O += P·V
+    "forward_kernelILi64": (2 * 8 * 4, 8.27),
     "dq_kernelILi128": (3 * 8 * 8, 3.74),             # Q·Kᵀ, dO·Vᵀ, dS·K
     "dq_kernelILi64": (3 * 8 * 4, 5.76),
     "dkdv_kernelILi128": (4 * 2 * 8, 3.44),           # per 16-query sub-tile: 4 products
