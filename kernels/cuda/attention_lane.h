@@ -14,27 +14,13 @@
 #include <cstdint>
 
 #include "kernels/cuda/attention_tiles.h"
+#include "kernels/cuda/fast_exp2.h"
 
 namespace retain::cuda::tiles {
 
-inline constexpr float kLog2e = 1.4426950408889634f;
 inline constexpr float kLn2 = 0.6931471805599453f;
-
-// 2^x for the probabilities, with results below the smallest normal float flushed to 0: on
-// the device one MUFU.EX2 (ex2.approx.ftz). exp2f without fast math wraps the same MUFU in a
-// range test and two multiplies for subnormal results (four instructions per score element,
-// kernels/cuda/sass_report.py); a probability below 2^-126 of the row's maximum adds nothing
-// a bf16 P could hold. The host (tests, the CUDA emulator) flushes the same way.
-RETAIN_HD float exp2_ftz(float x) {
-#if defined(__CUDA_ARCH__)
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-#else
-  const float y = exp2f(x);
-  return y < 1.17549435e-38f ? 0.0f : y;  // FLT_MIN
-#endif
-}
+using cuda::exp2_ftz;  // one MUFU.EX2 per probability (kernels/cuda/fast_exp2.h)
+using cuda::kLog2e;
 
 // ---- what the kernels stage per key -------------------------------------------------------
 // lb2 = logβ·log2 e, clamped at kMinLb2 so that a −inf logβ stays finite in the unmasked tiles'

@@ -121,7 +121,7 @@ __global__ void __launch_bounds__(32 * kHeadsPerBlock) sums_kernel(SumsArgs a) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int kappa = z * W + warp;
   const bool active = kappa < K;  // the last head group may be partial
-  __shared__ float s_lb[kHeadsPerBlock][kTile];
+  __shared__ float s_lb[kHeadsPerBlock][kTile];  // staged_lb2: logβ·log2 e
   __shared__ float s_beta[kHeadsPerBlock][kTile];
   __shared__ int32_t s_doc[kTile];
   __shared__ double s_tot[kHeadsPerBlock][kTile];
@@ -146,7 +146,7 @@ __global__ void __launch_bounds__(32 * kHeadsPerBlock) sums_kernel(SumsArgs a) {
       const int64_t i = i0 + j;
       const int k = z * W + w;
       const float v = i < T && k < K ? a.lb[(l * T + i) * K + k] : -INFINITY;
-      s_lb[w][j] = v;
+      s_lb[w][j] = staged_lb2(v);
       s_beta[w][j] = expf(v);
     }
     for (int j = threadIdx.x; j < kTile; j += blockDim.x) s_doc[j] = i0 + j < T ? key_doc(a.doc[i0 + j]) : kPadKey;
@@ -304,8 +304,9 @@ __global__ void __launch_bounds__(32 * kHeadsPerBlock) grads_kernel(GradArgs a) 
   for (int j = 0; j < kRun; ++j) {
     const int64_t i = i0 + j;
     const bool real = active && i < T;
-    lbk[j] = real ? a.lb[(l * T + i) * K + kappa] : -INFINITY;
-    bk[j] = expf(lbk[j]);
+    const float v = real ? a.lb[(l * T + i) * K + kappa] : -INFINITY;
+    lbk[j] = staged_lb2(v);
+    bk[j] = expf(v);
     kdoc[j] = real ? key_doc(a.doc[i]) : kPadKey;
   }
   double acc[kRun] = {0, 0, 0, 0};

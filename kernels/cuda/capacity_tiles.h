@@ -14,25 +14,28 @@
 // kPartial = 64 terms per row in float32 (≤ 63u = 3.8e-6 relative, worst case; ~√64·u typical)
 // and then adds that partial into a float64 accumulator (the CPU sums in float64 throughout).
 // Each term is computed as
-//   e(t0) = expf(fl((t0 − i)·logβ_i))   (the CPU's exact formula; CUDA expf: ≤ 2 ulp)
+//   e(t0) = exp2_ftz(fl((t0 − i)·lb2_i)),  lb2_i = fl(logβ_i·log2 e)   (one MUFU.EX2:
+//           ≤ 2 ulp, results below 2^-126 flushed to 0; kernels/cuda/fast_exp2.h)
 //   e(t0 + r) = e(t0 + r − 1)·β_i,  β_i = expf(logβ_i),  r = 1..3
 // along the 4 consecutive rows of a run: 3 products, each adding ≤ 2 ulp (β) + 0.5 ulp
 // (rounding), so a term carries ≤ 10 ulp (1.2e-6) of multiplicative error, plus the exponent's:
-// the CPU rounds y = (t − i)·|logβ| once, the recurrence effectively rounds it differently,
-// an exponent difference ≤ 2u·y, i.e. a relative term error ≤ 2u·y. Over a row of S the terms
-// weigh e^-y, and the i = t term (y = 0, weight 1) bounds the weighted mean of y by ln T + 1
-// ≤ 18 for T < 2^24, so this adds ≤ 36u = 2.1e-6. Worst case ≤ 7.1e-6 relative on S, inside
-// the tests' 1e-5; typical errors are ~1e-7. dlogβ has the same per-term bounds; only an
-// entry whose terms all have y ≫ 18 (a steep key, gradient ~e^-y) can exceed them, by
-// 2u·y, and such entries weigh nothing in a norm-wise comparison. The recurrence
-// replaces three of every four expf (MUFU) by one FMUL, which makes the kernels FMA-bound
-// instead of MUFU-bound.
+// the CPU rounds y = (t − i)·|logβ| once; here lb2's rounding and the product's round it
+// twice and the recurrence once more, an exponent difference ≤ 3u·y, i.e. a relative term
+// error ≤ 3u·y. Over a row of S the terms weigh e^-y, and the i = t term (y = 0, weight 1)
+// bounds the weighted mean of y by ln T + 1 ≤ 18 for T < 2^24, so this adds ≤ 54u = 3.2e-6.
+// Worst case ≤ 8.2e-6 relative on S, inside the tests' 1e-5; typical errors are ~1e-7.
+// dlogβ has the same per-term bounds; only an entry whose terms all have y ≫ 18 (a steep key,
+// gradient ~e^-y) can exceed them, by 3u·y, and such entries weigh nothing in a norm-wise
+// comparison. The recurrence replaces three of every four exponentials by one FMUL, and the
+// exponential is one MUFU.EX2 rather than expf's eight instructions (range reduction around
+// the MUFU), which leaves the loops FMA-bound.
 // The recurrence is only used off the diagonal (t0 − i ≥ 1), so logβ = −inf gives 0·0 = 0,
 // never −inf·0 = NaN; diagonal tiles evaluate every term directly and add the i = t term as 1.
 #pragma once
 #include <cmath>
 #include <cstdint>
 
+#include "kernels/cuda/fast_exp2.h"
 #include "kernels/cuda/host_device.h"
 
 namespace retain::cuda::capacity {
@@ -59,6 +62,10 @@ RETAIN_HD int32_t key_doc(int32_t d) { return d < 0 ? kPadKey : d; }
 RETAIN_HD int32_t row_doc(int32_t d) { return d < 0 ? kPadRow : d; }
 
 RETAIN_HD int64_t tile_count(int64_t T) { return (T + kTile - 1) / kTile; }
+
+// What the kernels stage per key for the exponentials: logβ·log2 e (−inf stays −inf: every
+// staged key meets only rows t > i, so its terms are exp2(−inf) = 0, never 0·−inf).
+RETAIN_HD float staged_lb2(float log_beta) { return log_beta * kLog2e; }
 
 // The document ids among the non-padding tokens of a tile, as [lo, hi], like cpu::DocRange:
 // two tiles can hold an allowed pair only if their ranges intersect (any document layout).
@@ -88,22 +95,24 @@ RETAIN_HD bool tile_negligible(int64_t qb, int64_t kb, float key_max, double exp
 }
 
 // ---- sums: one lane, kRun rows t0 .. t0+3, one key tile of n keys starting at i0 ----------
-// lb, beta, kdoc: the key tile in shared memory (beta = expf(lb), kdoc = key_doc(doc));
+// lb2, beta, kdoc: the key tile in shared memory (lb2 = staged_lb2(logβ), beta = expf(logβ),
+// kdoc = key_doc(doc));
 // rdoc: row_doc of the lane's rows (kPadRow for rows ≥ T); acc: float64 sums of the rows.
 // Off the diagonal (every i < t0) with one document: no masks.
-RETAIN_HD void lane_sums_off_diagonal(const float* lb, const float* beta, const int32_t* kdoc, int64_t i0,
+RETAIN_HD void lane_sums_off_diagonal(const float* lb2, const float* beta, const int32_t* kdoc, int64_t i0,
                                           int n, int64_t t0, const int32_t* rdoc, bool one_document,
                                           double* acc) {
   for (int c = 0; c < n; c += kPartial) {
     float p[kRun] = {0, 0, 0, 0};
     const int end = c + kPartial < n ? c + kPartial : n;
     // x0 = t0 − (i0 + j) ≥ 1, counted down in float32: integers below 2^24 are exact, and
-    // this avoids an int64 → float conversion per key.
+    // this avoids an int64 → float conversion per key. The document test is outside the key
+    // loop (one loop per case), not a branch per key.
     float x0 = static_cast<float>(t0 - i0 - c);
-    for (int j = c; j < end; ++j, x0 -= 1.0f) {
-      const float b = beta[j];
-      float e = expf(x0 * lb[j]);
-      if (one_document) {
+    if (one_document) {
+      for (int j = c; j < end; ++j, x0 -= 1.0f) {
+        const float b = beta[j];
+        float e = exp2_ftz(x0 * lb2[j]);
         p[0] += e;
         e *= b;
         p[1] += e;
@@ -111,7 +120,11 @@ RETAIN_HD void lane_sums_off_diagonal(const float* lb, const float* beta, const 
         p[2] += e;
         e *= b;
         p[3] += e;
-      } else {
+      }
+    } else {
+      for (int j = c; j < end; ++j, x0 -= 1.0f) {
+        const float b = beta[j];
+        float e = exp2_ftz(x0 * lb2[j]);
         const int32_t d = kdoc[j];
         for (int r = 0; r < kRun; ++r) {
           p[r] += rdoc[r] == d ? e : 0.0f;
@@ -124,7 +137,7 @@ RETAIN_HD void lane_sums_off_diagonal(const float* lb, const float* beta, const 
 }
 
 // The diagonal tile (keys i0 .. i0+n−1 cover the lane's rows): pairs i < t evaluated directly.
-RETAIN_HD void lane_sums_diagonal(const float* lb, const int32_t* kdoc, int64_t i0, int n, int64_t t0,
+RETAIN_HD void lane_sums_diagonal(const float* lb2, const int32_t* kdoc, int64_t i0, int n, int64_t t0,
                                       const int32_t* rdoc, double* acc) {
   for (int c = 0; c < n; c += kPartial) {
     float p[kRun] = {0, 0, 0, 0};
@@ -133,7 +146,7 @@ RETAIN_HD void lane_sums_diagonal(const float* lb, const int32_t* kdoc, int64_t 
       const int64_t i = i0 + j;
       for (int r = 0; r < kRun; ++r) {
         const int64_t t = t0 + r;
-        if (i < t && rdoc[r] == kdoc[j]) p[r] += expf(static_cast<float>(t - i) * lb[j]);
+        if (i < t && rdoc[r] == kdoc[j]) p[r] += exp2_ftz(static_cast<float>(t - i) * lb2[j]);
       }
     }
     for (int r = 0; r < kRun; ++r) acc[r] += static_cast<double>(p[r]);
@@ -149,21 +162,22 @@ RETAIN_HD void lane_self_terms(const int32_t* rdoc, double* acc) {
 
 // ---- backward: one lane, kRun keys i0 .. i0+3, one query tile of n rows starting at t0 -----
 // Adds Σ_t g_t·(t − i)·exp((t − i)·logβ_i) over the tile's rows t > i with doc_t == doc_i.
-// g, rdoc: the query tile in shared memory (g = 0 and rdoc = kPadRow beyond T); lb, beta,
-// kdoc: the lane's keys (kdoc = kPadKey for keys ≥ T). Off the diagonal every t > every i.
-RETAIN_HD void lane_grads_off_diagonal(const float* g, const int32_t* rdoc, int64_t t0, int n, int64_t i0,
-                                           const float* lb, const float* beta, const int32_t* kdoc,
-                                           bool one_document, double* acc) {
+// g, rdoc: the query tile in shared memory (g = 0 and rdoc = kPadRow beyond T); lb2 (staged_lb2),
+// beta, kdoc: the lane's keys (kdoc = kPadKey for keys ≥ T). Off the diagonal every t > every i.
+// kOneDocument: every pair shares one document (no per-term test; one instance per case).
+template <bool kOneDocument>
+RETAIN_HD void lane_grads_partials(const float* g, const int32_t* rdoc, int64_t t0, int n, int64_t i0,
+                                   const float* lb2, const float* beta, const int32_t* kdoc, double* acc) {
   for (int c = 0; c < n; c += kPartial) {
     float p[kRun] = {0, 0, 0, 0};
     const int end = c + kPartial < n ? c + kPartial : n;
     const float base = static_cast<float>(t0 - i0 + c);  // t0 + s − i0 at s = c, exact (< 2^24)
-    for (int s = c; s < end; s += kRun) {  // kRun consecutive rows: one expf, then products
+    for (int s = c; s < end; s += kRun) {  // kRun consecutive rows: one exponential, then products
       for (int j = 0; j < kRun; ++j) {
         float x = base + static_cast<float>(s - c - j);  // t0 + s − (i0 + j) ≥ 1, exact
-        float e = expf(x * lb[j]);
+        float e = exp2_ftz(x * lb2[j]);
         for (int r = 0; r < kRun && s + r < end; ++r) {
-          const float gr = one_document || rdoc[s + r] == kdoc[j] ? g[s + r] : 0.0f;
+          const float gr = kOneDocument || rdoc[s + r] == kdoc[j] ? g[s + r] : 0.0f;
           p[j] += (gr * x) * e;
           x += 1.0f;
           e *= beta[j];
@@ -173,10 +187,18 @@ RETAIN_HD void lane_grads_off_diagonal(const float* g, const int32_t* rdoc, int6
     for (int j = 0; j < kRun; ++j) acc[j] += static_cast<double>(p[j]);
   }
 }
+RETAIN_HD void lane_grads_off_diagonal(const float* g, const int32_t* rdoc, int64_t t0, int n, int64_t i0,
+                                           const float* lb2, const float* beta, const int32_t* kdoc,
+                                           bool one_document, double* acc) {
+  if (one_document)
+    lane_grads_partials<true>(g, rdoc, t0, n, i0, lb2, beta, kdoc, acc);
+  else
+    lane_grads_partials<false>(g, rdoc, t0, n, i0, lb2, beta, kdoc, acc);
+}
 
 // The diagonal tile: pairs t > i evaluated directly (the t = i term has factor t − i = 0).
 RETAIN_HD void lane_grads_diagonal(const float* g, const int32_t* rdoc, int64_t t0, int n, int64_t i0,
-                                       const float* lb, const int32_t* kdoc, double* acc) {
+                                       const float* lb2, const int32_t* kdoc, double* acc) {
   for (int c = 0; c < n; c += kPartial) {
     float p[kRun] = {0, 0, 0, 0};
     const int end = c + kPartial < n ? c + kPartial : n;
@@ -186,7 +208,7 @@ RETAIN_HD void lane_grads_diagonal(const float* g, const int32_t* rdoc, int64_t 
         const int64_t i = i0 + j;
         if (t > i && rdoc[s] == kdoc[j]) {
           const float x = static_cast<float>(t - i);
-          p[j] += (g[s] * x) * expf(x * lb[j]);
+          p[j] += (g[s] * x) * exp2_ftz(x * lb2[j]);
         }
       }
     }

@@ -100,8 +100,9 @@ Sums emulate_sums(const Problem& p, const TileInfo& info) {
             const int64_t i0 = kb * cap::kTile;
             for (int j = 0; j < cap::kTile; ++j) {  // the shared-memory key tile
               const int64_t i = i0 + j;
-              s_lb[j] = i < T ? p.lb[(l * T + i) * K + kappa] : -INFINITY;
-              s_beta[j] = std::exp(s_lb[j]);
+              const float v = i < T ? p.lb[(l * T + i) * K + kappa] : -INFINITY;
+              s_lb[j] = cap::staged_lb2(v);
+              s_beta[j] = std::exp(v);
               s_doc[j] = i < T ? cap::key_doc(p.doc[i]) : cap::kPadKey;
             }
             if (kb == qb)
@@ -133,8 +134,9 @@ std::vector<double> emulate_grads(const Problem& p, const TileInfo& info, const 
           int32_t kdoc[cap::kRun];
           for (int j = 0; j < cap::kRun; ++j) {
             const int64_t i = i0 + j;
-            lbk[j] = i < T ? p.lb[(l * T + i) * K + kappa] : -INFINITY;
-            bk[j] = std::exp(lbk[j]);
+            const float v = i < T ? p.lb[(l * T + i) * K + kappa] : -INFINITY;
+            lbk[j] = cap::staged_lb2(v);
+            bk[j] = std::exp(v);
             kdoc[j] = i < T ? cap::key_doc(p.doc[i]) : cap::kPadKey;
           }
           double acc[cap::kRun] = {0, 0, 0, 0};
