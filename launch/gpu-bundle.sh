@@ -22,6 +22,14 @@ for b in "${bins[@]}"; do
 done
 rm -rf "$dest.tmp" && mkdir -p "$dest.tmp/bin" "$dest.tmp/lib"
 for b in "${bins[@]}"; do cp "$build/bin/$b" "$dest.tmp/bin/"; done
+# The kernels' static instruction counts per loop (launch/sass-report.sh: needs cuobjdump, or
+# pip to fetch it); gpu-verify.sh puts them beside ncu's executed-instruction counts.
+if BUILD_DIR=$build launch/sass-report.sh >"$dest.tmp/sass-report.txt" 2>/dev/null; then
+  echo "gpu-bundle: sass-report.txt (the kernels' loops from their SASS)"
+else
+  rm -f "$dest.tmp/sass-report.txt"
+  echo "gpu-bundle: no SASS report (no cuobjdump here)"
+fi
 # Libraries by the path the loader resolves here; the C and C++ runtimes (libc, libm, libdl,
 # libpthread, librt, the loader, libstdc++, libgcc_s: a newer system has newer ones, which
 # Python there needs too), the driver (libcuda), and cuBLAS and NCCL (0.7 GB; a GPU machine has

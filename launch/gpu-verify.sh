@@ -190,6 +190,13 @@ fi
 
 if phase ncu; then
   log=$out/ncu.log
+  # The same kernels' static counts (launch/sass-report.sh), to read beside ncu's
+  # smsp__inst_executed: where they disagree, the static model in docs/benchmarks.md is wrong.
+  if [ -n "$bundle" ]; then
+    if [ -f "$bundle/sass-report.txt" ]; then cp "$bundle/sass-report.txt" "$out/"; fi
+  elif ! launch/sass-report.sh >"$out/sass-report.txt" 2>>"$log"; then
+    echo "gpu-verify: no SASS report (see ncu.log)" | tee -a "$summary"
+  fi
   ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
   step "ncu: attention and capacity kernels at 32K" "$log" 600 "$ncu" --target-processes all \
     --kernel-name regex:'forward_kernel|dq_kernel|dkdv_kernel|delta_kernel|sums_kernel|grads_kernel' --launch-skip 0 --launch-count 12 \

@@ -46,5 +46,7 @@ grep -q '^RETAIN_CUDA_EMU:BOOL=ON' "$BUILD_DIR/CMakeCache.txt" 2>/dev/null &&
 cmake --build "$BUILD_DIR" --target retain_attention_cuda retain_kernels >&2
 mapfile -t objects < <(find "$BUILD_DIR/kernels" -name '*.cu.o' | sort)
 [ ${#objects[@]} -gt 0 ] || { echo "sass-report: no CUDA objects under $BUILD_DIR/kernels (is CUDA enabled?)" >&2; exit 1; }
-"$cuobjdump" --version | tail -n 1
+nvcc=$(sed -n 's/^CMAKE_CUDA_COMPILER:[A-Z]*=//p' "$BUILD_DIR/CMakeCache.txt" | head -n 1)
+echo "compiled by: $("${nvcc:-nvcc}" --version 2>/dev/null | tail -n 1)"
+echo "read by cuobjdump: $("$cuobjdump" --version | tail -n 1)"
 exec python3 kernels/cuda/sass_report.py --cuobjdump "$cuobjdump" "${args[@]}" "${objects[@]}"
