@@ -5,11 +5,14 @@
 // padding, GQA, YaRN, one and two micro-batches; the bf16-weight GPU path and the F32-weight
 // one. Tolerances are the issue's: losses 1e-3 relative, each gate gradient ≤ 2e-2 relative
 // L2 norm (the GPU rounds q, k, v, the probabilities and the bf16 path's GEMM inputs to bf16).
-// Skips (visibly) without a CUDA build or device. Not yet run: no GPU has been lent.
+// Also the device memory the backward holds against docs/memory-plan.md (StepCudaMemory).
+// Skips (visibly) without a CUDA build or device. Not yet run on a GPU: none has been lent;
+// CI runs it on the CUDA emulator (kernels/cuda/emu).
 #include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <memory>
 #include <ostream>
@@ -19,7 +22,10 @@
 
 #include <fmt/format.h>
 
+#include "kernels/cuda/memory.h"
 #include "model/device_weights.h"
+#include "model/qwen3.h"
+#include "model/student.h"
 #include "model/gates/gates.h"
 #include "model/tiny.h"
 #include "model/weights.h"
@@ -134,6 +140,91 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"dbtrimkv_accumulate", gates::GateKind::dbtrimkv, 64, 0, 2, DType::BF16},
                       Case{"trimkv_f32_weights", gates::GateKind::trimkv, 64, 0, 2, DType::F32}),
     [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
+
+// The device memory the GPU backward adds, from the stream-ordered pool's high-water mark
+// (kernels/cuda/memory.h), against docs/memory-plan.md's accounting of one layer at a time,
+// buffer by buffer (F32 A = [T, D], Q = [T, H·d], Kv = [T, K·d]; bf16 halves; c = the MLP
+// chunk, min(T, kMlpChunkTokens)), on top of dx, the running gradient:
+//   recomputation at o_proj:  stream, h, q and k before their norms, q/k/v and the attention
+//                             output in bf16, lse, gate activations, logβ, the output in F32
+//   recomputation's MLP:      the same without the F32 output, plus h2 [c, D] and three [c, I]
+//   attention backward:       h, the saved state, ∂loss/∂attention in F32 and in bf16
+// The high-water mark must be the largest of these, at most 64 KiB above it (small per-call
+// tables; a driver's pool may round allocations up) and at most 16 KiB below: above means the
+// plan misses a buffer, below that it counts one the code does not keep.
+// Three shapes, one for each point to be the highest: the MLP (every T ≤ 8,192 runs its MLP as
+// one chunk), o_proj (D > 32·H and 64·H > D + 3·I, as Qwen3-4B's o_proj point is at 128K), and
+// the attention backward (many heads on a narrow stream).
+struct MemoryCase {
+  const char* name;
+  int64_t hidden, heads, kv_heads, intermediate, gate_hidden, T;
+  const char* peak;  // which point the plan says is highest
+};
+void PrintTo(const MemoryCase& c, std::ostream* os) { *os << c.name; }
+class StepCudaMemory : public ::testing::TestWithParam<MemoryCase> {};
+
+TEST_P(StepCudaMemory, BackwardHoldsOneLayerAtATime) {
+  SKIP_WITHOUT_GPU();
+  const MemoryCase c = GetParam();
+  const fs::path dir = fs::temp_directory_path() / fmt::format("retain_step_memory_{}_{}", ::getpid(), c.name);
+  fs::remove_all(dir);
+  TinyModelOptions opt;
+  opt.layers = 2, opt.hidden = c.hidden, opt.heads = c.heads, opt.kv_heads = c.kv_heads, opt.head_dim = 64;
+  opt.intermediate = c.intermediate, opt.vocab = 300, opt.seed = 9, opt.gate_kind = gates::GateKind::trimkv;
+  opt.gate_hidden = c.gate_hidden, opt.gate_bias_init = 2.0;
+  make_tiny_model(dir.string(), opt);
+  auto ckpt = std::make_shared<const Qwen3Checkpoint>(Qwen3Checkpoint::open(dir.string()));
+  gates::RetentionGates gates = gates::RetentionGates::load((dir / "gates.safetensors").string(), ckpt->config());
+  DeviceWeightProvider weights(ckpt, DType::BF16);
+  gates.sync_to_device();
+  const int64_t T = c.T, L = opt.layers;
+  const MicroBatch mb = packed({T / 2, T / 4, T / 8}, T, opt.vocab, 3);
+  const Tensor ids = mb.ids.on(Device::CUDA), doc = mb.doc.on(Device::CUDA);
+  const StudentPass pass = student_forward(weights, gates, ids, doc);
+  std::mt19937 rng(4);
+  std::normal_distribution<float> n01(0.0f, 1.0f);
+  auto random_on_device = [&](const Shape& shape) {
+    Tensor t = Tensor::empty(shape, DType::F32);
+    for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = n01(rng);
+    return t.on(Device::CUDA);
+  };
+  const Tensor d_hidden = random_on_device({T, c.hidden}), d_log_beta = random_on_device({L, T, c.kv_heads});
+  gates.zero_grad();
+  student_backward(weights, gates, pass, d_hidden, d_log_beta);  // grows the GEMM staging to its size
+  cuda::synchronize();
+  const size_t before = cuda::device_memory_stats().in_use;
+  cuda::reset_device_memory_peak();
+  student_backward(weights, gates, pass, d_hidden, d_log_beta);
+  cuda::synchronize();
+  const cuda::DeviceMemoryStats after = cuda::device_memory_stats();
+  EXPECT_EQ(after.in_use, before) << "the backward left device memory behind";
+  const int64_t added = static_cast<int64_t>(after.peak - before);
+
+  const int64_t A = T * c.hidden * 4, Q = T * c.heads * 64 * 4, Kv = T * c.kv_heads * 64 * 4;
+  const int64_t lse = T * c.heads * 4, lb = T * c.kv_heads * 4, gate = T * c.gate_hidden * 4;
+  const int64_t chunk = std::min(T, kMlpChunkTokens);
+  const int64_t saved = Q + Kv + (Q + 2 * Kv) / 2 + Q / 2 + lse + gate + 2 * lb;  // q, k pre-norm; bf16 q, k, v, out
+  const int64_t o_proj = A /*dx*/ + 2 * A /*stream, h*/ + saved + Q /*output F32*/;
+  const int64_t mlp = A + 2 * A + saved + chunk * (c.hidden + 3 * c.intermediate) * 4;
+  const int64_t attention_backward = A + A /*h*/ + saved + Q + Q / 2;
+  const int64_t plan = std::max({o_proj, mlp, attention_backward});
+  EXPECT_LE(added, plan + (64 << 10)) << "o_proj " << o_proj << ", MLP " << mlp << ", attention backward "
+                                       << attention_backward << " bytes";
+  EXPECT_GE(added, plan - (16 << 10)) << "the plan counts more than the backward holds";
+  const char* highest = plan == o_proj ? "o_proj" : plan == mlp ? "mlp" : "attention backward";
+  EXPECT_STREQ(highest, c.peak);
+  std::printf("device backward adds %lld bytes; the plan: o_proj %lld, MLP %lld, attention backward %lld\n",
+              static_cast<long long>(added), static_cast<long long>(o_proj), static_cast<long long>(mlp),
+              static_cast<long long>(attention_backward));
+  fs::remove_all(dir);
+}
+
+INSTANTIATE_TEST_SUITE_P(Tiny, StepCudaMemory,
+                         ::testing::Values(MemoryCase{"mlp_peak", 96, 4, 1, 320, 40, 1024, "mlp"},
+                                           MemoryCase{"oproj_peak", 288, 8, 2, 64, 40, 1024, "o_proj"},
+                                           MemoryCase{"attention_backward_peak", 96, 32, 4, 192, 40, 256,
+                                                      "attention backward"}),
+                         [](const ::testing::TestParamInfo<MemoryCase>& info) { return std::string(info.param.name); });
 
 // Asking for the model on a GPU where there is none: one line, no crash.
 TEST(StepCudaNoDevice, DeviceWeightsWithoutAGpuSayWhy) {

@@ -63,6 +63,16 @@ bool touches_device_memory(const void* p, size_t bytes) {
   return it->first + it->second > a;
 }
 
+// RETAIN_CUDA_EMU_TRACE_ALLOC=1: one stderr line per device allocation and free, with the
+// bytes in use after it, to find what a memory high-water mark is made of.
+void trace_allocation(const char* what, size_t bytes, size_t used) {
+  static const bool on = [] {
+    const char* v = std::getenv("RETAIN_CUDA_EMU_TRACE_ALLOC");
+    return v && *v && std::string(v) != "0";
+  }();
+  if (on) std::fprintf(stderr, "cuda-emu: %s %zu bytes, %zu in use\n", what, bytes, used);
+}
+
 cudaError_t allocate(void** p, size_t bytes) {
   if (!p) return fail(cudaErrorInvalidValue);
   *p = nullptr;
@@ -78,6 +88,7 @@ cudaError_t allocate(void** p, size_t bytes) {
   s.allocations[reinterpret_cast<uintptr_t>(m)] = bytes;
   s.used += bytes;
   s.high = std::max(s.high, s.used);
+  trace_allocation("alloc", bytes, s.used);
   *p = m;
   return cudaSuccess;
 }
@@ -89,6 +100,7 @@ cudaError_t release(void* p) {
   auto it = s.allocations.find(reinterpret_cast<uintptr_t>(p));
   if (it == s.allocations.end()) return fail(cudaErrorInvalidValue);
   s.used -= it->second;
+  trace_allocation("free", it->second, s.used);
   s.allocations.erase(it);
   std::free(p);
   return cudaSuccess;
