@@ -141,8 +141,11 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"trimkv_f32_weights", gates::GateKind::trimkv, 64, 0, 2, DType::F32}),
     [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
 
-// The device memory the GPU backward adds, from the stream-ordered pool's high-water mark
-// (kernels/cuda/memory.h), against docs/memory-plan.md's accounting of one layer at a time,
+// The device memory the student's forward leaves for the backward (the checkpoints: bf16
+// layer inputs, the final norm's input and output, logβ, positions; after a warm-up pass, so
+// cuBLASLt's workspace and the GEMM staging are already there) and the memory the GPU backward
+// adds, from the stream-ordered pool (kernels/cuda/memory.h), against docs/memory-plan.md's
+// accounting of one layer at a time,
 // buffer by buffer (F32 A = [T, D], Q = [T, H·d], Kv = [T, K·d]; bf16 halves; c = the MLP
 // chunk, min(T, kMlpChunkTokens)), on top of dx, the running gradient:
 //   recomputation at o_proj:  stream, h, q and k before their norms, q/k/v and the attention
@@ -180,7 +183,6 @@ TEST_P(StepCudaMemory, BackwardHoldsOneLayerAtATime) {
   const int64_t T = c.T, L = opt.layers;
   const MicroBatch mb = packed({T / 2, T / 4, T / 8}, T, opt.vocab, 3);
   const Tensor ids = mb.ids.on(Device::CUDA), doc = mb.doc.on(Device::CUDA);
-  const StudentPass pass = student_forward(weights, gates, ids, doc);
   std::mt19937 rng(4);
   std::normal_distribution<float> n01(0.0f, 1.0f);
   auto random_on_device = [&](const Shape& shape) {
@@ -190,9 +192,22 @@ TEST_P(StepCudaMemory, BackwardHoldsOneLayerAtATime) {
   };
   const Tensor d_hidden = random_on_device({T, c.hidden}), d_log_beta = random_on_device({L, T, c.kv_heads});
   gates.zero_grad();
-  student_backward(weights, gates, pass, d_hidden, d_log_beta);  // grows the GEMM staging to its size
+  {  // a whole pass first: cuBLASLt's workspace, the GEMM staging at its size, the gates' grads
+    const StudentPass warm = student_forward(weights, gates, ids, doc);
+    student_backward(weights, gates, warm, d_hidden, d_log_beta);
+  }
+  cuda::synchronize();
+  const size_t resident = cuda::device_memory_stats().in_use;
+  const StudentPass pass = student_forward(weights, gates, ids, doc);
   cuda::synchronize();
   const size_t before = cuda::device_memory_stats().in_use;
+  // What the forward leaves for the backward (memory-plan.md, "held through the whole
+  // backward"): the bf16 layer inputs, the final norm's input and output F32 [T, D] (the step
+  // frees the output after the loss), logβ [L, T, K], the positions; nothing else.
+  const int64_t held = static_cast<int64_t>(before - resident);
+  const int64_t held_plan = L * T * c.hidden * 2 + 2 * T * c.hidden * 4 + L * T * c.kv_heads * 4 + T * 4;
+  EXPECT_LE(held, held_plan + (16 << 10)) << "the forward holds more than the plan's checkpoints";
+  EXPECT_GE(held, held_plan - (16 << 10));
   cuda::reset_device_memory_peak();
   student_backward(weights, gates, pass, d_hidden, d_log_beta);
   cuda::synchronize();
@@ -213,9 +228,10 @@ TEST_P(StepCudaMemory, BackwardHoldsOneLayerAtATime) {
   EXPECT_GE(added, plan - (16 << 10)) << "the plan counts more than the backward holds";
   const char* highest = plan == o_proj ? "o_proj" : plan == mlp ? "mlp" : "attention backward";
   EXPECT_STREQ(highest, c.peak);
-  std::printf("device backward adds %lld bytes; the plan: o_proj %lld, MLP %lld, attention backward %lld\n",
-              static_cast<long long>(added), static_cast<long long>(o_proj), static_cast<long long>(mlp),
-              static_cast<long long>(attention_backward));
+  std::printf("the forward holds %lld bytes (plan %lld); the backward adds %lld (plan: o_proj %lld, MLP %lld, "
+              "attention backward %lld)\n",
+              static_cast<long long>(held), static_cast<long long>(held_plan), static_cast<long long>(added),
+              static_cast<long long>(o_proj), static_cast<long long>(mlp), static_cast<long long>(attention_backward));
   fs::remove_all(dir);
 }
 
