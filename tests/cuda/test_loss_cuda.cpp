@@ -24,12 +24,14 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "kernels/base/half.h"
+#include "kernels/cuda/memory.h"
 #include "tests/cuda/cuda_test.h"
 #include "tests/error_helpers.h"
 #include "trainer/loss.h"
@@ -276,6 +278,40 @@ TEST_F(LossCuda, SharpDistributions) {
   TRACE_SEED();
   const Problem p = make_problem(15, 8, 300, 120.0, rng_);
   check(p, false, 0.5, 0.5, {2, 15});
+}
+
+// The loss never holds [T, V] (docs/memory-plan.md, item 4): what a call adds to the device
+// pool's high-water mark is one chunk's buffers — teacher and student hidden rows and the
+// gradient rows [C, D], teacher and student logits [C, V], all F32 — plus the position list
+// (int32 [2, P]) and the per-row losses (float64 [2, P]), to within 16 KiB. A warm-up call
+// first: the GEMM staging (bf16 rows of the largest GEMM input) grows once and stays. With
+// T = 512 and V = 5000, one [T, V] F32 buffer (10 MB) would be 4× the whole budget.
+TEST_F(LossCuda, HoldsOneChunkOfLogits) {
+  SKIP_WITHOUT_GPU();
+  TRACE_SEED();
+  const Problem p = make_problem(512, 32, 5000, 4.0, rng_);
+  for (bool bf16 : {false, true}) {
+    const int64_t C = 64;
+    const Tensor th = Tensor::from_vector(p.teacher, {p.T, p.D}).to(Device::CUDA);
+    const Tensor sh = Tensor::from_vector(p.student, {p.T, p.D}).to(Device::CUDA);
+    const Tensor W = (bf16 ? bf16_tensor(p.W, {p.V, p.D}) : Tensor::from_vector(p.W, {p.V, p.D})).to(Device::CUDA);
+    Tensor grad = Tensor::empty({p.T, p.D}, DType::F32, Device::CUDA);
+    const QualitySums warm = trainer::kl_ntp_chunked(th, sh, W, p.ids, p.mask, C, 0.5, 0.5, &grad);
+    cuda::synchronize();
+    const size_t before = cuda::device_memory_stats().in_use;
+    cuda::reset_device_memory_peak();
+    const QualitySums got = trainer::kl_ntp_chunked(th, sh, W, p.ids, p.mask, C, 0.5, 0.5, &grad);
+    cuda::synchronize();
+    const cuda::DeviceMemoryStats after = cuda::device_memory_stats();
+    EXPECT_EQ(got.kl, warm.kl);
+    EXPECT_EQ(after.in_use, before) << "the loss left device memory behind";
+    const int64_t P = got.positions, added = static_cast<int64_t>(after.peak - before);
+    const int64_t plan = 3 * C * p.D * 4 + 2 * C * p.V * 4 + 2 * P * 4 + 2 * P * 8;
+    EXPECT_LE(added, plan + (16 << 10)) << (bf16 ? "BF16" : "F32") << " lm_head";
+    EXPECT_GE(added, plan - (16 << 10)) << (bf16 ? "BF16" : "F32") << " lm_head";
+    std::printf("%s lm_head: the loss adds %lld bytes (plan %lld; one [T, V] F32 is %lld)\n", bf16 ? "BF16" : "F32",
+                static_cast<long long>(added), static_cast<long long>(plan), static_cast<long long>(p.T * p.V * 4));
+  }
 }
 
 TEST_F(LossCuda, BitwiseRepeatableAndNoGradientSameSums) {
