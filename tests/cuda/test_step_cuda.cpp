@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -18,6 +19,7 @@
 #include <ostream>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <fmt/format.h>
@@ -235,12 +237,73 @@ TEST_P(StepCudaMemory, BackwardHoldsOneLayerAtATime) {
   fs::remove_all(dir);
 }
 
+// The teacher pass and the student's forward, each after a warm-up pass: what each adds to
+// the pool at its highest (memory-plan.md items 2 and 3: the residual stream and one layer's
+// temporaries; the student also its checkpoints so far, all L of them by the last layer, and
+// logβ [L, T, K]) and what each keeps (the teacher its final hidden state only).
+//   attention point:  x, h, q in F32, q and the output in bf16, k and v in bf16, lse, the
+//                     layer's logβ [T, K] (zeros for the teacher), positions
+//   MLP point:        x, h2 [c, D], gate and up [c, I] (SwiGLU in place), positions
+TEST_P(StepCudaMemory, ForwardsHoldOneLayerAtATime) {
+  SKIP_WITHOUT_GPU();
+  const MemoryCase c = GetParam();
+  const fs::path dir = fs::temp_directory_path() / fmt::format("retain_fwd_memory_{}_{}", ::getpid(), c.name);
+  fs::remove_all(dir);
+  TinyModelOptions opt;
+  opt.layers = 2, opt.hidden = c.hidden, opt.heads = c.heads, opt.kv_heads = c.kv_heads, opt.head_dim = 64;
+  opt.intermediate = c.intermediate, opt.vocab = 300, opt.seed = 9, opt.gate_kind = gates::GateKind::trimkv;
+  opt.gate_hidden = c.gate_hidden, opt.gate_bias_init = 2.0;
+  make_tiny_model(dir.string(), opt);
+  auto ckpt = std::make_shared<const Qwen3Checkpoint>(Qwen3Checkpoint::open(dir.string()));
+  gates::RetentionGates gates = gates::RetentionGates::load((dir / "gates.safetensors").string(), ckpt->config());
+  DeviceWeightProvider weights(ckpt, DType::BF16);
+  gates.sync_to_device();
+  const int64_t T = c.T, L = opt.layers;
+  const MicroBatch mb = packed({T / 2, T / 4, T / 8}, T, opt.vocab, 3);
+  const Tensor ids = mb.ids.on(Device::CUDA), doc = mb.doc.on(Device::CUDA);
+  // Measures fn's pool high-water mark and what stays allocated afterwards (fn returns it).
+  auto measure = [](auto fn) {
+    { auto warm = fn(); }  // cuBLASLt's workspace and the GEMM staging grow here
+    cuda::synchronize();
+    const size_t before = cuda::device_memory_stats().in_use;
+    cuda::reset_device_memory_peak();
+    auto kept = fn();
+    cuda::synchronize();
+    const cuda::DeviceMemoryStats after = cuda::device_memory_stats();
+    return std::pair<int64_t, int64_t>{static_cast<int64_t>(after.peak - before),
+                                       static_cast<int64_t>(after.in_use - before)};
+  };
+  const auto teacher = measure([&] { return qwen3_hidden(weights, ids, doc); });
+  const auto student = measure([&] { return student_forward(weights, gates, ids, doc); });
+
+  const int64_t A = T * c.hidden * 4, Q = T * c.heads * 64 * 4, Kv = T * c.kv_heads * 64 * 4;
+  const int64_t lse = T * c.heads * 4, lb = T * c.kv_heads * 4, pos = T * 4;
+  const int64_t chunk = std::min(T, kMlpChunkTokens);
+  const int64_t attention = 2 * A + Q + Q / 2 + Q / 2 + Kv + lse + lb + pos;
+  const int64_t mlp = A + chunk * c.hidden * 4 + 2 * chunk * c.intermediate * 4 + pos;
+  const int64_t checkpoints = L * T * c.hidden * 2 + L * lb;  // bf16 layer inputs, logβ [L, T, K]
+  const int64_t teacher_plan = std::max(attention, mlp), student_plan = teacher_plan + checkpoints;
+  const int64_t student_keeps = L * T * c.hidden * 2 + 2 * A + L * lb + pos;  // + final input, hidden
+  EXPECT_LE(teacher.first, teacher_plan + (64 << 10));
+  EXPECT_GE(teacher.first, teacher_plan - (16 << 10));
+  EXPECT_EQ(teacher.second, A) << "the teacher keeps its final hidden state only";
+  EXPECT_LE(student.first, student_plan + (64 << 10));
+  EXPECT_GE(student.first, student_plan - (16 << 10));
+  EXPECT_EQ(student.second, student_keeps);
+  std::printf("teacher: peak %lld (plan %lld), keeps %lld; student forward: peak %lld (plan %lld), keeps %lld\n",
+              static_cast<long long>(teacher.first), static_cast<long long>(teacher_plan),
+              static_cast<long long>(teacher.second), static_cast<long long>(student.first),
+              static_cast<long long>(student_plan), static_cast<long long>(student.second));
+  fs::remove_all(dir);
+}
+
 INSTANTIATE_TEST_SUITE_P(Tiny, StepCudaMemory,
                          ::testing::Values(MemoryCase{"mlp_peak", 96, 4, 1, 320, 40, 1024, "mlp"},
                                            MemoryCase{"oproj_peak", 288, 8, 2, 64, 40, 1024, "o_proj"},
                                            MemoryCase{"attention_backward_peak", 96, 32, 4, 192, 40, 256,
                                                       "attention backward"}),
                          [](const ::testing::TestParamInfo<MemoryCase>& info) { return std::string(info.param.name); });
+
 
 // Asking for the model on a GPU where there is none: one line, no crash.
 TEST(StepCudaNoDevice, DeviceWeightsWithoutAGpuSayWhy) {
