@@ -283,9 +283,10 @@ TEST_F(LossCuda, SharpDistributions) {
 // The loss never holds [T, V] (docs/memory-plan.md, item 4): what a call adds to the device
 // pool's high-water mark is one chunk's buffers — teacher and student hidden rows and the
 // gradient rows [C, D], teacher and student logits [C, V], all F32 — plus the position list
-// (int32 [2, P]) and the per-row losses (float64 [2, P]), to within 16 KiB. A warm-up call
-// first: the GEMM staging (bf16 rows of the largest GEMM input) grows once and stays. With
-// T = 512 and V = 5000, one [T, V] F32 buffer (10 MB) would be 4× the whole budget.
+// (int32 [2, P]) and the per-row losses (float64 [2, P]): at most 64 KiB above (a driver may
+// round allocations up), 16 KiB below. A warm-up call first: the GEMM staging (bf16 rows of
+// the largest GEMM input) grows once and stays. With T = 512 and V = 5000, one [T, V] F32
+// buffer (10 MB) would be 4× the whole budget.
 TEST_F(LossCuda, HoldsOneChunkOfLogits) {
   SKIP_WITHOUT_GPU();
   TRACE_SEED();
@@ -307,7 +308,7 @@ TEST_F(LossCuda, HoldsOneChunkOfLogits) {
     EXPECT_EQ(after.in_use, before) << "the loss left device memory behind";
     const int64_t P = got.positions, added = static_cast<int64_t>(after.peak - before);
     const int64_t plan = 3 * C * p.D * 4 + 2 * C * p.V * 4 + 2 * P * 4 + 2 * P * 8;
-    EXPECT_LE(added, plan + (16 << 10)) << (bf16 ? "BF16" : "F32") << " lm_head";
+    EXPECT_LE(added, plan + (64 << 10)) << (bf16 ? "BF16" : "F32") << " lm_head";
     EXPECT_GE(added, plan - (16 << 10)) << (bf16 ? "BF16" : "F32") << " lm_head";
     std::printf("%s lm_head: the loss adds %lld bytes (plan %lld; one [T, V] F32 is %lld)\n", bf16 ? "BF16" : "F32",
                 static_cast<long long>(added), static_cast<long long>(plan), static_cast<long long>(p.T * p.V * 4));
