@@ -166,25 +166,45 @@ struct MemoryCase {
   const char* peak;  // which point the plan says is highest
 };
 void PrintTo(const MemoryCase& c, std::ostream* os) { *os << c.name; }
-class StepCudaMemory : public ::testing::TestWithParam<MemoryCase> {};
+
+// The case's tiny model (2 layers, head_dim 64, trimkv gates) on the device, and a packed
+// batch of T tokens there.
+class StepCudaMemory : public ::testing::TestWithParam<MemoryCase> {
+ protected:
+  void SetUp() override {
+    SKIP_WITHOUT_GPU();
+    c_ = GetParam();
+    dir_ = fs::temp_directory_path() / fmt::format("retain_step_memory_{}_{}", ::getpid(), c_.name);
+    fs::remove_all(dir_);
+    opt_.layers = 2, opt_.hidden = c_.hidden, opt_.heads = c_.heads, opt_.kv_heads = c_.kv_heads;
+    opt_.head_dim = 64, opt_.intermediate = c_.intermediate, opt_.vocab = 300, opt_.seed = 9;
+    opt_.gate_kind = gates::GateKind::trimkv, opt_.gate_hidden = c_.gate_hidden, opt_.gate_bias_init = 2.0;
+    make_tiny_model(dir_.string(), opt_);
+    auto ckpt = std::make_shared<const Qwen3Checkpoint>(Qwen3Checkpoint::open(dir_.string()));
+    gates_ = std::make_unique<gates::RetentionGates>(
+        gates::RetentionGates::load((dir_ / "gates.safetensors").string(), ckpt->config()));
+    weights_ = std::make_unique<DeviceWeightProvider>(ckpt, DType::BF16);
+    gates_->sync_to_device();
+    const MicroBatch mb = packed({c_.T / 2, c_.T / 4, c_.T / 8}, c_.T, opt_.vocab, 3);
+    ids_ = mb.ids.on(Device::CUDA), doc_ = mb.doc.on(Device::CUDA);
+  }
+  void TearDown() override {
+    if (!dir_.empty()) fs::remove_all(dir_);
+  }
+  MemoryCase c_{};
+  fs::path dir_;
+  TinyModelOptions opt_;
+  std::unique_ptr<gates::RetentionGates> gates_;
+  std::unique_ptr<DeviceWeightProvider> weights_;
+  Tensor ids_, doc_;
+};
 
 TEST_P(StepCudaMemory, BackwardHoldsOneLayerAtATime) {
-  SKIP_WITHOUT_GPU();
-  const MemoryCase c = GetParam();
-  const fs::path dir = fs::temp_directory_path() / fmt::format("retain_step_memory_{}_{}", ::getpid(), c.name);
-  fs::remove_all(dir);
-  TinyModelOptions opt;
-  opt.layers = 2, opt.hidden = c.hidden, opt.heads = c.heads, opt.kv_heads = c.kv_heads, opt.head_dim = 64;
-  opt.intermediate = c.intermediate, opt.vocab = 300, opt.seed = 9, opt.gate_kind = gates::GateKind::trimkv;
-  opt.gate_hidden = c.gate_hidden, opt.gate_bias_init = 2.0;
-  make_tiny_model(dir.string(), opt);
-  auto ckpt = std::make_shared<const Qwen3Checkpoint>(Qwen3Checkpoint::open(dir.string()));
-  gates::RetentionGates gates = gates::RetentionGates::load((dir / "gates.safetensors").string(), ckpt->config());
-  DeviceWeightProvider weights(ckpt, DType::BF16);
-  gates.sync_to_device();
-  const int64_t T = c.T, L = opt.layers;
-  const MicroBatch mb = packed({T / 2, T / 4, T / 8}, T, opt.vocab, 3);
-  const Tensor ids = mb.ids.on(Device::CUDA), doc = mb.doc.on(Device::CUDA);
+  const MemoryCase& c = c_;
+  gates::RetentionGates& gates = *gates_;
+  DeviceWeightProvider& weights = *weights_;
+  const Tensor &ids = ids_, &doc = doc_;
+  const int64_t T = c.T, L = opt_.layers;
   std::mt19937 rng(4);
   std::normal_distribution<float> n01(0.0f, 1.0f);
   auto random_on_device = [&](const Shape& shape) {
@@ -234,7 +254,6 @@ TEST_P(StepCudaMemory, BackwardHoldsOneLayerAtATime) {
               "attention backward %lld)\n",
               static_cast<long long>(held), static_cast<long long>(held_plan), static_cast<long long>(added),
               static_cast<long long>(o_proj), static_cast<long long>(mlp), static_cast<long long>(attention_backward));
-  fs::remove_all(dir);
 }
 
 // The teacher pass and the student's forward, each after a warm-up pass: what each adds to
@@ -245,22 +264,11 @@ TEST_P(StepCudaMemory, BackwardHoldsOneLayerAtATime) {
 //                     layer's logβ [T, K] (zeros for the teacher), positions
 //   MLP point:        x, h2 [c, D], gate and up [c, I] (SwiGLU in place), positions
 TEST_P(StepCudaMemory, ForwardsHoldOneLayerAtATime) {
-  SKIP_WITHOUT_GPU();
-  const MemoryCase c = GetParam();
-  const fs::path dir = fs::temp_directory_path() / fmt::format("retain_fwd_memory_{}_{}", ::getpid(), c.name);
-  fs::remove_all(dir);
-  TinyModelOptions opt;
-  opt.layers = 2, opt.hidden = c.hidden, opt.heads = c.heads, opt.kv_heads = c.kv_heads, opt.head_dim = 64;
-  opt.intermediate = c.intermediate, opt.vocab = 300, opt.seed = 9, opt.gate_kind = gates::GateKind::trimkv;
-  opt.gate_hidden = c.gate_hidden, opt.gate_bias_init = 2.0;
-  make_tiny_model(dir.string(), opt);
-  auto ckpt = std::make_shared<const Qwen3Checkpoint>(Qwen3Checkpoint::open(dir.string()));
-  gates::RetentionGates gates = gates::RetentionGates::load((dir / "gates.safetensors").string(), ckpt->config());
-  DeviceWeightProvider weights(ckpt, DType::BF16);
-  gates.sync_to_device();
-  const int64_t T = c.T, L = opt.layers;
-  const MicroBatch mb = packed({T / 2, T / 4, T / 8}, T, opt.vocab, 3);
-  const Tensor ids = mb.ids.on(Device::CUDA), doc = mb.doc.on(Device::CUDA);
+  const MemoryCase& c = c_;
+  gates::RetentionGates& gates = *gates_;
+  DeviceWeightProvider& weights = *weights_;
+  const Tensor &ids = ids_, &doc = doc_;
+  const int64_t T = c.T, L = opt_.layers;
   // Measures fn's pool high-water mark and what stays allocated afterwards (fn returns it).
   auto measure = [](auto fn) {
     { auto warm = fn(); }  // cuBLASLt's workspace and the GEMM staging grow here
@@ -296,7 +304,6 @@ TEST_P(StepCudaMemory, ForwardsHoldOneLayerAtATime) {
               static_cast<long long>(teacher.first), static_cast<long long>(teacher_plan),
               static_cast<long long>(teacher.second), static_cast<long long>(student.first),
               static_cast<long long>(student_plan), static_cast<long long>(student.second));
-  fs::remove_all(dir);
 }
 
 INSTANTIATE_TEST_SUITE_P(Tiny, StepCudaMemory,
