@@ -141,9 +141,11 @@ RETAIN_HD int64_t next_query_block(const TileFilter& f, int64_t nb, int64_t kb, 
   return qb < end ? qb : nb;
 }
 
-// The dk/dv kernel's walk for key block kb: every query head h of [h_begin, h_end) (a GQA
-// group), and for each the query blocks visiting kb in increasing order, starting at
-// first_qb = next_query_block(f, nb, kb, kb) (< nb: the walk is empty otherwise).
+// The dk/dv walk for key block kb: every query head h of [h_begin, h_end) (a GQA group), and
+// for each the query blocks visiting kb in increasing order, starting at
+// first_qb = next_query_block(f, nb, kb, kb) (< nb: the walk is empty otherwise). The kernels
+// take these walks on shared-memory bits (below); these are the definitions they are tested
+// against.
 // Returns the step after (h, qb); h == h_end marks the end.
 struct HeadBlock {
   int h;

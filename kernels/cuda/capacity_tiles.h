@@ -99,41 +99,35 @@ RETAIN_HD bool tile_negligible(int64_t qb, int64_t kb, float key_max, double exp
 // kdoc = key_doc(doc));
 // rdoc: row_doc of the lane's rows (kPadRow for rows ≥ T); acc: float64 sums of the rows.
 // Off the diagonal (every i < t0) with one document: no masks.
-RETAIN_HD void lane_sums_off_diagonal(const float* lb2, const float* beta, const int32_t* kdoc, int64_t i0,
-                                          int n, int64_t t0, const int32_t* rdoc, bool one_document,
-                                          double* acc) {
+// kOneDocument: every pair shares one document (no per-term test; one instance per case).
+template <bool kOneDocument>
+RETAIN_HD void lane_sums_partials(const float* lb2, const float* beta, const int32_t* kdoc, int64_t i0, int n,
+                                  int64_t t0, const int32_t* rdoc, double* acc) {
   for (int c = 0; c < n; c += kPartial) {
     float p[kRun] = {0, 0, 0, 0};
     const int end = c + kPartial < n ? c + kPartial : n;
     // x0 = t0 − (i0 + j) ≥ 1, counted down in float32: integers below 2^24 are exact, and
-    // this avoids an int64 → float conversion per key. The document test is outside the key
-    // loop (one loop per case), not a branch per key.
+    // this avoids an int64 → float conversion per key.
     float x0 = static_cast<float>(t0 - i0 - c);
-    if (one_document) {
-      for (int j = c; j < end; ++j, x0 -= 1.0f) {
-        const float b = beta[j];
-        float e = exp2_ftz(x0 * lb2[j]);
-        p[0] += e;
+    for (int j = c; j < end; ++j, x0 -= 1.0f) {
+      const float b = beta[j];
+      float e = exp2_ftz(x0 * lb2[j]);
+      const int32_t d = kdoc[j];
+      for (int r = 0; r < kRun; ++r) {
+        p[r] += kOneDocument || rdoc[r] == d ? e : 0.0f;
         e *= b;
-        p[1] += e;
-        e *= b;
-        p[2] += e;
-        e *= b;
-        p[3] += e;
-      }
-    } else {
-      for (int j = c; j < end; ++j, x0 -= 1.0f) {
-        const float b = beta[j];
-        float e = exp2_ftz(x0 * lb2[j]);
-        const int32_t d = kdoc[j];
-        for (int r = 0; r < kRun; ++r) {
-          p[r] += rdoc[r] == d ? e : 0.0f;
-          e *= b;
-        }
       }
     }
     for (int r = 0; r < kRun; ++r) acc[r] += static_cast<double>(p[r]);
   }
+}
+RETAIN_HD void lane_sums_off_diagonal(const float* lb2, const float* beta, const int32_t* kdoc, int64_t i0,
+                                          int n, int64_t t0, const int32_t* rdoc, bool one_document,
+                                          double* acc) {
+  if (one_document)
+    lane_sums_partials<true>(lb2, beta, kdoc, i0, n, t0, rdoc, acc);
+  else
+    lane_sums_partials<false>(lb2, beta, kdoc, i0, n, t0, rdoc, acc);
 }
 
 // The diagonal tile (keys i0 .. i0+n−1 cover the lane's rows): pairs i < t evaluated directly.

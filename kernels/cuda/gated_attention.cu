@@ -51,7 +51,6 @@ using bf16 = __nv_bfloat16;
 using ptx::cp_async_16;
 using ptx::cp_async_commit;
 using ptx::cp_async_wait;
-using ptx::ldmatrix_x4;
 using ptx::ldmatrix_x4_at;
 using ptx::ldmatrix_x4_trans_at;
 using ptx::smem_base;
@@ -129,12 +128,6 @@ struct TileCopy {
     }
   }
 };
-
-// The 16-byte chunk (8 bf16) of a swizzled tile holding (row, chunk).
-template <int D>
-__device__ __forceinline__ const bf16* tile_chunk(const bf16* tile, int row, int chunk) {
-  return tile + swizzled_chunk(row, chunk, D / 8) * 8;
-}
 
 // This lane's ldmatrix offsets in both patterns, set once per CTA (attention_tiles.h LdsmLane):
 // `a` for A operands and .trans B operands, `b` for B operands without .trans.
@@ -389,8 +382,6 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const Params p) {
   }
 
   const KeyStages<D> keys{sK, sV, sLb, sNcl, sDoc};
-  auto fetch_keys = [&](int64_t kb, int st) { return keys.fetch(p, copy_tile, kv, kb, st); };
-  auto stage_keys = [&](const KeyRow& r, int st) { keys.store(r, st); };
 
   const TileFilter tiles{p.ranges, p.spans, p.lbmax ? p.lbmax + kv : nullptr, p.K, p.log_eps};
   const WalkRange walk = key_walk_range(tiles, qb);
@@ -401,7 +392,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const Params p) {
   // hold a row's maximum, so later tiles rarely raise it and the rescale of the output
   // accumulator (64 multiplies per tile and lane at d = 128) is skipped (see below).
   int64_t kb = prev_walk_bit(sVisit, walk.hi - 1, walk.lo);
-  if (kb >= walk.lo) stage_keys(fetch_keys(kb, 0), 0);
+  if (kb >= walk.lo) keys.store(keys.fetch(p, copy_tile, kv, kb, 0), 0);
   cp_async_commit();
   cp_async_wait<0>();
   __syncthreads();
@@ -409,7 +400,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const Params p) {
   uint32_t qf[D / 16][4];
 #pragma unroll
   for (int ks = 0; ks < D / 16; ++ks)
-    ldmatrix_x4(qf[ks], tile_chunk<D>(sQ, warp * kRowsPerWarp + ldsm_a_row(lane), 2 * ks + ldsm_a_chunk(lane)));
+    ldmatrix_x4_at(qf[ks], smem_base(sQ), ldsm.a.at(warp * kRowsPerWarp, ks));
 
   float o_acc[D / 8][4] = {};
   float m[2] = {kNegInf, kNegInf};  // running row max (base-2 units); -inf: nothing seen yet
@@ -419,7 +410,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const Params p) {
     const int64_t kb_next = prev_walk_bit(sVisit, kb - 1, walk.lo);
     const bool prefetch = kb_next >= walk.lo;
     KeyRow next_row;
-    if (prefetch) next_row = fetch_keys(kb_next, stage ^ 1);  // stage ^ 1 was released by the last barrier
+    if (prefetch) next_row = keys.fetch(p, copy_tile, kv, kb_next, stage ^ 1);  // stage ^ 1: freed by the last barrier
     cp_async_commit();
     cp_async_wait<1>();  // everything but the group just committed: this stage has landed
     __syncthreads();     // ... for every thread, and the plain stores of sLb/sNcl/sDoc too
@@ -449,7 +440,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const Params p) {
     }
     weights_times_rows<D, kBlock / 8>(o_acc, s, smem_base(v_s), 0, ldsm);
 
-    if (prefetch) stage_keys(next_row, stage ^ 1);
+    if (prefetch) keys.store(next_row, stage ^ 1);
     __syncthreads();  // every warp is done with this stage before the next iteration refills it
     kb = kb_next;
     stage ^= 1;
@@ -506,8 +497,6 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const Params p) {
   }
 
   const KeyStages<D> keys{sK, sV, sLb, sNcl, sDoc};
-  auto fetch_keys = [&](int64_t kb, int st) { return keys.fetch(p, copy_tile, kv, kb, st); };
-  auto stage_keys = [&](const KeyRow& r, int st) { keys.store(r, st); };
 
   const TileFilter tiles{p.ranges, p.spans, p.lbmax ? p.lbmax + kv : nullptr, p.K, p.log_eps};
   const WalkRange walk = key_walk_range(tiles, qb);
@@ -516,7 +505,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const Params p) {
   copy_tile(sdO, p.dout + int64_t{h} * D, int64_t{p.H} * D, q0, nq);
   __syncthreads();  // the walk bits
   int64_t kb = next_walk_bit(sVisit, walk.lo, walk.hi);
-  if (kb < walk.hi) stage_keys(fetch_keys(kb, 0), 0);
+  if (kb < walk.hi) keys.store(keys.fetch(p, copy_tile, kv, kb, 0), 0);
   cp_async_commit();
 
   float dq_acc[D / 8][4] = {};
@@ -525,7 +514,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const Params p) {
     const int64_t kb_next = next_walk_bit(sVisit, kb + 1, walk.hi);
     const bool prefetch = kb_next < walk.hi;
     KeyRow next_row;
-    if (prefetch) next_row = fetch_keys(kb_next, stage ^ 1);
+    if (prefetch) next_row = keys.fetch(p, copy_tile, kv, kb_next, stage ^ 1);
     cp_async_commit();
     cp_async_wait<1>();
     __syncthreads();
@@ -545,7 +534,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const Params p) {
     query_row_dscores(s, dp, lane, t, doc_t, i0, lb_s, ncl_s, doc_s, all_allowed, p.scale2, lse2, delta);  // s = dS
     weights_times_rows<D, kBlock / 8>(dq_acc, s, smem_base(k_s), 0, ldsm);  // dS·K
 
-    if (prefetch) stage_keys(next_row, stage ^ 1);
+    if (prefetch) keys.store(next_row, stage ^ 1);
     __syncthreads();
     kb = kb_next;
     stage ^= 1;

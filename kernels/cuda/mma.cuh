@@ -18,8 +18,6 @@ template <int N>
 inline void cp_async_wait() {
   cuda_emu::cp_async_wait(N);
 }
-inline void ldmatrix_x4(uint32_t (&r)[4], const void* row_addr) { cuda_emu::ldmatrix_x4(r, row_addr, false); }
-inline void ldmatrix_x4_trans(uint32_t (&r)[4], const void* row_addr) { cuda_emu::ldmatrix_x4(r, row_addr, true); }
 inline void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   cuda_emu::mma_bf16_16816(d, a, b0, b1);
 }
@@ -55,17 +53,6 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row_addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(row_addr)));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* row_addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(row_addr)));
-}
-
 // ldmatrix at a tile's shared-window address plus a byte offset (kernels/cuda/attention_tiles.h
 // LdsmLane): one add per load, the tile's address converted once.
 using SmemBase = uint32_t;
@@ -91,6 +78,14 @@ __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a
 }
 
 #endif  // RETAIN_CUDA_EMU
+
+// ldmatrix at one row address (each lane's own), for code without a per-tile base.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row_addr) {
+  ldmatrix_x4_at(r, smem_base(row_addr), 0);
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* row_addr) {
+  ldmatrix_x4_trans_at(r, smem_base(row_addr), 0);
+}
 
 // Two floats as one register of two bf16 (round to nearest even): x in the low half, which
 // is the lower column / k index in every fragment layout.

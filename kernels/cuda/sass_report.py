@@ -22,6 +22,7 @@ Exit status: 0, 2 for usage errors, 1 when the input cannot be read or parsed.
 import argparse
 import collections
 import json
+import os
 import re
 import subprocess
 import sys
@@ -312,7 +313,6 @@ def main():
     if args.json:
         with open(args.json + ".tmp", "w") as f:
             json.dump(results, f, indent=1)
-        import os
         os.replace(args.json + ".tmp", args.json)
 
 

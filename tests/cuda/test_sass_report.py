@@ -114,8 +114,8 @@ def find_cuobjdump(given):
 # plus 15 % for other compiler versions (before tuning, forward<128> issued ≥ 10 per HMMA).
 KERNELS = {
     # kernel: (HMMA per iteration of its innermost tile loop, budget per HMMA)
-    "forward_kernelILi128": (2 * 8 * 8, 4.99),        # S = Q·Kᵀ, O += P·V
-    "forward_kernelILi64": (2 * 8 * 4, 8.27),
+    "forward_kernelILi128": (2 * 8 * 8, 4.91),        # S = Q·Kᵀ, O += P·V
+    "forward_kernelILi64": (2 * 8 * 4, 8.11),
     "dq_kernelILi128": (3 * 8 * 8, 3.74),             # Q·Kᵀ, dO·Vᵀ, dS·K
     "dq_kernelILi64": (3 * 8 * 4, 5.76),
     "dkdv_kernelILi128": (4 * 2 * 8, 3.44),           # per 16-query sub-tile: 4 products
