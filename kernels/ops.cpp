@@ -67,7 +67,8 @@ void embedding(const Tensor& table, const Tensor& ids, Tensor& out) {
 }
 
 void linear(const Tensor& x, const Tensor& w, Tensor& y, bool accumulate) {
-  expect(x, DType::F32, 2, "linear", "x");
+  RETAIN_CHECK((x.dtype() == DType::F32 || x.dtype() == DType::BF16) && x.ndim() == 2,
+               "linear: x must be 2-d F32 or BF16, got {} {}", dtype_name(x.dtype()), shape_str(x.shape()));
   expect_weight(w, "linear");
   expect(y, DType::F32, 2, "linear", "y");
   RETAIN_CHECK(x.dim(1) == w.dim(1) && y.dim(0) == x.dim(0) && y.dim(1) == w.dim(0),

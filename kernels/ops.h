@@ -19,10 +19,12 @@ void embedding(const Tensor& table, const Tensor& ids, Tensor& out);
 
 // y = x · wᵀ (accumulate = true: y += x · wᵀ, the residual add fused into the GEMM, whose
 // epilogue reads y; saves the [N, out] product buffer and a pass over it).
-// x F32 [N, in], w F32 or BF16 [out, in] (nn.Linear layout), y F32 [N, out].
+// x F32 or BF16 [N, in], w F32 or BF16 [out, in] (nn.Linear layout), y F32 [N, out]. A BF16 x
+// is its values widened to float32 exactly: the same product as an F32 x holding them.
 // CUDA (cuBLASLt, fp32 accumulation): with F32 w the product is float32 throughout (matches
-// the CPU to float32 rounding); with BF16 w, x is rounded to bf16 first ("bf16 in, fp32
-// accumulate", the GPU trainer's frozen weights). The CPU widens a BF16 w to float32 exactly:
+// the CPU to float32 rounding); with BF16 w, an F32 x is rounded to bf16 first ("bf16 in, fp32
+// accumulate", the GPU trainer's frozen weights) and a BF16 x is read as it is (no staging
+// copy: the attention output feeds o_proj so). The CPU widens a BF16 w to float32 exactly:
 // bit for bit the F32 path on the widened weight while that fits one 32 MiB block
 // (kernels/cpu/ops_cpu.h), block by block beyond. y must not alias x or w.
 void linear(const Tensor& x, const Tensor& w, Tensor& y, bool accumulate = false);

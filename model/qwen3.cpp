@@ -21,7 +21,9 @@ Tensor positions_of(const Tensor& doc) {
 
 namespace {
 
-// Attention of the layer: returns attn F32 [T, H, d]; retention-gated when log_beta is given
+// Attention of the layer: returns attn [T, H, d], F32 on the CPU and the kernel's bf16 output on
+// CUDA (o_proj reads it as it is: an F32 copy would add T·H·d·4 B, 2.15 GB at Qwen3-4B's 128K,
+// at the step's peak, and give the same product); retention-gated when log_beta is given
 // (F32 [T, K]). q3, k3, v3 are consumed (reset here) so that on CUDA, whose kernels read and
 // write bf16 q, k, v, out (kernels/retention.h), each F32 input is freed as soon as its bf16
 // copy exists: at 128K the recomputation is where the step's memory peaks. The teacher there
@@ -64,10 +66,8 @@ Tensor layer_attention(Tensor& q3, Tensor& k3, Tensor& v3, const Tensor* log_bet
   } catch (const Error& e) {
     fail("layer {}: {}", layer, e.what());
   }
-  Tensor attn = Tensor::empty(q.shape(), DType::F32, dev);
-  ops::cast(out, attn);
   if (saved) saved->q = q, saved->k = k, saved->v = v, saved->attn = out, saved->lse = lse;
-  return attn;
+  return out;
 }
 
 }  // namespace

@@ -49,9 +49,14 @@ void widen_bf16(const Tensor& w, int64_t r0, int64_t r1, int64_t c0, int64_t c1,
     for (int64_t c = c0; c < c1; ++c) dst[(r - r0) * width + (c - c0)] = bf16_to_f32(src[r * cols + c]);
 }
 
-void linear(const Tensor& x, const Tensor& w, Tensor& y, bool accumulate) {
-  const int64_t N = x.dim(0), in = x.dim(1), out = w.dim(0);
+void linear(const Tensor& x_any, const Tensor& w, Tensor& y, bool accumulate) {
+  const int64_t N = x_any.dim(0), in = x_any.dim(1), out = w.dim(0);
   if (N == 0 || out == 0) return;
+  Tensor x = x_any;
+  if (x.dtype() != DType::F32) {  // a BF16 x: its values widened exactly, then the F32 path
+    x = Tensor::empty(x_any.shape(), DType::F32);
+    cast(x_any, x);
+  }
   if (in == 0) {  // an empty sum: y = 0, or y unchanged
     if (!accumulate) std::memset(y.raw(), 0, y.nbytes());
     return;

@@ -92,7 +92,7 @@ using PlanKey = std::array<int64_t, 12>;
 struct DeviceGemm {
   cublasLtHandle_t handle = nullptr;
   void* workspace = nullptr;  // kLtWorkspaceBytes
-  void* staging = nullptr;    // the bf16 activations of the last BF16 GEMM; grows, never shrinks
+  void* staging = nullptr;    // the last GEMM's activation converted to the weight's type; grows, never shrinks
   size_t staging_bytes = 0;
   std::map<PlanKey, Plan> plans;
 };
@@ -117,10 +117,9 @@ DeviceGemm& device_gemm() {  // g_mutex held
   return g;
 }
 
-// `elems` bf16 values of staging space; the old buffer is freed in stream order, after the
-// GEMMs already queued on it.
-void* staging(DeviceGemm& g, int64_t elems) {
-  const size_t bytes = static_cast<size_t>(elems) * sizeof(uint16_t);
+// `bytes` of staging space; the old buffer is freed in stream order, after the GEMMs already
+// queued on it.
+void* staging(DeviceGemm& g, size_t bytes) {
   if (bytes > g.staging_bytes) {
     device_free(g.staging);
     g.staging = nullptr;
@@ -203,12 +202,14 @@ void matmul(DeviceGemm& g, int64_t m, int64_t n, int64_t k, const Operand& a, co
                               g.workspace, kLtWorkspaceBytes, kStream));
 }
 
-// The activation operand: as it is for F32 weights, rounded to bf16 in the staging buffer for
-// BF16 weights (both GEMM operands must share a type).
+// The activation operand in the weight's type (both GEMM operands must share one): as it is
+// when the types agree; otherwise converted into the staging buffer (an F32 activation rounded
+// to bf16 for BF16 weights, a BF16 one widened exactly for F32 weights).
 const void* activation(DeviceGemm& g, const Tensor& t, bool bf16) {
-  if (!bf16 || t.numel() == 0) return t.raw();
-  void* dst = staging(g, t.numel());
-  launch_cast(t.raw(), Type::F32, dst, Type::BF16, t.numel());
+  const DType want = bf16 ? DType::BF16 : DType::F32;
+  if (t.dtype() == want || t.numel() == 0) return t.raw();
+  void* dst = staging(g, static_cast<size_t>(t.numel()) * dtype_size(want));
+  launch_cast(t.raw(), cast_type(t.dtype()), dst, cast_type(want), t.numel());
   return dst;
 }
 

@@ -8,7 +8,8 @@
 // host synchronization: the functions return after queuing the work. With F32 weights the
 // products are float32 throughout (no TF32); with BF16 weights the F32 activation (x, or dy for
 // linear_backward_input) is first rounded to bf16 in a reusable device buffer, then multiplied
-// as bf16 with fp32 accumulation. Bitwise repeatable for a given shape on a given device: the
+// as bf16 with fp32 accumulation. A BF16 x (linear only) is read in place by BF16 weights and
+// widened into that buffer for F32 ones. Bitwise repeatable for a given shape on a given device: the
 // algorithm cuBLASLt picks for a shape is cached, and none of its reductions use atomics.
 //
 // NOT YET RUN ON A GPU: no GPU has been lent to this project. The cast's conversions are checked

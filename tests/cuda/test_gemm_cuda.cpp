@@ -1,7 +1,7 @@
 // The CUDA GEMM ops and cast (kernels/cuda/gemm.cu: cuBLASLt, CUBLAS_COMPUTE_32F) through the
 // ops:: functions on CUDA tensors, against the same ops on CPU tensors on fresh random inputs
-// per run (the seed is printed with every failure; RETAIN_TEST_SEED=n replays one): linear,
-// linear_backward_input (F32 and BF16 weights) and linear_backward_weight, odd shapes, row views
+// per run (the seed is printed with every failure; RETAIN_TEST_SEED=n replays one): linear (F32
+// and BF16 x), linear_backward_input (F32 and BF16 weights) and linear_backward_weight, odd shapes, row views
 // that start off cuBLASLt's preferred alignment, accumulate; bitwise repeatable; cast exact for
 // every dtype pair; mixed devices as one-line errors. Small shapes: compute-sanitizer runs the
 // whole suite. Skips (visibly) without a CUDA build or device. Not yet run: no GPU has been lent.
@@ -120,6 +120,15 @@ TEST_F(GemmCuda, LinearAndInputGradientMatchTheCpu) {
           Tensor again = gpu(y0);
           ops::linear(xds, wd, again, accumulate);
           EXPECT_TRUE(same_bits(again, yd)) << "linear not repeatable " << where;
+          // A BF16 x holding the same values (the attention output into o_proj): read in place by
+          // BF16 weights, widened for F32 ones; the same bound against the same reference.
+          const Tensor xb = cast_to(xr, DType::BF16), xbr = cast_to(xb, DType::F32);
+          Tensor yb = gpu(y0), yb_want = y0.clone();
+          ops::linear(gpu(xb), wd, yb, accumulate);
+          ops::linear(xbr, w, yb_want, accumulate);
+          expect_close(yb, yb_want, {xbr.data<float>(), c.in, 1}, {wf.data<float>(), 1, c.in}, c.in,
+                       accumulate ? &y0 : nullptr, units(bf16, c.in) + (accumulate ? 2 : 0),
+                       fmt::format("linear, BF16 x, {} accumulate {}", where, accumulate));
         }
 
         for (bool accumulate : {false, true}) {

@@ -101,6 +101,24 @@ TEST(GemmCpu, LinearWithBf16WeightIsTheF32PathOnTheWidenedWeightAndAccumulates) 
     }
 }
 
+// A BF16 x (the GPU's attention output into o_proj) is its values widened: bit for bit an F32 x
+// holding them, with F32 and BF16 weights.
+TEST(GemmCpu, LinearWithBf16InputIsTheF32PathOnTheWidenedInput) {
+  std::mt19937 rng(13);
+  for (auto [N, in, out] : kShapes)
+    for (bool bf16_weight : {false, true})
+      for (bool accumulate : {false, true}) {
+        const Tensor x = random_bf16({N, in}, rng), xf = widened(x);
+        const Tensor w = bf16_weight ? random_bf16({out, in}, rng) : random_f32({out, in}, rng);
+        const Tensor y0 = random_f32({N, out}, rng);
+        Tensor y = y0.clone(), want = y0.clone();
+        ops::linear(x, w, y, accumulate);
+        ops::linear(xf, w, want, accumulate);
+        EXPECT_TRUE(same_bits(y, want)) << N << "x" << in << "x" << out << " bf16 weight " << bf16_weight
+                                        << " accumulate " << accumulate;
+      }
+}
+
 TEST(GemmCpu, LinearBackwardInputWithBf16WeightIsTheF32PathAndAccumulates) {
   std::mt19937 rng(12);
   for (auto [N, in, out] : kShapes)
@@ -222,7 +240,8 @@ TEST(GemmCpu, BadInputsAreOneLineErrors) {
   Tensor y = Tensor::empty({4, 3}, DType::F32);
   const Tensor w16 = Tensor::empty({3, 6}, DType::F16), xb = random_bf16({4, 6}, rng);
   expect_one_line_error([&] { ops::linear(x, w16, y); }, "linear: w must be 2-d F32 or BF16");  // F16 weight
-  expect_one_line_error([&] { ops::linear(xb, w, y); }, "linear");  // BF16 activation
+  expect_one_line_error([&] { ops::linear(Tensor::empty({4, 6}, DType::F16), w, y); },
+                        "linear: x must be 2-d F32 or BF16, got F16");  // an F16 activation
   expect_one_line_error([&] { ops::linear(x, random_f32({3, 5}, rng), y); }, "linear");
   Tensor y_in_x = Tensor::view(const_cast<void*>(x.raw()), {4, 3}, DType::F32, nullptr);
   expect_one_line_error([&] { ops::linear(x, w, y_in_x); }, "linear: y must not alias");
