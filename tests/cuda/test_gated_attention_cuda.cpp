@@ -19,6 +19,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/cuda/memory.h"
@@ -165,10 +166,17 @@ void cpu_backward(const Problem& p, const Tensor& out, const Tensor& lse, Result
   r.dq = host_values(dq), r.dk = host_values(dk), r.dv = host_values(dv), r.dlb = host_values(dlb);
 }
 
-Results run_cpu(const Problem& p) {
+// The CPU forward of p: out and lse (F32, host).
+std::pair<Tensor, Tensor> cpu_forward(const Problem& p) {
   const Case& c = p.c;
   Tensor out = Tensor::empty({c.T, c.H, c.d}, DType::F32), lse = Tensor::empty({c.T, c.H}, DType::F32);
   ops::gated_attention(p.q.host, p.k.host, p.v.host, p.lb_host, p.doc_host, p.scale, out, lse);
+  return {out, lse};
+}
+
+// The CPU forward, and its backward on its own out and lse.
+Results run_cpu(const Problem& p) {
+  const auto [out, lse] = cpu_forward(p);
   Results r{host_values(out), host_values(lse), {}, {}, {}, {}};
   cpu_backward(p, out, lse, r);
   return r;
@@ -255,7 +263,8 @@ void check_case(const Case& c, uint32_t seed) {
                                     << " zero_decay=" << c.zero_decay);
   std::mt19937 rng(seed);
   const Problem p = make_problem(c, rng);
-  Results want = run_cpu(p);
+  const auto [cpu_out, cpu_lse] = cpu_forward(p);
+  Results want{host_values(cpu_out), host_values(cpu_lse), {}, {}, {}, {}};
   const Results got = run_gpu(p);
   const double tol = 1e-2;
   EXPECT_LE(rel_err(got.out, want.out, "out"), tol);

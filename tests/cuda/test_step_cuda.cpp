@@ -173,6 +173,18 @@ struct MemoryCase {
 };
 void PrintTo(const MemoryCase& c, std::ostream* os) { *os << c.name; }
 
+// The bytes of one buffer of each kind the plan counts, for T tokens of a case: F32 A = [T, D],
+// Q = [T, H·d], Kv = [T, K·d] (bf16 copies are halves), lse [T, H], logβ [T, K], gate
+// activations [T, G], positions [T], and the MLP chunk's tokens.
+struct BufferBytes {
+  int64_t A, Q, Kv, lse, lb, gate, pos, chunk;
+};
+BufferBytes buffer_bytes(const MemoryCase& c) {
+  const int64_t T = c.T;
+  return {T * c.hidden * 4, T * c.heads * 64 * 4, T * c.kv_heads * 64 * 4, T * c.heads * 4, T * c.kv_heads * 4,
+          T * c.gate_hidden * 4, T * 4, std::min(T, kMlpChunkTokens)};
+}
+
 // The case's tiny model (2 layers, head_dim 64, trimkv gates) on the device, and a packed
 // batch of T tokens there.
 class StepCudaMemory : public ::testing::TestWithParam<MemoryCase> {
@@ -207,10 +219,8 @@ class StepCudaMemory : public ::testing::TestWithParam<MemoryCase> {
 
 TEST_P(StepCudaMemory, BackwardHoldsOneLayerAtATime) {
   const MemoryCase& c = c_;
-  gates::RetentionGates& gates = *gates_;
-  DeviceWeightProvider& weights = *weights_;
-  const Tensor &ids = ids_, &doc = doc_;
   const int64_t T = c.T, L = opt_.layers;
+  const auto [A, Q, Kv, lse, lb, gate, pos, chunk] = buffer_bytes(c);
   std::mt19937 rng(4);
   std::normal_distribution<float> n01(0.0f, 1.0f);
   auto random_on_device = [&](const Shape& shape) {
@@ -219,33 +229,30 @@ TEST_P(StepCudaMemory, BackwardHoldsOneLayerAtATime) {
     return t.on(Device::CUDA);
   };
   const Tensor d_hidden = random_on_device({T, c.hidden}), d_log_beta = random_on_device({L, T, c.kv_heads});
-  gates.zero_grad();
+  gates_->zero_grad();
   {  // a whole pass first: cuBLASLt's workspace, the GEMM staging at its size, the gates' grads
-    const StudentPass warm = student_forward(weights, gates, ids, doc);
-    student_backward(weights, gates, warm, d_hidden, d_log_beta);
+    const StudentPass warm = student_forward(*weights_, *gates_, ids_, doc_);
+    student_backward(*weights_, *gates_, warm, d_hidden, d_log_beta);
   }
   cuda::synchronize();
   const size_t resident = cuda::device_memory_stats().in_use;
-  const StudentPass pass = student_forward(weights, gates, ids, doc);
+  const StudentPass pass = student_forward(*weights_, *gates_, ids_, doc_);
   cuda::synchronize();
   const size_t before = cuda::device_memory_stats().in_use;
   // What the forward leaves for the backward (memory-plan.md, "held through the whole
   // backward"): the bf16 layer inputs, the final norm's input and output F32 [T, D] (the step
   // frees the output after the loss), logβ [L, T, K], the positions; nothing else.
   const int64_t held = static_cast<int64_t>(before - resident);
-  const int64_t held_plan = L * T * c.hidden * 2 + 2 * T * c.hidden * 4 + L * T * c.kv_heads * 4 + T * 4;
+  const int64_t held_plan = L * T * c.hidden * 2 + 2 * A + L * lb + pos;
   EXPECT_LE(held, held_plan + (64 << 10)) << "the forward holds more than the plan's checkpoints";
   EXPECT_GE(held, held_plan - (16 << 10));
   cuda::reset_device_memory_peak();
-  student_backward(weights, gates, pass, d_hidden, d_log_beta);
+  student_backward(*weights_, *gates_, pass, d_hidden, d_log_beta);
   cuda::synchronize();
   const cuda::DeviceMemoryStats after = cuda::device_memory_stats();
   EXPECT_EQ(after.in_use, before) << "the backward left device memory behind";
   const int64_t added = static_cast<int64_t>(after.peak - before);
 
-  const int64_t A = T * c.hidden * 4, Q = T * c.heads * 64 * 4, Kv = T * c.kv_heads * 64 * 4;
-  const int64_t lse = T * c.heads * 4, lb = T * c.kv_heads * 4, gate = T * c.gate_hidden * 4;
-  const int64_t chunk = std::min(T, kMlpChunkTokens);
   const int64_t kept = Q + Kv + gate + 2 * lb;                 // q, k before their norms, gate activations, logβ
   const int64_t attention_state = (Q + 2 * Kv) / 2 + Q / 2 + lse;  // bf16 q, k, v and output, lse
   const int64_t narrowing = A /*dx*/ + 2 * A /*stream, h*/ + kept + Q + 2 * Kv /*normed q, k; v*/ + Q / 2;
@@ -274,10 +281,8 @@ TEST_P(StepCudaMemory, BackwardHoldsOneLayerAtATime) {
 //   MLP point:        x, h2 [c, D], gate and up [c, I] (SwiGLU in place), positions
 TEST_P(StepCudaMemory, ForwardsHoldOneLayerAtATime) {
   const MemoryCase& c = c_;
-  gates::RetentionGates& gates = *gates_;
-  DeviceWeightProvider& weights = *weights_;
-  const Tensor &ids = ids_, &doc = doc_;
   const int64_t T = c.T, L = opt_.layers;
+  const auto [A, Q, Kv, lse, lb, gate, pos, chunk] = buffer_bytes(c);
   // Measures fn's pool high-water mark and what stays allocated afterwards (fn returns it).
   auto measure = [](auto fn) {
     { auto warm = fn(); }  // cuBLASLt's workspace and the GEMM staging grow here
@@ -290,12 +295,9 @@ TEST_P(StepCudaMemory, ForwardsHoldOneLayerAtATime) {
     return std::pair<int64_t, int64_t>{static_cast<int64_t>(after.peak - before),
                                        static_cast<int64_t>(after.in_use - before)};
   };
-  const auto teacher = measure([&] { return qwen3_hidden(weights, ids, doc); });
-  const auto student = measure([&] { return student_forward(weights, gates, ids, doc); });
+  const auto teacher = measure([&] { return qwen3_hidden(*weights_, ids_, doc_); });
+  const auto student = measure([&] { return student_forward(*weights_, *gates_, ids_, doc_); });
 
-  const int64_t A = T * c.hidden * 4, Q = T * c.heads * 64 * 4, Kv = T * c.kv_heads * 64 * 4;
-  const int64_t lb = T * c.kv_heads * 4, pos = T * 4;
-  const int64_t chunk = std::min(T, kMlpChunkTokens);
   const int64_t attention = 2 * A + Q + Q / 2 + 2 * Kv + pos;
   const int64_t mlp = A + chunk * c.hidden * 4 + 2 * chunk * c.intermediate * 4 + pos;
   const int64_t checkpoints = L * T * c.hidden * 2 + L * lb;  // bf16 layer inputs, logβ [L, T, K]
