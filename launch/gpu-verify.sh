@@ -96,9 +96,9 @@ step() {
 
 if phase tests; then
   log=$out/tests.log
-  # First: the CUDA emulator's reading of ldmatrix/mma.sync and the warp collectives against the
+  # First: the CUDA emulator's reading of ldmatrix/mma.sync, wgmma and the warp collectives against the
   # hardware (tests/cuda_emu) — what CI's emulated GPU tests rest on.
-  step "test_cuda_emu (ldmatrix + mma.sync, shuffles, votes vs their definitions)" "$log" 120 \
+  step "test_cuda_emu (ldmatrix + mma.sync, wgmma, shuffles, votes vs their definitions)" "$log" 120 \
     "$bin/test_cuda_emu" --gtest_color=no
   step "test_gated_attention_cuda" "$log" 600 "$bin/test_gated_attention_cuda" --gtest_color=no
   step "test_capacity_cuda" "$log" 600 "$bin/test_capacity_cuda" --gtest_color=no

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "kernels/cuda/mma.cuh"
+#include "kernels/cuda/wgmma.cuh"
 #include "tests/cuda/cuda_test.h"
 
 namespace {
@@ -170,6 +171,130 @@ TEST(CudaEmu, ShufflesVotesAndBlockReductionsFollowTheirDefinitions) {
   EXPECT_CUDA_OK(cudaFree(d));
 }
 
+// ---- wgmma (sm_90a) -----------------------------------------------------------------------
+
+// D (64 × N, fp32) = A (64 × K) · B with one warpgroup, k16 step by step: A row-major, B either
+// N × K row-major (K-major, like K in Q·Kᵀ) or K × N row-major (MN-major, like V in P·V), both
+// copied into 128-byte-swizzled tiles (kernels/cuda/wgmma_layout.h) at a 1,024-aligned start;
+// A from shared memory (SS) or from registers in the mma.m16n8k16 fragment (RS). The
+// accumulators start as NaN: the first step's scale-d = 0 must ignore them. Operands are bf16
+// bit patterns (uint16_t), K a multiple of 64.
+template <int N, int K, bool kTransB, bool kARegisters>
+__global__ void wgmma_product_kernel(const uint16_t* a, const uint16_t* b, float* d) {
+  namespace wg = retain::cuda::wgmma;
+  extern __shared__ __align__(128) unsigned char smem[];
+  const uint32_t raw = wg::smem_address(smem);
+  const uint32_t pad = ((raw + 1023u) & ~1023u) - raw;
+  unsigned char* ta = smem + pad;
+  unsigned char* tb = ta + 64 * K * 2;  // a multiple of 1,024 bytes further
+  const uint32_t sa = raw + pad, sb = sa + 64u * static_cast<uint32_t>(K) * 2u;
+  const int t = threadIdx.x;
+  for (int x = t; x < 64 * K; x += 128)
+    *reinterpret_cast<uint16_t*>(ta + wg::tile_offset(64, x / K, x % K)) = a[x];
+  for (int x = t; x < N * K; x += 128) {
+    const int row = kTransB ? x / N : x / K, col = kTransB ? x % N : x % K;
+    *reinterpret_cast<uint16_t*>(tb + wg::tile_offset(kTransB ? K : N, row, col)) = b[x];
+  }
+  wg::fence_proxy_async();  // the stores above, visible to wgmma's reads
+  __syncthreads();
+  const int warp = t / 32, g = (t % 32) / 4, c = t % 4;
+  // RS: every k step's A fragment loaded before the fence (wgmma reads registers written before it).
+  uint32_t fa[K / 16][4];
+  if constexpr (kARegisters) {
+    const int rows[4] = {g, g + 8, g, g + 8}, cols[4] = {2 * c, 2 * c, 2 * c + 8, 2 * c + 8};
+#pragma unroll
+    for (int s = 0; s < K / 16; ++s)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int at = (16 * warp + rows[r]) * K + 16 * s + cols[r];
+        fa[s][r] = static_cast<uint32_t>(a[at]) | (static_cast<uint32_t>(a[at + 1]) << 16);
+      }
+  }
+  float acc[N / 2];
+  for (float& v : acc) v = __int_as_float(0x7fc00000);  // NaN
+  wg::fence_operand(acc);
+  wg::fence();
+#pragma unroll
+  for (int s = 0; s < K / 16; ++s) {
+    const uint64_t desc_b = kTransB ? wg::mn_major_desc(sb, K, 16 * s, 0) : wg::k_major_desc(sb, N, 0, 16 * s);
+    if constexpr (kARegisters)
+      wg::mma_rs<kTransB>(acc, fa[s], desc_b, s > 0);
+    else
+      wg::mma_ss<kTransB>(acc, wg::k_major_desc(sa, 64, 0, 16 * s), desc_b, s > 0);
+  }
+  wg::commit_group();
+  wg::wait_group<0>();
+  wg::fence_operand(acc);
+  for (int i = 0; i < N / 2; ++i) {
+    const int row = 16 * warp + g + 8 * ((i % 4) / 2), col = 8 * (i / 4) + 2 * c + i % 2;
+    d[row * N + col] = acc[i];
+  }
+}
+
+// Small integers (|x| ≤ 8) are exact in bf16 and every product and sum of K = 128 of them is
+// exact in fp32, so the result must equal the float64 product whatever order the hardware sums in.
+template <int N, bool kTransB, bool kARegisters>
+void check_wgmma_product(const char* what) {
+  constexpr int K = 128;
+  std::mt19937 rng(N + 2 * kTransB + 4 * kARegisters);
+  std::uniform_int_distribution<int> v(-8, 8);
+  std::vector<uint16_t> a(64 * K), b(static_cast<size_t>(N) * K);
+  std::vector<double> A(a.size()), B(b.size());
+  auto draw = [&](std::vector<uint16_t>& bits, std::vector<double>& exact) {
+    for (size_t i = 0; i < bits.size(); ++i) {
+      const float x = static_cast<float>(v(rng));
+      const bf16 h = __float2bfloat16(x);
+      std::memcpy(&bits[i], &h, 2);
+      exact[i] = x;
+    }
+  };
+  draw(a, A);
+  draw(b, B);
+  uint16_t *da = device_copy(a), *db = device_copy(b);
+  float* dd = nullptr;
+  ASSERT_EQ(cudaMalloc(&dd, 64 * N * sizeof(float)), cudaSuccess);
+  const int smem = (64 + N) * K * 2 + 1024;
+  auto kernel = wgmma_product_kernel<N, K, kTransB, kARegisters>;
+  ASSERT_EQ(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem), cudaSuccess);
+  kernel<<<1, 128, smem>>>(da, db, dd);
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess) << what;
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << what;
+  const std::vector<float> d = host_copy(dd, 64 * N);
+  int wrong = 0;
+  for (int i = 0; i < 64; ++i)
+    for (int n = 0; n < N; ++n) {
+      double want = 0;
+      for (int k = 0; k < K; ++k) want += A[i * K + k] * (kTransB ? B[k * N + n] : B[n * K + k]);
+      if (d[i * N + n] != want && ++wrong <= 5)
+        ADD_FAILURE() << what << ": D[" << i << "][" << n << "] = " << d[i * N + n] << ", want " << want;
+    }
+  EXPECT_EQ(wrong, 0) << what;
+  for (void* p : {static_cast<void*>(da), static_cast<void*>(db), static_cast<void*>(dd)}) EXPECT_CUDA_OK(cudaFree(p));
+}
+
+// Whether the device runs sm_90a code (wgmma); the emulator does.
+bool has_wgmma() {
+#if defined(RETAIN_CUDA_EMU)
+  return true;
+#else
+  cudaDeviceProp p{};
+  return cudaGetDeviceProperties(&p, 0) == cudaSuccess && p.major == 9 && p.minor == 0;
+#endif
+}
+
+TEST(CudaEmu, WgmmaGivesTheMatrixProductInEveryOperandLayout) {
+  SKIP_WITHOUT_GPU();
+  if (!has_wgmma()) GTEST_SKIP() << "wgmma runs on sm_90 (H100/H200) only";
+  check_wgmma_product<64, false, false>("m64n64k16 SS, B K-major");
+  check_wgmma_product<64, true, false>("m64n64k16 SS, B MN-major");
+  check_wgmma_product<64, false, true>("m64n64k16 RS, B K-major");
+  check_wgmma_product<64, true, true>("m64n64k16 RS, B MN-major");
+  check_wgmma_product<128, false, false>("m64n128k16 SS, B K-major");
+  check_wgmma_product<128, true, false>("m64n128k16 SS, B MN-major");
+  check_wgmma_product<128, false, true>("m64n128k16 RS, B K-major");
+  check_wgmma_product<128, true, true>("m64n128k16 RS, B MN-major");
+}
+
 #if defined(RETAIN_CUDA_EMU)  // the emulator's own guarantees and fault messages
 
 // Thread 0 reads the tile before and after cp.async.wait_group: the copy lands at the wait.
@@ -258,6 +383,38 @@ TEST(CudaEmuDeathTest, StuckBlocksAndMisalignedAddressesStopWithOneMessage) {
   EXPECT_DEATH(divergent_shuffle_kernel<<<1, 32>>>(out), "cannot go on: 0 threads wait at __syncthreads, 16 at a warp");
   EXPECT_DEATH(misaligned_ldmatrix_kernel<<<1, 32>>>(nullptr), "ldmatrix: a row address is not 16-byte aligned");
   EXPECT_DEATH(early_return_kernel<<<1, 64>>>(), "threads returned before a __syncthreads that the block's other");
+}
+
+// wgmma misuse the emulator stops at: a product without a fence since the last wait, a thread
+// returning with products no wait retired, an operand layout it does not emulate, and smem
+// addresses outside dynamic shared memory.
+enum class WgmmaMisuse { no_fence, no_wait, unswizzled, static_shared };
+__global__ void wgmma_misuse_kernel(WgmmaMisuse m) {
+  namespace wg = retain::cuda::wgmma;
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ unsigned char fixed[16];
+  const uint32_t raw = wg::smem_address(smem), tile = (raw + 1023u) & ~1023u;
+  float acc[32] = {};
+  uint64_t desc = wg::k_major_desc(tile, 64, 0, 0);
+  if (m == WgmmaMisuse::unswizzled) desc &= ~(uint64_t{3} << 62);
+  if (m == WgmmaMisuse::static_shared) (void)wg::smem_address(fixed);
+  if (m != WgmmaMisuse::no_fence) wg::fence();
+  wg::mma_ss<false>(acc, desc, desc, false);
+  wg::commit_group();
+  if (m != WgmmaMisuse::no_wait) wg::wait_group<0>();
+}
+
+TEST(CudaEmuDeathTest, WgmmaMisuseStopsWithOneMessage) {
+  SKIP_WITHOUT_GPU();
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  const int smem = 64 * 64 * 2 + 1024;
+  EXPECT_DEATH(wgmma_misuse_kernel<<<1, 128, smem>>>(WgmmaMisuse::no_fence), "wgmma.mma_async without a wgmma.fence");
+  EXPECT_DEATH(wgmma_misuse_kernel<<<1, 128, smem>>>(WgmmaMisuse::no_wait),
+               "returned with wgmma.mma_async products no wgmma.wait_group retired");
+  EXPECT_DEATH(wgmma_misuse_kernel<<<1, 128, smem>>>(WgmmaMisuse::unswizzled), "only the 128-byte swizzle");
+  EXPECT_DEATH(wgmma_misuse_kernel<<<1, 128, smem>>>(WgmmaMisuse::static_shared),
+               "outside the block's dynamic shared memory");
+  EXPECT_DEATH(wgmma_misuse_kernel<<<1, 64, smem>>>(WgmmaMisuse::no_wait), "not whole warpgroups of 128 threads");
 }
 
 TEST(CudaEmu, BadLaunchesAndCopiesAreTheRuntimesErrors) {

@@ -1,7 +1,8 @@
 // The CUDA emulator's interface to emulated device code (kernels/cuda/emu/README.md): the
 // launch of a kernel over its grid, each CUDA thread a fiber, blocks one at a time; block
 // barriers; warp collectives (shuffles, votes, ldmatrix, mma.sync) computed once all lanes of
-// the warp have arrived; and cp.async copies that land only when their group is waited on.
+// the warp have arrived; cp.async copies that land only when their group is waited on; and
+// wgmma products computed only when their group is waited on.
 // Everything here runs on the calling host thread; results are deterministic.
 #pragma once
 #include <cuda_runtime.h>
@@ -81,5 +82,18 @@ void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t
 void cp_async_16(void* dst, const void* src, bool valid);
 void cp_async_commit();
 void cp_async_wait(int pending);
+
+// The shared-window address of a pointer into the block's dynamic shared memory (what
+// cvta.to.shared gives on the device; dynamic shared memory starts at window address 128).
+uint32_t shared_window_address(const void* p);
+
+// PTX: wgmma.fence, wgmma.commit_group, wgmma.wait_group N and wgmma.mma_async.sync.aligned
+// .m64nNk16.f32.bf16.bf16 with A from registers (a_registers) or a descriptor (kernels/cuda/
+// wgmma.cuh). Each product runs at the wait that retires its group (emu/wgmma_emu.h).
+void wgmma_fence();
+void wgmma_commit_group();
+void wgmma_wait_group(int pending);
+void wgmma_bf16(float* d, int n, const uint32_t* a_registers, uint64_t desc_a, uint64_t desc_b, bool accumulate,
+                bool trans_b);
 
 }  // namespace retain::cuda_emu

@@ -21,6 +21,7 @@
 #include "kernels/base/half.h"
 #include "kernels/cuda/emu/emu.h"
 #include "kernels/cuda/emu/runtime_state.h"
+#include "kernels/cuda/emu/wgmma_emu.h"
 
 namespace retain::cuda_emu {
 
@@ -84,6 +85,10 @@ struct Thread {
   uint64_t wait_generation = 0;
   std::vector<AsyncCopy> uncommitted;
   std::vector<std::vector<AsyncCopy>> committed;  // oldest first
+  // wgmma.mma_async products, run when a wgmma.wait_group retires their group (wgmma_emu.h).
+  bool wgmma_fenced = false;  // a wgmma.fence since the last wait (or the start)
+  std::vector<WgmmaOp> wgmma_open;
+  std::vector<std::vector<WgmmaOp>> wgmma_groups;  // committed, oldest first
 };
 
 // A warp collective in progress: lanes' inputs, then the outputs the last lane computes.
@@ -111,8 +116,15 @@ struct Launch {
   const char* name = "";
   Block* block = nullptr;
   Thread* current = nullptr;
-  std::vector<unsigned char> shared;  // dynamic shared memory
+  std::vector<unsigned char> shared;  // dynamic shared memory, with room to align its window
+  unsigned char* window = nullptr;    // shared-window address 0: 1,024-byte aligned
+  size_t window_bytes = 0;            // addresses [0, window_bytes) are the block's
 };
+
+// Dynamic shared memory starts at window address 128, not at a multiple of 1,024: a kernel that
+// needs 1,024-byte alignment (the 128-byte swizzle of TMA and wgmma) must make it itself, as on
+// a device, where the start is not promised either.
+constexpr size_t kDynamicSharedWindowStart = 128;
 
 thread_local Launch* g_launch = nullptr;
 thread_local StackPool g_stacks;  // each host thread launches on its own
@@ -292,7 +304,7 @@ void write_out(WarpSlot& w, int lane, const T& v) {
   std::memcpy(w.out[static_cast<size_t>(lane)].data(), &v, sizeof v);
 }
 
-enum Op { kShflXor = 1, kShfl, kAny, kAll, kBallot, kSyncwarp, kLdmatrix, kLdmatrixTrans, kMma };
+enum Op { kShflXor = 1, kShfl, kAny, kAll, kBallot, kSyncwarp, kLdmatrix, kLdmatrixTrans, kMma, kWgmmaWait };
 
 int vote(int op, unsigned mask, int p) {
   unsigned r = 0;
@@ -438,6 +450,71 @@ void cp_async_wait(int pending) {
   }
 }
 
+// ---- wgmma.mma_async ------------------------------------------------------------------------
+
+// A product is queued at issue and computed when a wgmma.wait_group retires its group: it reads
+// shared memory and the accumulators then, so shared memory overwritten before the wait, or
+// accumulators read before it, give wrong results here as they may on the device.
+void wgmma_bf16(float* d, int n, const uint32_t* a_registers, uint64_t desc_a, uint64_t desc_b, bool accumulate,
+                bool trans_b) {
+  Thread& t = self();
+  const dim3 bd = t.pos.block_dim;
+  if ((uint64_t{bd.x} * bd.y * bd.z) % 128 != 0) device_fault("wgmma: the block is not whole warpgroups of 128 threads");
+  if (!t.wgmma_fenced)
+    device_fault("wgmma.mma_async without a wgmma.fence since the accumulators were last accessible (the start or a "
+                 "wgmma.wait_group)");
+  WgmmaOp op;
+  op.d = d;
+  op.n = n;
+  op.a_in_registers = a_registers != nullptr;
+  if (a_registers) std::memcpy(op.a, a_registers, sizeof op.a);
+  op.desc_a = desc_a;
+  op.desc_b = desc_b;
+  op.accumulate = accumulate;
+  op.trans_b = trans_b;
+  t.wgmma_open.push_back(op);
+}
+void wgmma_fence() { self().wgmma_fenced = true; }
+void wgmma_commit_group() {
+  Thread& t = self();
+  t.wgmma_groups.push_back(std::move(t.wgmma_open));
+  t.wgmma_open.clear();
+}
+// A warp collective: the last lane to arrive runs the warp's share of every product in the
+// groups it retires, in issue order, for all 32 lanes.
+void wgmma_wait_group(int pending) {
+  Thread& t = self();
+  const int retire = std::max(0, static_cast<int>(t.wgmma_groups.size()) - pending);
+  int out = 0;
+  collective(kWgmmaWait, kFullMask, &retire, sizeof retire, &out, sizeof out, [](WarpSlot& w, int lanes) {
+    if (lanes != 32) device_fault("wgmma.wait_group needs a whole warp");
+    Block& b = *g_launch->block;
+    Thread* const first = &b.threads[static_cast<size_t>(&w - b.warps.data()) * 32];
+    const int n = read_in<int>(w, 0);
+    size_t ops = 0;
+    for (int l = 0; l < 32; ++l) {
+      const Thread& lane = first[l];
+      size_t count = 0;
+      for (int g = 0; g < n; ++g) count += lane.wgmma_groups[static_cast<size_t>(g)].size();
+      if (read_in<int>(w, l) != n || (l > 0 && count != ops))
+        device_fault("wgmma.wait_group: lanes of one warp have different wgmma groups in flight");
+      ops = count;
+    }
+    const int warp_in_group = static_cast<int>(&w - b.warps.data()) % 4;
+    for (int g = 0; g < n; ++g)
+      for (size_t i = 0; i < first[0].wgmma_groups[static_cast<size_t>(g)].size(); ++i) {
+        const WgmmaOp* lane_ops[32];
+        for (int l = 0; l < 32; ++l) lane_ops[l] = &first[l].wgmma_groups[static_cast<size_t>(g)][i];
+        run_wgmma_warp(lane_ops, warp_in_group, g_launch->window, g_launch->window_bytes);
+      }
+    for (int l = 0; l < 32; ++l) {
+      auto& groups = first[l].wgmma_groups;
+      groups.erase(groups.begin(), groups.begin() + n);
+      first[l].wgmma_fenced = false;
+    }
+  });
+}
+
 // ---- barriers and positions ---------------------------------------------------------------
 
 void syncthreads() { barrier(0, nullptr); }
@@ -447,8 +524,14 @@ int syncthreads_count(int p) { return barrier(p, &Block::result_count); }
 
 const ThreadPosition& position() { return self().pos; }
 void* dynamic_shared() {  // 128-byte aligned, as `extern __shared__ __align__(128)` asks
-  const auto p = reinterpret_cast<uintptr_t>(g_launch->shared.data());
-  return reinterpret_cast<void*>((p + 127) & ~uintptr_t{127});
+  return g_launch->window + kDynamicSharedWindowStart;
+}
+uint32_t shared_window_address(const void* p) {
+  const auto* c = static_cast<const unsigned char*>(p);
+  if (c < g_launch->window + kDynamicSharedWindowStart || c > g_launch->window + g_launch->window_bytes)
+    device_fault("a shared-memory address outside the block's dynamic shared memory (static __shared__ arrays have "
+                 "no window address here)");
+  return static_cast<uint32_t>(c - g_launch->window);
 }
 
 [[noreturn]] void device_fault(const char* what) {
@@ -480,7 +563,10 @@ void run_grid(const LaunchConfig& config, const void* kernel, const char* name, 
   Launch launch;
   launch.name = name;
   // Poisoned (0xff: NaN as float, −1 as an integer) so that a read before any write shows.
-  launch.shared.assign(config.dynamic_shared + 128, 0xff);
+  launch.shared.assign(config.dynamic_shared + 1024 + kDynamicSharedWindowStart, 0xff);
+  launch.window = reinterpret_cast<unsigned char*>(
+      (reinterpret_cast<uintptr_t>(launch.shared.data()) + 1023) & ~uintptr_t{1023});
+  launch.window_bytes = kDynamicSharedWindowStart + config.dynamic_shared;
   g_launch = &launch;
   struct Reset {
     ~Reset() { g_launch = nullptr; }
@@ -507,6 +593,8 @@ void run_grid(const LaunchConfig& config, const void* kernel, const char* name, 
             flush_copies(t.uncommitted);  // copies still in flight land, as on the device
             for (auto& group : t.committed) flush_copies(group);
             t.committed.clear();
+            if (!t.wgmma_open.empty() || !t.wgmma_groups.empty())
+              device_fault("a thread returned with wgmma.mma_async products no wgmma.wait_group retired");
             t.done = true;
             --b.live;
             maybe_open_barrier(b);

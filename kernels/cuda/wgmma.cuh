@@ -1,0 +1,156 @@
+// Inline-PTX wrappers for Hopper's warpgroup matrix multiply (sm_90a): wgmma.mma_async with
+// bf16 operands and fp32 accumulators, m64n64k16 and m64n128k16, A from shared memory (SS) or
+// from registers (RS), B from shared memory K-major or MN-major (kTransB); and the fence,
+// commit and wait that order them. Operand layouts and descriptors: kernels/cuda/wgmma_layout.h.
+// Under RETAIN_CUDA_EMU the emulator runs them (kernels/cuda/emu/README.md), deferring each
+// product to the wait that retires its group, as the hardware may. Unverified on a GPU so far:
+// tests/cuda_emu checks emulator and hardware against the same definitions when one is lent.
+//
+// Register layouts (PTX ISA, "Register Fragments and Shared Memory Matrix Layouts" for wgmma
+// .m64nNk16): the warpgroup's 4 warps own rows 16w..16w+15 of the 64-row D; within a warp,
+// with g = lane/4 and c = lane%4, d[4j + e] holds row g + 8·(e/2), column 8j + 2c + e%2 — the
+// mma.m16n8 accumulator repeated N/8 times. A in registers (RS) is the mma.m16n8k16 A fragment
+// of the warp's 16 rows: (g, 2c..2c+1), (g+8, 2c..), (g, 2c+8..), (g+8, 2c+8..).
+#pragma once
+#include <cstdint>
+
+#include "kernels/cuda/wgmma_layout.h"
+
+namespace retain::cuda::wgmma {
+
+#if defined(RETAIN_CUDA_EMU)
+// The shared-memory window address of a pointer into the block's dynamic shared memory.
+inline uint32_t smem_address(const void* p) { return cuda_emu::shared_window_address(p); }
+inline void fence() { cuda_emu::wgmma_fence(); }
+inline void commit_group() { cuda_emu::wgmma_commit_group(); }
+template <int N>
+inline void wait_group() {
+  cuda_emu::wgmma_wait_group(N);
+}
+// Orders the compiler's accesses to accumulators around the asynchronous products (a no-op
+// here: the emulator writes them only at the wait).
+template <class T>
+inline void fence_operand(T&) {}
+// Makes this thread's ordinary shared-memory stores visible to wgmma's reads (the async proxy).
+inline void fence_proxy_async() {}
+template <bool kTransB, int R>
+inline void mma_ss(float (&d)[R], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
+  static_assert(R == 32 || R == 64, "m64n64k16 or m64n128k16");
+  cuda_emu::wgmma_bf16(d, 2 * R, /*a_regs=*/nullptr, desc_a, desc_b, accumulate, kTransB);
+}
+template <bool kTransB, int R>
+inline void mma_rs(float (&d)[R], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) {
+  static_assert(R == 32 || R == 64, "m64n64k16 or m64n128k16");
+  cuda_emu::wgmma_bf16(d, 2 * R, a, 0, desc_b, accumulate, kTransB);
+}
+#else
+
+// wgmma exists on sm_90a only: the compute_90 PTX that the build also embeds (for newer GPUs,
+// which have no wgmma either) traps instead; kernels using these run on sm_90 devices only.
+#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define RETAIN_SM90A_ASM(...) __trap()
+#else
+#define RETAIN_SM90A_ASM(...) asm volatile(__VA_ARGS__)
+#endif
+
+__device__ __forceinline__ uint32_t smem_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void fence() { RETAIN_SM90A_ASM("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void commit_group() { RETAIN_SM90A_ASM("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wait_group() {
+  RETAIN_SM90A_ASM("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Pins an accumulator register between the asynchronous products and the code that reads it,
+// so the compiler moves no access across a fence or wait.
+__device__ __forceinline__ void fence_operand(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+template <int R>
+__device__ __forceinline__ void fence_operand(float (&d)[R]) {
+#pragma unroll
+  for (int i = 0; i < R; ++i) fence_operand(d[i]);
+}
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+template <bool kTransB>
+__device__ __forceinline__ void mma_ss(float (&d)[32], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
+  RETAIN_SM90A_ASM(
+      "{\n.reg .pred p;\n"
+      "setp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+      "}, %32, %33, p, 1, 1, 0, %35;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)), "n"(static_cast<int>(kTransB)));
+}
+
+template <bool kTransB>
+__device__ __forceinline__ void mma_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) {
+  RETAIN_SM90A_ASM(
+      "{\n.reg .pred p;\n"
+      "setp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+      "}, {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(static_cast<int>(accumulate)),
+        "n"(static_cast<int>(kTransB)));
+}
+
+template <bool kTransB>
+__device__ __forceinline__ void mma_ss(float (&d)[64], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
+  RETAIN_SM90A_ASM(
+      "{\n.reg .pred p;\n"
+      "setp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+      "}, %64, %65, p, 1, 1, 0, %67;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)), "n"(static_cast<int>(kTransB)));
+}
+
+template <bool kTransB>
+__device__ __forceinline__ void mma_rs(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) {
+  RETAIN_SM90A_ASM(
+      "{\n.reg .pred p;\n"
+      "setp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+      "}, {%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(static_cast<int>(accumulate)),
+        "n"(static_cast<int>(kTransB)));
+}
+
+#undef RETAIN_SM90A_ASM
+#endif  // RETAIN_CUDA_EMU
+
+}  // namespace retain::cuda::wgmma
