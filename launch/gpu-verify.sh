@@ -110,6 +110,8 @@ if phase tests; then
   step "test_step_cuda (the training step vs the CPU step)" "$log" 600 "$bin/test_step_cuda" --gtest_color=no
   step "test_kvpop_step_cuda (the KVPOP scorer step vs the CPU step)" "$log" 300 "$bin/test_kvpop_step_cuda" --gtest_color=no
   step "test_gated_attention_long (32K, 128K vs float64)" "$log" 600 "$bin/test_gated_attention_long" --gtest_color=no
+  step "test_gated_attention_long, wgmma forward" "$log" 600 env RETAIN_ATTENTION_FORWARD=wgmma \
+    "$bin/test_gated_attention_long" --gtest_color=no
   # retain-train itself: --dump-grads cuda vs cpu, 2 ranks (mpirun) and NCCL vs 1, 1,000 steps vs the CPU run.
   step "test_train_cuda (retain-train on the GPU vs the CPU)" "$log" 600 env RETAIN_BIN_DIR="$(cd "$bin" && pwd)" \
     RETAIN_FIXTURES_DIR="$PWD/tests/fixtures" RETAIN_MPIEXEC="$(command -v mpirun || echo mpirun)" \
@@ -130,7 +132,7 @@ if phase sanitizers; then
   log=$out/sanitizers.log
   for tool in memcheck racecheck synccheck initcheck; do
     step "compute-sanitizer $tool gated_attention (small)" "$log" "${SANITIZER_TIMEOUT:-600}" "$sanitizer" --tool "$tool" --error-exitcode 1 \
-      "$bin/test_gated_attention_cuda" --gtest_filter='GatedAttentionCuda.SmallShapes*:GatedAttentionCuda.BadInputs*'
+      "$bin/test_gated_attention_cuda" --gtest_filter='GatedAttentionCuda*.SmallShapes*:GatedAttentionCuda.BadInputs*'
     step "compute-sanitizer $tool capacity (small)" "$log" "${SANITIZER_TIMEOUT:-600}" "$sanitizer" --tool "$tool" --error-exitcode 1 \
       "$bin/test_capacity_cuda" --gtest_filter='Shapes/CapacityCuda.*:CapacityCuda.BadInputs*'
     step "compute-sanitizer $tool kvpop (small)" "$log" "${SANITIZER_TIMEOUT:-600}" "$sanitizer" --tool "$tool" --error-exitcode 1 \
@@ -152,6 +154,13 @@ if phase bench; then
       --device cuda --seq "$seq" --heads 32 --kv-heads 8 --head-dim 128 --docs "$docs" --iters "$iters" --warmup 1 \
       --check --retain-bench "$bin/retain-bench" --json "$out/bench-docs$docs.json"
   done
+  # The forward on wgmma (RETAIN_ATTENTION_FORWARD=wgmma) against the default mma.sync one, same shapes.
+  step "bench: retain attention, wgmma forward, docs 1" "$log" 600 env RETAIN_ATTENTION_FORWARD=wgmma "$bin/retain-bench" \
+    attention --device cuda --seq "$seq" --heads 32 --kv-heads 8 --head-dim 128 --iters "$iters" --warmup 1 \
+    --json "$out/bench-wgmma-docs1.json"
+  step "bench: retain attention, mma.sync forward, docs 1" "$log" 600 "$bin/retain-bench" \
+    attention --device cuda --seq "$seq" --heads 32 --kv-heads 8 --head-dim 128 --iters "$iters" --warmup 1 \
+    --json "$out/bench-mma-docs1.json"
   # The dense worst case, the exact tile skip with trained-looking gates, and the opt-in skip at E = 20.
   for run in initial:60 trained-like:60 trained-like:20; do
     logbeta=${run%%:*} skip=${run##*:}
@@ -202,6 +211,11 @@ if phase ncu; then
     --kernel-name regex:'forward_kernel|dq_kernel|dkdv_kernel|delta_kernel|sums_kernel|grads_kernel' --launch-skip 0 --launch-count 12 \
     --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
     --metrics sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum \
+    "$bin/retain-bench" attention --device cuda --seq 32768 --iters 1 --warmup 0
+  step "ncu: the wgmma forward at 32K" "$log" 300 env RETAIN_ATTENTION_FORWARD=wgmma "$ncu" --target-processes all \
+    --kernel-name regex:'forward_wgmma_kernel' --launch-skip 0 --launch-count 2 \
+    --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
+    --metrics sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum \
     "$bin/retain-bench" attention --device cuda --seq 32768 --iters 1 --warmup 0
 fi
 

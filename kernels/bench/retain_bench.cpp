@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <ctime>
 #include <filesystem>
@@ -82,7 +83,9 @@ constexpr const char* kUsage =
     "                reference decides per 64-key block over all heads and skips little of it.\n"
     "                Attention costs the same either way.\n"
     "--capacity-skip E (default 60, exact) skips capacity tiles below e^-E instead: a smaller E\n"
-    "is retain-train's opt-in approximation (kernels/retention.h states its error bound).\n\n"
+    "is retain-train's opt-in approximation (kernels/retention.h states its error bound).\n"
+    "RETAIN_ATTENTION_FORWARD=wgmma times the CUDA forward on Hopper's wgmma (sm_90 only, not\n"
+    "yet run on a GPU) instead of the default mma.sync one (=mma); the JSON records which.\n\n"
     "FLOPs (the FlashAttention benchmarks' convention): a causal forward counts T²/2 query-key\n"
     "pairs per head — the diagonal counted half; the exact T(T+1)/2 is T/2 pairs more, 0.006%\n"
     "at T = 8192 — with D documents T²/(2D); each pair costs two d-length dot products (q·k and\n"
@@ -386,6 +389,8 @@ int attention(int argc, char** argv) {
     j["tool"] = "retain-bench attention";
     j["date"] = date;
     j["device"] = device_name_arg;
+    const char* forward_kernel = std::getenv("RETAIN_ATTENTION_FORWARD");
+    j["attention_forward"] = !on_gpu ? "cpu" : forward_kernel ? forward_kernel : "mma";
     j["heads"] = H;
     j["kv_heads"] = K;
     j["head_dim"] = d;

@@ -32,7 +32,9 @@
 #include <climits>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
+#include <string>
 #include <utility>
 
 #include "kernels/cuda/attention_lane.h"
@@ -41,6 +43,7 @@
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/mma.cuh"
 #include "kernels/cuda/retention_cuda.h"
+#include "kernels/cuda/wgmma.cuh"
 
 namespace retain::cuda {
 
@@ -95,13 +98,18 @@ struct Params {
 // worked out once per CTA and advance by constants, instead of a division, a swizzle and a
 // 64-bit row product per chunk in the tile loop (which made the copies cost about as many
 // instructions as the tile's mma.sync did, kernels/cuda/sass_report.py).
-template <int D>
+//
+// kPanels selects the layout wgmma reads (wgmma_layout.h): 64-column panels of 128-byte
+// swizzled rows instead of whole D-column rows; the same for D = 64.
+template <int D, bool kPanels = false>
 struct TileCopy {
   static constexpr int kChunks = D / 8;  // 16-byte chunks per row
   static constexpr int kRowStep = kThreads / kChunks;
   static constexpr int kPerThread = kBlock / kRowStep;
   static_assert(kThreads % kChunks == 0 && kRowStep % 8 == 0 && kBlock % kRowStep == 0,
                 "each thread copies one chunk column of rows kRowStep apart, all with one swizzle");
+  // Elements between a thread's destinations (kRowStep rows of a row or of a panel).
+  static constexpr int kDestStep = kRowStep * (kPanels ? wgmma::kPanelCols : D);
   int row;   // this thread's first row of the tile
   int col;   // its column (elements): 8 · chunk
   int slot;  // element offset of its first destination chunk in a tile
@@ -109,7 +117,8 @@ struct TileCopy {
   __device__ __forceinline__ TileCopy()
       : row(static_cast<int>(threadIdx.x) / kChunks),
         col(8 * (static_cast<int>(threadIdx.x) % kChunks)),
-        slot(8 * swizzled_chunk(row, static_cast<int>(threadIdx.x) % kChunks, kChunks)) {}
+        slot(kPanels ? static_cast<int>(wgmma::tile_offset(kBlock, row, col) / 2)
+                     : 8 * swizzled_chunk(row, static_cast<int>(threadIdx.x) % kChunks, kChunks)) {}
 
   __device__ __forceinline__ void operator()(bf16* tile, const bf16* base, int64_t stride, int64_t row0,
                                              int valid) const {
@@ -118,13 +127,13 @@ struct TileCopy {
     const int64_t step = kRowStep * stride;
     if (valid == kBlock) {  // every block but a short last one: no per-chunk test
 #pragma unroll
-      for (int j = 0; j < kPerThread; ++j, src += step) cp_async_16(tile + slot + j * kThreads * 8, src, true);
+      for (int j = 0; j < kPerThread; ++j, src += step) cp_async_16(tile + slot + j * kDestStep, src, true);
       return;
     }
 #pragma unroll
     for (int j = 0; j < kPerThread; ++j, src += step) {
       const bool in = row + j * kRowStep < valid;
-      cp_async_16(tile + slot + j * kThreads * 8, in ? src : first, in);
+      cp_async_16(tile + slot + j * kDestStep, in ? src : first, in);
     }
   }
 };
@@ -291,7 +300,8 @@ struct KeyStages {
   int32_t* doc;
 
   // Issues the copies of key block kb (KV head kv) into `stage`; returns this thread's key row.
-  __device__ __forceinline__ KeyRow fetch(const Params& p, const TileCopy<D>& copy_tile, int kv, int64_t kb,
+  template <class Copy>
+  __device__ __forceinline__ KeyRow fetch(const Params& p, const Copy& copy_tile, int kv, int64_t kb,
                                           int stage) const {
     const int64_t i0 = block_begin(kb);
     const int nk = static_cast<int>(block_size(p.T, kb));
@@ -447,6 +457,149 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const Params p) {
   }
 
   // Rows with no allowed key (padding, or past T) have l = 0: out 0, lse -inf.
+  float inv[2];
+  int64_t row[2];
+#pragma unroll
+  for (int x = 0; x < 2; ++x) {
+    float lse;
+    finish_row(quad_sum(l[x]), m[x], inv[x], lse);
+    row[x] = t[x] * p.H + h;
+    if (in_t[x] && lane % 4 == 0) p.lse[row[x]] = lse;
+  }
+  store_rows<D>(p.out, D, row, in_t, o_acc, inv, lane);
+}
+
+// ---- forward on Hopper's wgmma (RETAIN_ATTENTION_FORWARD=wgmma) -------------------------
+//
+// forward_kernel's algorithm and register layouts with its two products on wgmma: the CTA's
+// 4 warps are one warpgroup, and a warp's share of an m64nN product is exactly its mma.sync
+// fragments (16 rows × N as N/8 m16n8 tiles), so the masking, gating and online softmax are
+// the same code. S = Q·Kᵀ reads Q and K from shared memory (K-major), O += P·V takes P from
+// registers and V from shared memory (MN-major); no ldmatrix, one instruction per 16-deep step
+// for the whole CTA. Tiles are in wgmma's 128-byte-swizzled panel layout at 1,024-aligned
+// addresses. Loads stay on cp.async (2 stages), each thread's copies made visible to wgmma's
+// async proxy before the barrier. Unverified on a GPU (emulated only).
+template <int D>
+size_t wgmma_forward_smem(int64_t nb) {
+  return query_side_smem<D>(false, nb) + wgmma::kAtomBytes;  // + room to align the tiles
+}
+
+template <int D>
+__global__ void __launch_bounds__(kThreads) forward_wgmma_kernel(const Params p) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  const uint32_t raw = wgmma::smem_address(smem);
+  const uint32_t pad = ((raw + wgmma::kAtomBytes - 1) & ~(wgmma::kAtomBytes - 1)) - raw;
+  const TileCopy<D, true> copy_tile;
+  bf16* sQ = reinterpret_cast<bf16*>(smem + pad);  // every tile 1,024-aligned (tile_bytes is a multiple)
+  bf16* sK = sQ + kBlock * D;      // stages 0, 1
+  bf16* sV = sK + 2 * kBlock * D;  // stages 0, 1
+  float* sLb = reinterpret_cast<float*>(sV + 2 * kBlock * D);
+  float* sNcl = sLb + 2 * kBlock;
+  int32_t* sDoc = reinterpret_cast<int32_t*>(sNcl + 2 * kBlock);
+  uint32_t* sVisit = reinterpret_cast<uint32_t*>(sDoc + 2 * kBlock);
+  uint32_t* sFull = sVisit + walk_words(p.nb);
+  constexpr uint32_t kTileBytes = sizeof(bf16) * kBlock * D;  // tile_bytes<D>(), on the device
+  static_assert(kTileBytes % wgmma::kAtomBytes == 0, "tiles stay 1,024-aligned");
+  const uint32_t aQ = raw + pad, aK = aQ + kTileBytes, aV = aK + 2 * kTileBytes;
+  const uint64_t desc_q = wgmma::k_major_desc(aQ, kBlock, 0, 0);
+
+  const int64_t qb = p.nb - 1 - static_cast<int64_t>(blockIdx.x);  // the longest rows first
+  const int h = blockIdx.y, kv = h / p.group;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t q0 = block_begin(qb);
+  const int nq = static_cast<int>(block_size(p.T, qb));
+  int64_t t[2];
+  int32_t doc_t[2];
+  bool in_t[2];
+#pragma unroll
+  for (int x = 0; x < 2; ++x) {
+    const int r = warp * kRowsPerWarp + c_row(lane, 2 * x);
+    t[x] = q0 + r;
+    in_t[x] = r < nq;
+    doc_t[x] = in_t[x] ? p.doc[t[x]] : -1;
+  }
+
+  const KeyStages<D> keys{sK, sV, sLb, sNcl, sDoc};
+  const TileFilter tiles{p.ranges, p.spans, p.lbmax ? p.lbmax + kv : nullptr, p.K, p.log_eps};
+  const WalkRange walk = key_walk_range(tiles, qb);
+  fill_walk(sVisit, sFull, walk, [&](int64_t kb) { return walk_bits(tiles, qb, kb); });
+  copy_tile(sQ, p.q + int64_t{h} * D, int64_t{p.H} * D, q0, nq);
+  __syncthreads();  // the walk bits
+  int64_t kb = prev_walk_bit(sVisit, walk.hi - 1, walk.lo);  // from the diagonal down, as forward_kernel
+  if (kb >= walk.lo) keys.store(keys.fetch(p, copy_tile, kv, kb, 0), 0);
+  cp_async_commit();
+
+  float o_acc[D / 8][4] = {};
+  float m[2] = {kNegInf, kNegInf};
+  float l[2] = {0.0f, 0.0f};
+  int stage = 0;
+  while (kb >= walk.lo) {
+    const int64_t kb_next = prev_walk_bit(sVisit, kb - 1, walk.lo);
+    const bool prefetch = kb_next >= walk.lo;
+    KeyRow next_row;
+    if (prefetch) next_row = keys.fetch(p, copy_tile, kv, kb_next, stage ^ 1);
+    cp_async_commit();
+    cp_async_wait<1>();        // this stage (and Q) have landed for this thread ...
+    wgmma::fence_proxy_async();  // ... and are visible to wgmma's reads
+    __syncthreads();           // ... for every thread
+
+    const uint32_t k_s = aK + static_cast<uint32_t>(stage) * kTileBytes;
+    const uint32_t v_s = aV + static_cast<uint32_t>(stage) * kTileBytes;
+    const float* lb_s = sLb + stage * kBlock;
+    const float* ncl_s = sNcl + stage * kBlock;
+    const int32_t* doc_s = sDoc + stage * kBlock;
+    const int64_t i0 = block_begin(kb);
+    const bool all_allowed = walk_bit(sFull, kb);
+
+    float s[kBlock / 8][4];
+    const uint64_t desc_k = wgmma::k_major_desc(k_s, kBlock, 0, 0), desc_v = wgmma::mn_major_desc(v_s, kBlock, 0, 0);
+    wgmma::fence();
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      const uint64_t step = wgmma::k_major_step(kBlock, 0, 16 * ks);
+      wgmma::mma_ss<false>(s, desc_q + step, desc_k + step, ks > 0);
+    }
+    wgmma::commit_group();
+    wgmma::wait_group<0>();
+    wgmma::fence_operand(s);
+
+    query_row_logits(s, lane, t, doc_t, i0, lb_s, ncl_s, doc_s, all_allowed, p.scale2);
+    float mx[2], alpha[2];
+    lane_row_max(s, mx);
+#pragma unroll
+    for (int x = 0; x < 2; ++x) mx[x] = quad_max(mx[x]);
+    online_softmax_step(s, mx, m, l, alpha);
+    if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
+#pragma unroll
+      for (int nt = 0; nt < D / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o_acc[nt][e] *= alpha[e / 2];
+    }
+    // P's k-steps as A fragments (the accumulator → A mapping of weights_times_rows).
+    uint32_t pa[kBlock / 16][4];
+#pragma unroll
+    for (int st = 0; st < kBlock / 16; ++st)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float(&c)[4] = s[c_to_a_ntile(st, j)];
+        pa[st][j] = c_to_a_pair(j) == 0 ? pack_bf16(c[0], c[1]) : pack_bf16(c[2], c[3]);
+      }
+    wgmma::fence_operand(o_acc);
+    wgmma::fence();
+#pragma unroll
+    for (int st = 0; st < kBlock / 16; ++st)
+      wgmma::mma_rs<true>(o_acc, pa[st], desc_v + wgmma::mn_major_step(kBlock, 16 * st, 0), true);
+    wgmma::commit_group();
+    wgmma::wait_group<0>();  // V's stage is read before the barrier below lets it be refilled
+    wgmma::fence_operand(o_acc);
+
+    if (prefetch) keys.store(next_row, stage ^ 1);
+    __syncthreads();
+    kb = kb_next;
+    stage ^= 1;
+  }
+  cp_async_wait<0>();
+
   float inv[2];
   int64_t row[2];
 #pragma unroll
@@ -804,9 +957,26 @@ void launch(Kernel kernel, unsigned grid_x, unsigned grid_y, size_t smem, const 
   CUDA_CHECK(cudaGetLastError());
 }
 
+// RETAIN_ATTENTION_FORWARD picks the forward kernel: "mma" (default: mma.sync, sm_80 and up)
+// or "wgmma" (forward_wgmma_kernel, sm_90 only; not yet run on a GPU, so not the default).
+bool use_wgmma_forward() {
+  const char* e = std::getenv("RETAIN_ATTENTION_FORWARD");
+  const std::string v = e ? e : "mma";
+  if (v == "mma") return false;
+  if (v != "wgmma") fail("{}: RETAIN_ATTENTION_FORWARD must be mma or wgmma, not '{}'", kForward, v);
+  if (!wgmma_forward_supported())
+    fail("{}: RETAIN_ATTENTION_FORWARD=wgmma needs an sm_90 GPU (H100/H200); this device is not one", kForward);
+  return true;
+}
+
 template <int D>
 void forward(const Params& p) {
-  launch(forward_kernel<D>, static_cast<unsigned>(p.nb), static_cast<unsigned>(p.H), query_side_smem<D>(false, p.nb), p);
+  if (use_wgmma_forward())
+    launch(forward_wgmma_kernel<D>, static_cast<unsigned>(p.nb), static_cast<unsigned>(p.H), wgmma_forward_smem<D>(p.nb),
+           p);
+  else
+    launch(forward_kernel<D>, static_cast<unsigned>(p.nb), static_cast<unsigned>(p.H), query_side_smem<D>(false, p.nb),
+           p);
 }
 
 template <int D>
@@ -821,6 +991,14 @@ void backward(const Params& p) {
 }
 
 }  // namespace
+
+bool wgmma_forward_supported() {
+  int device = 0;
+  cudaDeviceProp prop{};
+  CUDA_CHECK(cudaGetDevice(&device));
+  CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+  return prop.major == 9 && prop.minor == 0;
+}
 
 void gated_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& log_beta, const Tensor& doc,
                      float scale, Tensor& out, Tensor& lse, float skip_weight_below) {

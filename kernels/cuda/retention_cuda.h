@@ -31,6 +31,11 @@ void gated_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
                               Tensor& dq, Tensor& dk, Tensor& dv, Tensor& dlog_beta,
                               float skip_weight_below = 0.0f);
 
+// Whether this device runs the forward on wgmma (an sm_90 GPU: H100/H200). The environment
+// variable RETAIN_ATTENTION_FORWARD picks the forward kernel: mma (default; mma.sync) or wgmma
+// (Hopper's warpgroup products, not yet run on a GPU); any other value is an error.
+bool wgmma_forward_supported();
+
 // ---- end of retention-gated attention ----------------------------------------------------
 
 // ---- capacity sums and hinge (kernels/cuda/capacity.cu) ----------------------------------

@@ -10,7 +10,10 @@ for every loop counts the instructions issued on each path through one iteration
   kernel  regs  stack  loop  HMMA  instructions (fewest..most over paths with that many
   HMMA)  instructions per HMMA  the instruction mix of the shortest such path
 
-A predicated instruction issues whether or not its predicate holds, so it counts. Inner
+Tensor-core work is counted in m16n8k16 units ("HMMA"): an HMMA.16816 is one, a Hopper
+warpgroup HGMMA.64xNx16 is N/8 (the share of each of its 4 warps: 16 rows × N × 16), so
+mma.sync and wgmma kernels read on one scale. A predicated instruction issues whether or not
+its predicate holds, so it counts. Inner
 loops are walked once (their own line gives their cost per trip). Registers, stack and
 local (spill) bytes come from `cuobjdump -res-usage`.
 
@@ -27,7 +30,7 @@ import re
 import subprocess
 import sys
 
-INSTR = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)\s*(.*?)\s*;")
+INSTR = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Za-z0-9_]+)*)\s*(.*?)\s*;")
 FUNC = re.compile(r"^\s+Function : (\S+)")
 RES = re.compile(r"^\s*Function (\S+):\s*$")
 RES_LINE = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
@@ -146,10 +149,10 @@ def loop_paths(instrs, blocks, succ, header, body, loops):
     are the last tile or a path that skips the copy."""
     inner_headers = {h for h in loops if h != header and h in body}
 
-    def cost(b):  # (instructions, (HMMA, LDGSTS)) of block b
+    def cost(b):  # (instructions, (HMMA units, LDGSTS)) of block b
         s, e = blocks[b]
-        ops = [ins.base for ins in instrs[s:e]]
-        return e - s, (ops.count("HMMA"), ops.count("LDGSTS"))
+        return e - s, (sum(tensor_units(ins) for ins in instrs[s:e]),
+                       sum(1 for ins in instrs[s:e] if ins.base == "LDGSTS"))
 
     # DAG of the body without back edges (edges to the header, to inner headers from inside
     # their loops).
@@ -207,11 +210,26 @@ def loop_paths(instrs, blocks, succ, header, body, loops):
     return out
 
 
+HGMMA_SHAPE = re.compile(r"^HGMMA\.64x(\d+)x16\b")
+
+
+def tensor_units(ins):
+    """m16n8k16 products an instruction does per warp: HMMA 1, HGMMA.64xNx16 N/8, else 0."""
+    if ins.base == "HMMA":
+        return 1
+    if ins.base == "HGMMA":
+        m = HGMMA_SHAPE.match(ins.op)
+        if not m:
+            raise ValueError(f"unexpected tensor instruction {ins.op}")
+        return int(m.group(1)) // 8
+    return 0
+
+
 def analyse(name, instrs, res):
     blocks, succ = basic_blocks(instrs)
     loops = natural_loops(succ)
     result = {"kernel": name, "instructions": len(instrs),
-              "hmma": sum(1 for i in instrs if i.base == "HMMA"), "loops": []}
+              "hmma": sum(tensor_units(i) for i in instrs), "loops": []}
     result.update(res.get(name, {}))
     for header in sorted(loops):
         body = loops[header]

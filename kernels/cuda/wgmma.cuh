@@ -70,6 +70,11 @@ __device__ __forceinline__ void fence_operand(float (&d)[R]) {
 #pragma unroll
   for (int i = 0; i < R; ++i) fence_operand(d[i]);
 }
+template <int NT>
+__device__ __forceinline__ void fence_operand(float (&d)[NT][4]) {
+#pragma unroll
+  for (int i = 0; i < NT; ++i) fence_operand(d[i]);
+}
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 template <bool kTransB>
@@ -152,5 +157,15 @@ __device__ __forceinline__ void mma_rs(float (&d)[64], const uint32_t (&a)[4], u
 
 #undef RETAIN_SM90A_ASM
 #endif  // RETAIN_CUDA_EMU
+
+// The accumulators as mma.sync fragments, [N/8][4] (the same registers in the same order).
+template <bool kTransB, int NT>
+__device__ __forceinline__ void mma_ss(float (&d)[NT][4], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
+  mma_ss<kTransB>(reinterpret_cast<float(&)[NT * 4]>(d), desc_a, desc_b, accumulate);
+}
+template <bool kTransB, int NT>
+__device__ __forceinline__ void mma_rs(float (&d)[NT][4], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) {
+  mma_rs<kTransB>(reinterpret_cast<float(&)[NT * 4]>(d), a, desc_b, accumulate);
+}
 
 }  // namespace retain::cuda::wgmma

@@ -64,4 +64,17 @@ RETAIN_HD uint64_t mn_major_desc(uint32_t tile, int rows, int row0, int col0) {
   return make_desc(start, panel, kAtomBytes);
 }
 
+// What k_major_desc / mn_major_desc add to the descriptor of the same tile at row0 = col0 = 0
+// (only the start address moves, in 16-byte units, and stays below 2^18 bytes in shared
+// memory, so no field overflows): compile-time constants in an unrolled k loop, so a kernel
+// builds each tile's descriptor once instead of once per instruction.
+RETAIN_HD constexpr uint64_t k_major_step(int rows, int row0, int col0) {
+  return (static_cast<uint64_t>(col0 / kPanelCols) * kRowBytes * static_cast<uint64_t>(rows) +
+          static_cast<uint64_t>(row0) * kRowBytes + static_cast<uint64_t>(col0 % kPanelCols) * 2u) >> 4;
+}
+RETAIN_HD constexpr uint64_t mn_major_step(int rows, int row0, int col0) {
+  return (static_cast<uint64_t>(col0 / kPanelCols) * kRowBytes * static_cast<uint64_t>(rows) +
+          static_cast<uint64_t>(row0) * kRowBytes) >> 4;
+}
+
 }  // namespace retain::cuda::wgmma

@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <limits>
+#include <optional>
 #include <random>
 #include <string>
 #include <utility>
@@ -330,8 +331,7 @@ std::vector<double> skip_errors(const Problem& p, float eps, const Results& want
 // exact reference at bf16 tolerance in every output, while ε = 0.5 with weak decays (skipping
 // tiles that matter) visibly does not; ε outside [0, 1) is an error. (The bound itself is
 // tested on the emulated kernels in test_attention_tiles.)
-TEST(GatedAttentionCuda, WeightSkipKeepsNegligibleErrors) {
-  SKIP_WITHOUT_GPU();
+void weight_skip_keeps_negligible_errors() {
 #ifdef RETAIN_CUDA_KERNELS
   const uint32_t seed = fresh_seed();
   SCOPED_TRACE(::testing::Message() << "seed=" << seed);
@@ -365,22 +365,28 @@ TEST(GatedAttentionCuda, WeightSkipKeepsNegligibleErrors) {
   GTEST_SKIP() << "built without the CUDA kernels";
 #endif
 }
+TEST(GatedAttentionCuda, WeightSkipKeepsNegligibleErrors) {
+  SKIP_WITHOUT_GPU();
+  weight_skip_keeps_negligible_errors();
+}
 
 // Run with --gtest_also_run_disabled_tests by tests/cuda/run_sanitizer.sh to ask "is there a
 // device?" (fails without one).
 TEST(GatedAttentionCuda, DISABLED_DevicePresent) { ASSERT_GT(cuda_device_count(), 0); }
 
-TEST(GatedAttentionCuda, SmallShapesMatchCpuReference) {
-  SKIP_WITHOUT_GPU();
+void small_shapes_match_cpu_reference() {
   const uint32_t seed = fresh_seed();
   std::cout << "seed " << seed << "\n";
   for (size_t x = 0; x < kSmall.size(); ++x) check_case(kSmall[x], seed + static_cast<uint32_t>(x));
 }
+TEST(GatedAttentionCuda, SmallShapesMatchCpuReference) {
+  SKIP_WITHOUT_GPU();
+  small_shapes_match_cpu_reference();
+}
 
 // Many tiles per row: long documents (online softmax across tiles, the all-allowed fast path,
 // the 2-stage pipeline) and many short ones (the document-range skip).
-TEST(GatedAttentionCuda, LongerSequencesMatchCpuReference) {
-  SKIP_WITHOUT_GPU();
+void longer_sequences_match_cpu_reference() {
   const uint32_t seed = fresh_seed();
   std::cout << "seed " << seed << "\n";
   const std::vector<Case> cases = {
@@ -391,10 +397,13 @@ TEST(GatedAttentionCuda, LongerSequencesMatchCpuReference) {
   };
   for (size_t x = 0; x < cases.size(); ++x) check_case(cases[x], seed + static_cast<uint32_t>(x));
 }
+TEST(GatedAttentionCuda, LongerSequencesMatchCpuReference) {
+  SKIP_WITHOUT_GPU();
+  longer_sequences_match_cpu_reference();
+}
 
 // No atomics and fixed loop orders: two runs are bitwise equal.
-TEST(GatedAttentionCuda, RepeatedRunsAreBitwiseEqual) {
-  SKIP_WITHOUT_GPU();
+void repeated_runs_are_bitwise_equal() {
   std::mt19937 rng(fresh_seed());
   const Problem p = make_problem({700, 8, 2, 128, Docs::contiguous}, rng);
   const Results a = run_gpu(p), b = run_gpu(p);
@@ -404,6 +413,53 @@ TEST(GatedAttentionCuda, RepeatedRunsAreBitwiseEqual) {
   EXPECT_EQ(a.dv, b.dv);
   EXPECT_EQ(a.dlb, b.dlb);
 }
+TEST(GatedAttentionCuda, RepeatedRunsAreBitwiseEqual) {
+  SKIP_WITHOUT_GPU();
+  repeated_runs_are_bitwise_equal();
+}
+
+// RETAIN_ATTENTION_FORWARD set for a scope (restored after).
+class ScopedForwardKernel {
+ public:
+  explicit ScopedForwardKernel(const char* value) {
+    if (const char* old = std::getenv(kVar)) old_ = old, had_ = true;
+    setenv(kVar, value, 1);
+  }
+  ~ScopedForwardKernel() {
+    if (had_)
+      setenv(kVar, old_.c_str(), 1);
+    else
+      unsetenv(kVar);
+  }
+  ScopedForwardKernel(const ScopedForwardKernel&) = delete;
+  ScopedForwardKernel& operator=(const ScopedForwardKernel&) = delete;
+
+ private:
+  static constexpr const char* kVar = "RETAIN_ATTENTION_FORWARD";
+  std::string old_;
+  bool had_ = false;
+};
+
+// The forward on Hopper's wgmma (forward_wgmma_kernel, RETAIN_ATTENTION_FORWARD=wgmma; sm_90
+// only) through the same checks; the backward is the same kernels.
+class GatedAttentionCudaWgmma : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    SKIP_WITHOUT_GPU();
+#ifdef RETAIN_CUDA_KERNELS
+    if (!cuda::wgmma_forward_supported()) GTEST_SKIP() << "the wgmma forward needs an sm_90 GPU (H100/H200)";
+    wgmma_.emplace("wgmma");
+#else
+    GTEST_SKIP() << "built without the CUDA kernels";
+#endif
+  }
+  void TearDown() override { wgmma_.reset(); }
+  std::optional<ScopedForwardKernel> wgmma_;
+};
+TEST_F(GatedAttentionCudaWgmma, SmallShapesMatchCpuReference) { small_shapes_match_cpu_reference(); }
+TEST_F(GatedAttentionCudaWgmma, LongerSequencesMatchCpuReference) { longer_sequences_match_cpu_reference(); }
+TEST_F(GatedAttentionCudaWgmma, WeightSkipKeepsNegligibleErrors) { weight_skip_keeps_negligible_errors(); }
+TEST_F(GatedAttentionCudaWgmma, RepeatedRunsAreBitwiseEqual) { repeated_runs_are_bitwise_equal(); }
 
 TEST(GatedAttentionCuda, BadInputsAreOneLineErrors) {
   SKIP_WITHOUT_GPU();
@@ -446,4 +502,9 @@ TEST(GatedAttentionCuda, BadInputsAreOneLineErrors) {
   test_support::expect_one_line_error([&] { ops::raise_deferred_checks(); }, "gated_attention_backward: log_beta[2, 1] = nan");
   ops::gated_attention(q, k, v, lb, doc, scale, out, lse);
   EXPECT_NO_THROW(ops::raise_deferred_checks());
+  {
+    const ScopedForwardKernel bogus("mma.sync");
+    test_support::expect_one_line_error([&] { ops::gated_attention(q, k, v, lb, doc, scale, out, lse); },
+                                        "RETAIN_ATTENTION_FORWARD must be mma or wgmma, not 'mma.sync'");
+  }
 }

@@ -86,6 +86,14 @@ def fixture_tests():
         check(l["depth"] == 1 and [(p["hmma"], p["fewest"]) for p in l["paths"]] == [(0, 2)],
               f"inner loop {l}", failures)
     check(r["hmma"] == 3 and r["regs"] == 40 and r["local"] == 16, f"totals {r}", failures)
+    # A warpgroup product counts as its m16n8k16 share per warp (N/8 for HGMMA.64xNx16).
+    hg = sass_report.parse_functions(
+        "\t\tFunction : _Z2hgv\n"
+        "        /*0000*/                   HGMMA.64x128x16.F32.BF16 R24, R120, gdesc[UR8].tnspB, R24 ;\n"
+        "        /*0010*/                   HGMMA.64x64x16.F32.BF16 R88, gdesc[UR8], R88, gsb0 ;\n"
+        "        /*0020*/                   EXIT ;\n")
+    units = [sass_report.tensor_units(i) for i in hg.get("_Z2hgv", [])]
+    check(units == [16, 8, 0], f"HGMMA units {units}, want [16, 8, 0]", failures)
     for mangled, short in (
             ("_ZN6retain4cuda51_GLOBAL__N__89fe8727_18_gated_attention_cu_c214ada59dq_kernelILi128EEEvNS1_6ParamsE",
              "dq_kernel<128>"),
@@ -120,6 +128,10 @@ KERNELS = {
     "dq_kernelILi64": (3 * 8 * 4, 5.76),
     "dkdv_kernelILi128": (4 * 2 * 8, 3.44),           # per 16-query sub-tile: 4 products
     "dkdv_kernelILi64": (4 * 4 * 4, 4.55),            # per 32-query sub-tile
+    # The forward on wgmma: the same products as HGMMA.64xNx16 (N/8 HMMA each per warp),
+    # descriptors built once per tile (2026-11-24, nvcc 13.0).
+    "forward_wgmma_kernelILi128": (2 * 8 * 8, 3.62),
+    "forward_wgmma_kernelILi64": (2 * 8 * 4, 6.98),
 }
 
 

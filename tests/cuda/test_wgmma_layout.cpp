@@ -109,4 +109,18 @@ TEST(WgmmaLayout, DescriptorsAddressTheTileElementsTheInstructionReads) {
   }
 }
 
+TEST(WgmmaLayout, DescriptorStepsAreTheDescriptorsOfTheMovedOperand) {
+  for (const uint32_t tile : {0u, 8u * kAtomBytes, 160u * kAtomBytes})  // + 64 KB of tile: < 2^18
+    for (const int rows : {64, 128})
+      for (int col = 0; col < 256; col += 16) {
+        for (int row0 = 0; row0 < rows; row0 += 64) {
+          EXPECT_EQ(k_major_desc(tile, rows, 0, 0) + k_major_step(rows, row0, col), k_major_desc(tile, rows, row0, col));
+        }
+        if (col % 64 != 0) continue;
+        for (int k0 = 0; k0 < rows; k0 += 16) {
+          EXPECT_EQ(mn_major_desc(tile, rows, 0, 0) + mn_major_step(rows, k0, col), mn_major_desc(tile, rows, k0, col));
+        }
+      }
+}
+
 }  // namespace
