@@ -493,11 +493,10 @@ void wgmma_wait_group(int pending) {
     const int n = read_in<int>(w, 0);
     size_t ops = 0;
     for (int l = 0; l < 32; ++l) {
-      const Thread& lane = first[l];
+      if (read_in<int>(w, l) != n) device_fault("wgmma.wait_group: lanes of one warp have different wgmma groups in flight");
       size_t count = 0;
-      for (int g = 0; g < n; ++g) count += lane.wgmma_groups[static_cast<size_t>(g)].size();
-      if (read_in<int>(w, l) != n || (l > 0 && count != ops))
-        device_fault("wgmma.wait_group: lanes of one warp have different wgmma groups in flight");
+      for (int g = 0; g < n; ++g) count += first[l].wgmma_groups[static_cast<size_t>(g)].size();
+      if (l > 0 && count != ops) device_fault("wgmma.wait_group: lanes of one warp have different wgmma groups in flight");
       ops = count;
     }
     const int warp_in_group = static_cast<int>(&w - b.warps.data()) % 4;
@@ -505,7 +504,7 @@ void wgmma_wait_group(int pending) {
       for (size_t i = 0; i < first[0].wgmma_groups[static_cast<size_t>(g)].size(); ++i) {
         const WgmmaOp* lane_ops[32];
         for (int l = 0; l < 32; ++l) lane_ops[l] = &first[l].wgmma_groups[static_cast<size_t>(g)][i];
-        run_wgmma_warp(lane_ops, warp_in_group, g_launch->window, g_launch->window_bytes);
+        run_wgmma_warp(lane_ops, warp_in_group, g_launch->window, kDynamicSharedWindowStart, g_launch->window_bytes);
       }
     for (int l = 0; l < 32; ++l) {
       auto& groups = first[l].wgmma_groups;

@@ -46,18 +46,24 @@ uint32_t mn_major(const Desc& d, int mn, int k) {
                     static_cast<uint32_t>(k % 8) * 128u + static_cast<uint32_t>(k / 8) * d.sbo);
 }
 
-float load_bf16(const unsigned char* shared, size_t bytes, uint32_t address) {
-  if (address % 2 != 0 || size_t{address} + 2 > bytes)
+struct Window {
+  const unsigned char* shared;
+  size_t lo, hi;
+};
+
+float load_bf16(const Window& s, uint32_t address) {
+  if (address % 2 != 0 || address < s.lo || size_t{address} + 2 > s.hi)
     device_fault("wgmma: an operand element lies outside the block's dynamic shared memory");
   uint16_t v;
-  std::memcpy(&v, shared + address, 2);
+  std::memcpy(&v, s.shared + address, 2);
   return bf16_to_f32(v);
 }
 
 }  // namespace
 
-void run_wgmma_warp(const WgmmaOp* const (&lanes)[32], int warp_in_group, const unsigned char* shared,
-                    size_t shared_bytes) {
+void run_wgmma_warp(const WgmmaOp* const (&lanes)[32], int warp_in_group, const unsigned char* shared, size_t lo,
+                    size_t hi) {
+  const Window window{shared, lo, hi};
   const WgmmaOp& op = *lanes[0];
   for (const WgmmaOp* l : lanes)
     if (l->n != op.n || l->a_in_registers != op.a_in_registers || l->desc_b != op.desc_b ||
@@ -77,12 +83,12 @@ void run_wgmma_warp(const WgmmaOp* const (&lanes)[32], int warp_in_group, const 
   } else {
     const Desc da = decode(op.desc_a);
     for (int r = 0; r < 16; ++r)
-      for (int k = 0; k < 16; ++k) A[r][k] = load_bf16(shared, shared_bytes, k_major(da, 16 * warp_in_group + r, k));
+      for (int k = 0; k < 16; ++k) A[r][k] = load_bf16(window, k_major(da, 16 * warp_in_group + r, k));
   }
   const Desc db = decode(op.desc_b);
   for (int k = 0; k < 16; ++k)
     for (int j = 0; j < n; ++j)
-      B[k][j] = load_bf16(shared, shared_bytes, op.trans_b ? mn_major(db, j, k) : k_major(db, j, k));
+      B[k][j] = load_bf16(window, op.trans_b ? mn_major(db, j, k) : k_major(db, j, k));
   // d[4j + e] is (row g + 8·(e/2), column 8j + 2c + e%2); the k-sum in fp32, in k order.
   for (int l = 0; l < 32; ++l) {
     const int g = l / 4, c = l % 4;

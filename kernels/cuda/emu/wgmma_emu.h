@@ -22,8 +22,9 @@ struct WgmmaOp {
 
 // Runs warp `warp_in_group` (0–3: rows 16w..16w+15 of D) of one wgmma: lanes[l] is lane l's
 // copy (all must agree but for a and d). `shared` is the block's shared-memory window (address 0
-// at shared[0]) of `shared_bytes`. A descriptor the emulator cannot read faithfully stops it.
-void run_wgmma_warp(const WgmmaOp* const (&lanes)[32], int warp_in_group, const unsigned char* shared,
-                    size_t shared_bytes);
+// at shared[0]), its dynamic shared memory the addresses [lo, hi). A descriptor the emulator
+// cannot read faithfully, or an operand outside [lo, hi), stops it.
+void run_wgmma_warp(const WgmmaOp* const (&lanes)[32], int warp_in_group, const unsigned char* shared, size_t lo,
+                    size_t hi);
 
 }  // namespace retain::cuda_emu
