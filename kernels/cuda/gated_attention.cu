@@ -359,6 +359,40 @@ __global__ void delta_kernel(const bf16* out, const bf16* dout, float* delta, in
 
 // ---- forward -----------------------------------------------------------------------------
 
+// A lane's two query rows in a forward CTA (fragment rows group and group + 8 of its warp's
+// row-block): token, document (−1 past the block's nq rows) and whether it is a row.
+struct ForwardRows {
+  int64_t t[2];
+  int32_t doc_t[2];
+  bool in_t[2];
+  __device__ __forceinline__ ForwardRows(const Params& p, int64_t q0, int nq, int warp, int lane) {
+#pragma unroll
+    for (int x = 0; x < 2; ++x) {
+      const int r = warp * kRowsPerWarp + c_row(lane, 2 * x);
+      t[x] = q0 + r;
+      in_t[x] = r < nq;
+      doc_t[x] = in_t[x] ? p.doc[t[x]] : -1;
+    }
+  }
+};
+
+// The end of a forward: out = o_acc / l in bf16 and the row's lse. Rows with no allowed key
+// (padding, or past T) have l = 0: out 0, lse −inf.
+template <int D>
+__device__ __forceinline__ void finish_forward(const Params& p, const ForwardRows& q, int h, int lane, const float (&m)[2],
+                                               const float (&l)[2], const float (&o_acc)[D / 8][4]) {
+  float inv[2];
+  int64_t row[2];
+#pragma unroll
+  for (int x = 0; x < 2; ++x) {
+    float lse;
+    finish_row(quad_sum(l[x]), m[x], inv[x], lse);
+    row[x] = q.t[x] * p.H + h;
+    if (q.in_t[x] && lane % 4 == 0) p.lse[row[x]] = lse;
+  }
+  store_rows<D>(p.out, D, row, q.in_t, o_acc, inv, lane);
+}
+
 template <int D>
 __global__ void __launch_bounds__(kThreads) forward_kernel(const Params p) {
   extern __shared__ __align__(128) unsigned char smem[];
@@ -379,17 +413,9 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const Params p) {
   const int64_t q0 = block_begin(qb);
   const int nq = static_cast<int>(block_size(p.T, qb));
 
-  // This lane's two query rows (fragment rows group and group + 8 of its warp's row-block).
-  int64_t t[2];
-  int32_t doc_t[2];
-  bool in_t[2];
-#pragma unroll
-  for (int x = 0; x < 2; ++x) {
-    const int r = warp * kRowsPerWarp + c_row(lane, 2 * x);
-    t[x] = q0 + r;
-    in_t[x] = r < nq;
-    doc_t[x] = in_t[x] ? p.doc[t[x]] : -1;
-  }
+  const ForwardRows rows(p, q0, nq, warp, lane);
+  const int64_t(&t)[2] = rows.t;
+  const int32_t(&doc_t)[2] = rows.doc_t;
 
   const KeyStages<D> keys{sK, sV, sLb, sNcl, sDoc};
 
@@ -456,17 +482,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const Params p) {
     stage ^= 1;
   }
 
-  // Rows with no allowed key (padding, or past T) have l = 0: out 0, lse -inf.
-  float inv[2];
-  int64_t row[2];
-#pragma unroll
-  for (int x = 0; x < 2; ++x) {
-    float lse;
-    finish_row(quad_sum(l[x]), m[x], inv[x], lse);
-    row[x] = t[x] * p.H + h;
-    if (in_t[x] && lane % 4 == 0) p.lse[row[x]] = lse;
-  }
-  store_rows<D>(p.out, D, row, in_t, o_acc, inv, lane);
+  finish_forward<D>(p, rows, h, lane, m, l, o_acc);
 }
 
 // ---- forward on Hopper's wgmma (RETAIN_ATTENTION_FORWARD=wgmma) -------------------------
@@ -508,16 +524,9 @@ __global__ void __launch_bounds__(kThreads) forward_wgmma_kernel(const Params p)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t q0 = block_begin(qb);
   const int nq = static_cast<int>(block_size(p.T, qb));
-  int64_t t[2];
-  int32_t doc_t[2];
-  bool in_t[2];
-#pragma unroll
-  for (int x = 0; x < 2; ++x) {
-    const int r = warp * kRowsPerWarp + c_row(lane, 2 * x);
-    t[x] = q0 + r;
-    in_t[x] = r < nq;
-    doc_t[x] = in_t[x] ? p.doc[t[x]] : -1;
-  }
+  const ForwardRows rows(p, q0, nq, warp, lane);
+  const int64_t(&t)[2] = rows.t;
+  const int32_t(&doc_t)[2] = rows.doc_t;
 
   const KeyStages<D> keys{sK, sV, sLb, sNcl, sDoc};
   const TileFilter tiles{p.ranges, p.spans, p.lbmax ? p.lbmax + kv : nullptr, p.K, p.log_eps};
@@ -600,16 +609,7 @@ __global__ void __launch_bounds__(kThreads) forward_wgmma_kernel(const Params p)
   }
   cp_async_wait<0>();
 
-  float inv[2];
-  int64_t row[2];
-#pragma unroll
-  for (int x = 0; x < 2; ++x) {
-    float lse;
-    finish_row(quad_sum(l[x]), m[x], inv[x], lse);
-    row[x] = t[x] * p.H + h;
-    if (in_t[x] && lane % 4 == 0) p.lse[row[x]] = lse;
-  }
-  store_rows<D>(p.out, D, row, in_t, o_acc, inv, lane);
+  finish_forward<D>(p, rows, h, lane, m, l, o_acc);
 }
 
 // ---- backward: dq ------------------------------------------------------------------------
