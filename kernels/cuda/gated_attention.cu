@@ -187,17 +187,25 @@ __device__ __forceinline__ void frags_times_rows_t(float (&acc)[NT][4], const ui
 // acc[D/8][4] += W · B where W (16 × NT·8, fp32 C fragments, rounded to bf16 here) is the
 // left operand with its columns as the k dimension, and B = rows b_row0.. b_row0 + NT·8 of
 // `b_tile` ([k = row][n = dim], ldmatrix .trans, pattern a): P·V, dS·K, Pᵀ·dO, dSᵀ·Q.
+//
+// k-step s of such a W as an A fragment: columns 16s..16s+15 of the fp32 C fragments, rounded
+// to bf16 (the same registers feed mma.sync and wgmma's register A).
+template <int NT>
+__device__ __forceinline__ void c_to_a_fragment(const float (&w)[NT][4], int s, uint32_t (&a)[4]) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float(&c)[4] = w[c_to_a_ntile(s, j)];
+    a[j] = c_to_a_pair(j) == 0 ? pack_bf16(c[0], c[1]) : pack_bf16(c[2], c[3]);
+  }
+}
+
 template <int D, int NT>
 __device__ __forceinline__ void weights_times_rows(float (&acc)[D / 8][4], const float (&w)[NT][4], SmemBase b_tile,
                                                    int b_row0, const LaneLdsm<D>& ln) {
 #pragma unroll
   for (int s = 0; s < NT / 2; ++s) {  // k-step s: columns 16s..16s+15 of W
     uint32_t a[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float(&c)[4] = w[c_to_a_ntile(s, j)];
-      a[j] = c_to_a_pair(j) == 0 ? pack_bf16(c[0], c[1]) : pack_bf16(c[2], c[3]);
-    }
+    c_to_a_fragment(w, s, a);
 #pragma unroll
     for (int dp = 0; dp < D / 16; ++dp) {
       uint32_t b[4];
@@ -393,18 +401,54 @@ __device__ __forceinline__ void finish_forward(const Params& p, const ForwardRow
   store_rows<D>(p.out, D, row, q.in_t, o_acc, inv, lane);
 }
 
+// One key tile of a forward: the raw scores s (q·k) become the tile's weights P in place —
+// gated and masked logits (base 2), the online softmax against the running row max m and sum
+// l — and o_acc is rescaled when some row's maximum rose (else α is exactly 1 and the 64
+// multiplies per lane at d = 128 are skipped).
+template <int D>
+__device__ __forceinline__ void softmax_tile(float (&s)[kBlock / 8][4], const ForwardRows& rows, int lane,
+                                             const KeyStages<D>& keys, int stage, int64_t i0, bool all_allowed,
+                                             float scale2, float (&m)[2], float (&l)[2], float (&o_acc)[D / 8][4]) {
+  query_row_logits(s, lane, rows.t, rows.doc_t, i0, keys.lb2 + stage * kBlock, keys.ncl + stage * kBlock,
+                   keys.doc + stage * kBlock, all_allowed, scale2);
+  float mx[2], alpha[2];
+  lane_row_max(s, mx);
+#pragma unroll
+  for (int x = 0; x < 2; ++x) mx[x] = quad_max(mx[x]);
+  online_softmax_step(s, mx, m, l, alpha);
+  if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o_acc[nt][e] *= alpha[e / 2];
+  }
+}
+
+// A forward CTA's shared memory from `base`: [Q][K × 2][V × 2][lb2 × 2][−c·lb2 × 2][doc of
+// keys × 2][walk] (query_side_smem), the key stages as KeyStages.
+template <int D>
+struct ForwardSmem {
+  bf16 *q, *k, *v;
+  float *lb2, *ncl;
+  int32_t* doc;
+  uint32_t *visit, *full;  // [walk_words(nb)] each
+  __device__ __forceinline__ ForwardSmem(unsigned char* base, int64_t nb)
+      : q(reinterpret_cast<bf16*>(base)),
+        k(q + kBlock * D),
+        v(k + 2 * kBlock * D),
+        lb2(reinterpret_cast<float*>(v + 2 * kBlock * D)),
+        ncl(lb2 + 2 * kBlock),
+        doc(reinterpret_cast<int32_t*>(ncl + 2 * kBlock)),
+        visit(reinterpret_cast<uint32_t*>(doc + 2 * kBlock)),
+        full(visit + walk_words(nb)) {}
+  __device__ __forceinline__ KeyStages<D> keys() const { return {k, v, lb2, ncl, doc}; }
+};
+
 template <int D>
 __global__ void __launch_bounds__(kThreads) forward_kernel(const Params p) {
   extern __shared__ __align__(128) unsigned char smem[];
   const TileCopy<D> copy_tile;
-  bf16* sQ = reinterpret_cast<bf16*>(smem);
-  bf16* sK = sQ + kBlock * D;      // stages 0, 1
-  bf16* sV = sK + 2 * kBlock * D;  // stages 0, 1
-  float* sLb = reinterpret_cast<float*>(sV + 2 * kBlock * D);  // [2][kBlock] staged_lb2
-  float* sNcl = sLb + 2 * kBlock;                                 // [2][kBlock] staged_neg_c_lb2
-  int32_t* sDoc = reinterpret_cast<int32_t*>(sNcl + 2 * kBlock);  // [2][kBlock]
-  uint32_t* sVisit = reinterpret_cast<uint32_t*>(sDoc + 2 * kBlock);  // [walk_words(nb)]
-  uint32_t* sFull = sVisit + walk_words(p.nb);
+  const ForwardSmem<D> sm(smem, p.nb);
 
   const int64_t qb = p.nb - 1 - static_cast<int64_t>(blockIdx.x);  // the longest rows first
   const int h = blockIdx.y, kv = h / p.group;
@@ -414,20 +458,16 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const Params p) {
   const int nq = static_cast<int>(block_size(p.T, qb));
 
   const ForwardRows rows(p, q0, nq, warp, lane);
-  const int64_t(&t)[2] = rows.t;
-  const int32_t(&doc_t)[2] = rows.doc_t;
-
-  const KeyStages<D> keys{sK, sV, sLb, sNcl, sDoc};
-
+  const KeyStages<D> keys = sm.keys();
   const TileFilter tiles{p.ranges, p.spans, p.lbmax ? p.lbmax + kv : nullptr, p.K, p.log_eps};
   const WalkRange walk = key_walk_range(tiles, qb);
-  fill_walk(sVisit, sFull, walk, [&](int64_t kb) { return walk_bits(tiles, qb, kb); });
-  copy_tile(sQ, p.q + int64_t{h} * D, int64_t{p.H} * D, q0, nq);
+  fill_walk(sm.visit, sm.full, walk, [&](int64_t kb) { return walk_bits(tiles, qb, kb); });
+  copy_tile(sm.q, p.q + int64_t{h} * D, int64_t{p.H} * D, q0, nq);
   __syncthreads();  // the walk bits
   // Key blocks from the diagonal down: the nearest keys, whose weights decay least, usually
   // hold a row's maximum, so later tiles rarely raise it and the rescale of the output
   // accumulator (64 multiplies per tile and lane at d = 128) is skipped (see below).
-  int64_t kb = prev_walk_bit(sVisit, walk.hi - 1, walk.lo);
+  int64_t kb = prev_walk_bit(sm.visit, walk.hi - 1, walk.lo);
   if (kb >= walk.lo) keys.store(keys.fetch(p, copy_tile, kv, kb, 0), 0);
   cp_async_commit();
   cp_async_wait<0>();
@@ -436,44 +476,28 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const Params p) {
   uint32_t qf[D / 16][4];
 #pragma unroll
   for (int ks = 0; ks < D / 16; ++ks)
-    ldmatrix_x4_at(qf[ks], smem_base(sQ), ldsm.a.at(warp * kRowsPerWarp, ks));
+    ldmatrix_x4_at(qf[ks], smem_base(sm.q), ldsm.a.at(warp * kRowsPerWarp, ks));
 
   float o_acc[D / 8][4] = {};
   float m[2] = {kNegInf, kNegInf};  // running row max (base-2 units); -inf: nothing seen yet
   float l[2] = {0.0f, 0.0f};        // running row sum of this lane's columns, relative to m
   int stage = 0;
   while (kb >= walk.lo) {
-    const int64_t kb_next = prev_walk_bit(sVisit, kb - 1, walk.lo);
+    const int64_t kb_next = prev_walk_bit(sm.visit, kb - 1, walk.lo);
     const bool prefetch = kb_next >= walk.lo;
     KeyRow next_row;
     if (prefetch) next_row = keys.fetch(p, copy_tile, kv, kb_next, stage ^ 1);  // stage ^ 1: freed by the last barrier
     cp_async_commit();
     cp_async_wait<1>();  // everything but the group just committed: this stage has landed
-    __syncthreads();     // ... for every thread, and the plain stores of sLb/sNcl/sDoc too
+    __syncthreads();     // ... for every thread, and the plain stores of the staged key rows too
 
-    const bf16* k_s = sK + stage * kBlock * D;
-    const bf16* v_s = sV + stage * kBlock * D;
-    const float* lb_s = sLb + stage * kBlock;
-    const float* ncl_s = sNcl + stage * kBlock;
-    const int32_t* doc_s = sDoc + stage * kBlock;
-    const int64_t i0 = block_begin(kb);
-    const bool all_allowed = walk_bit(sFull, kb);
+    const bf16* k_s = sm.k + stage * kBlock * D;
+    const bf16* v_s = sm.v + stage * kBlock * D;
 
     float s[kBlock / 8][4] = {};
     frags_times_rows_t<D, kBlock / 8>(s, qf, smem_base(k_s), 0, ldsm);
 
-    query_row_logits(s, lane, t, doc_t, i0, lb_s, ncl_s, doc_s, all_allowed, p.scale2);
-    float mx[2], alpha[2];
-    lane_row_max(s, mx);
-#pragma unroll
-    for (int x = 0; x < 2; ++x) mx[x] = quad_max(mx[x]);
-    online_softmax_step(s, mx, m, l, alpha);
-    if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {  // some row's maximum rose
-#pragma unroll
-      for (int nt = 0; nt < D / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) o_acc[nt][e] *= alpha[e / 2];
-    }
+    softmax_tile(s, rows, lane, keys, stage, block_begin(kb), walk_bit(sm.full, kb), p.scale2, m, l, o_acc);
     weights_times_rows<D, kBlock / 8>(o_acc, s, smem_base(v_s), 0, ldsm);
 
     if (prefetch) keys.store(next_row, stage ^ 1);
@@ -506,14 +530,7 @@ __global__ void __launch_bounds__(kThreads) forward_wgmma_kernel(const Params p)
   const uint32_t raw = wgmma::smem_address(smem);
   const uint32_t pad = ((raw + wgmma::kAtomBytes - 1) & ~(wgmma::kAtomBytes - 1)) - raw;
   const TileCopy<D, true> copy_tile;
-  bf16* sQ = reinterpret_cast<bf16*>(smem + pad);  // every tile 1,024-aligned (tile_bytes is a multiple)
-  bf16* sK = sQ + kBlock * D;      // stages 0, 1
-  bf16* sV = sK + 2 * kBlock * D;  // stages 0, 1
-  float* sLb = reinterpret_cast<float*>(sV + 2 * kBlock * D);
-  float* sNcl = sLb + 2 * kBlock;
-  int32_t* sDoc = reinterpret_cast<int32_t*>(sNcl + 2 * kBlock);
-  uint32_t* sVisit = reinterpret_cast<uint32_t*>(sDoc + 2 * kBlock);
-  uint32_t* sFull = sVisit + walk_words(p.nb);
+  const ForwardSmem<D> sm(smem + pad, p.nb);  // every tile 1,024-aligned (tile_bytes is a multiple)
   constexpr uint32_t kTileBytes = sizeof(bf16) * kBlock * D;  // tile_bytes<D>(), on the device
   static_assert(kTileBytes % wgmma::kAtomBytes == 0, "tiles stay 1,024-aligned");
   const uint32_t aQ = raw + pad, aK = aQ + kTileBytes, aV = aK + 2 * kTileBytes;
@@ -525,16 +542,14 @@ __global__ void __launch_bounds__(kThreads) forward_wgmma_kernel(const Params p)
   const int64_t q0 = block_begin(qb);
   const int nq = static_cast<int>(block_size(p.T, qb));
   const ForwardRows rows(p, q0, nq, warp, lane);
-  const int64_t(&t)[2] = rows.t;
-  const int32_t(&doc_t)[2] = rows.doc_t;
 
-  const KeyStages<D> keys{sK, sV, sLb, sNcl, sDoc};
+  const KeyStages<D> keys = sm.keys();
   const TileFilter tiles{p.ranges, p.spans, p.lbmax ? p.lbmax + kv : nullptr, p.K, p.log_eps};
   const WalkRange walk = key_walk_range(tiles, qb);
-  fill_walk(sVisit, sFull, walk, [&](int64_t kb) { return walk_bits(tiles, qb, kb); });
-  copy_tile(sQ, p.q + int64_t{h} * D, int64_t{p.H} * D, q0, nq);
+  fill_walk(sm.visit, sm.full, walk, [&](int64_t kb) { return walk_bits(tiles, qb, kb); });
+  copy_tile(sm.q, p.q + int64_t{h} * D, int64_t{p.H} * D, q0, nq);
   __syncthreads();  // the walk bits
-  int64_t kb = prev_walk_bit(sVisit, walk.hi - 1, walk.lo);  // from the diagonal down, as forward_kernel
+  int64_t kb = prev_walk_bit(sm.visit, walk.hi - 1, walk.lo);  // from the diagonal down, as forward_kernel
   if (kb >= walk.lo) keys.store(keys.fetch(p, copy_tile, kv, kb, 0), 0);
   cp_async_commit();
 
@@ -543,7 +558,7 @@ __global__ void __launch_bounds__(kThreads) forward_wgmma_kernel(const Params p)
   float l[2] = {0.0f, 0.0f};
   int stage = 0;
   while (kb >= walk.lo) {
-    const int64_t kb_next = prev_walk_bit(sVisit, kb - 1, walk.lo);
+    const int64_t kb_next = prev_walk_bit(sm.visit, kb - 1, walk.lo);
     const bool prefetch = kb_next >= walk.lo;
     KeyRow next_row;
     if (prefetch) next_row = keys.fetch(p, copy_tile, kv, kb_next, stage ^ 1);
@@ -554,11 +569,6 @@ __global__ void __launch_bounds__(kThreads) forward_wgmma_kernel(const Params p)
 
     const uint32_t k_s = aK + static_cast<uint32_t>(stage) * kTileBytes;
     const uint32_t v_s = aV + static_cast<uint32_t>(stage) * kTileBytes;
-    const float* lb_s = sLb + stage * kBlock;
-    const float* ncl_s = sNcl + stage * kBlock;
-    const int32_t* doc_s = sDoc + stage * kBlock;
-    const int64_t i0 = block_begin(kb);
-    const bool all_allowed = walk_bit(sFull, kb);
 
     float s[kBlock / 8][4];
     const uint64_t desc_k = wgmma::k_major_desc(k_s, kBlock, 0, 0), desc_v = wgmma::mn_major_desc(v_s, kBlock, 0, 0);
@@ -572,27 +582,10 @@ __global__ void __launch_bounds__(kThreads) forward_wgmma_kernel(const Params p)
     wgmma::wait_group<0>();
     wgmma::fence_operand(s);
 
-    query_row_logits(s, lane, t, doc_t, i0, lb_s, ncl_s, doc_s, all_allowed, p.scale2);
-    float mx[2], alpha[2];
-    lane_row_max(s, mx);
+    softmax_tile(s, rows, lane, keys, stage, block_begin(kb), walk_bit(sm.full, kb), p.scale2, m, l, o_acc);
+    uint32_t pa[kBlock / 16][4];  // P's k-steps as A fragments
 #pragma unroll
-    for (int x = 0; x < 2; ++x) mx[x] = quad_max(mx[x]);
-    online_softmax_step(s, mx, m, l, alpha);
-    if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
-#pragma unroll
-      for (int nt = 0; nt < D / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) o_acc[nt][e] *= alpha[e / 2];
-    }
-    // P's k-steps as A fragments (the accumulator → A mapping of weights_times_rows).
-    uint32_t pa[kBlock / 16][4];
-#pragma unroll
-    for (int st = 0; st < kBlock / 16; ++st)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float(&c)[4] = s[c_to_a_ntile(st, j)];
-        pa[st][j] = c_to_a_pair(j) == 0 ? pack_bf16(c[0], c[1]) : pack_bf16(c[2], c[3]);
-      }
+    for (int st = 0; st < kBlock / 16; ++st) c_to_a_fragment(s, st, pa[st]);
     wgmma::fence_operand(o_acc);
     wgmma::fence();
 #pragma unroll
