@@ -110,8 +110,8 @@ if phase tests; then
   step "test_step_cuda (the training step vs the CPU step)" "$log" 600 "$bin/test_step_cuda" --gtest_color=no
   step "test_kvpop_step_cuda (the KVPOP scorer step vs the CPU step)" "$log" 300 "$bin/test_kvpop_step_cuda" --gtest_color=no
   step "test_gated_attention_long (32K, 128K vs float64)" "$log" 600 "$bin/test_gated_attention_long" --gtest_color=no
-  step "test_gated_attention_long, wgmma forward" "$log" 600 env RETAIN_ATTENTION_FORWARD=wgmma \
-    "$bin/test_gated_attention_long" --gtest_color=no
+  step "test_gated_attention_long, wgmma forward and backward" "$log" 600 env RETAIN_ATTENTION_FORWARD=wgmma \
+    RETAIN_ATTENTION_BACKWARD=wgmma "$bin/test_gated_attention_long" --gtest_color=no
   # retain-train itself: --dump-grads cuda vs cpu, 2 ranks (mpirun) and NCCL vs 1, 1,000 steps vs the CPU run.
   step "test_train_cuda (retain-train on the GPU vs the CPU)" "$log" 600 env RETAIN_BIN_DIR="$(cd "$bin" && pwd)" \
     RETAIN_FIXTURES_DIR="$PWD/tests/fixtures" RETAIN_MPIEXEC="$(command -v mpirun || echo mpirun)" \
@@ -154,11 +154,13 @@ if phase bench; then
       --device cuda --seq "$seq" --heads 32 --kv-heads 8 --head-dim 128 --docs "$docs" --iters "$iters" --warmup 1 \
       --check --retain-bench "$bin/retain-bench" --json "$out/bench-docs$docs.json"
   done
-  # The forward on wgmma (RETAIN_ATTENTION_FORWARD=wgmma) against the default mma.sync one, same shapes.
-  step "bench: retain attention, wgmma forward, docs 1" "$log" 600 env RETAIN_ATTENTION_FORWARD=wgmma "$bin/retain-bench" \
+  # The kernels on wgmma (RETAIN_ATTENTION_FORWARD/BACKWARD=wgmma) against the default mma.sync ones,
+  # same shapes, one after the other.
+  step "bench: retain attention, wgmma forward and backward, docs 1" "$log" 600 env RETAIN_ATTENTION_FORWARD=wgmma \
+    RETAIN_ATTENTION_BACKWARD=wgmma "$bin/retain-bench" \
     attention --device cuda --seq "$seq" --heads 32 --kv-heads 8 --head-dim 128 --iters "$iters" --warmup 1 \
     --json "$out/bench-wgmma-docs1.json"
-  step "bench: retain attention, mma.sync forward, docs 1" "$log" 600 "$bin/retain-bench" \
+  step "bench: retain attention, mma.sync forward and backward, docs 1" "$log" 600 "$bin/retain-bench" \
     attention --device cuda --seq "$seq" --heads 32 --kv-heads 8 --head-dim 128 --iters "$iters" --warmup 1 \
     --json "$out/bench-mma-docs1.json"
   # The dense worst case, the exact tile skip with trained-looking gates, and the opt-in skip at E = 20.
@@ -212,8 +214,8 @@ if phase ncu; then
     --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
     --metrics sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum \
     "$bin/retain-bench" attention --device cuda --seq 32768 --iters 1 --warmup 0
-  step "ncu: the wgmma forward at 32K" "$log" 300 env RETAIN_ATTENTION_FORWARD=wgmma "$ncu" --target-processes all \
-    --kernel-name regex:'forward_wgmma_kernel' --launch-skip 0 --launch-count 2 \
+  step "ncu: the wgmma kernels at 32K" "$log" 300 env RETAIN_ATTENTION_FORWARD=wgmma RETAIN_ATTENTION_BACKWARD=wgmma \
+    "$ncu" --target-processes all --kernel-name regex:'_wgmma_kernel' --launch-skip 0 --launch-count 6 \
     --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
     --metrics sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum \
     "$bin/retain-bench" attention --device cuda --seq 32768 --iters 1 --warmup 0

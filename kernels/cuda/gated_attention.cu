@@ -519,21 +519,56 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const Params p) {
 // for the whole CTA. Tiles are in wgmma's 128-byte-swizzled panel layout at 1,024-aligned
 // addresses. Loads stay on cp.async (2 stages), each thread's copies made visible to wgmma's
 // async proxy before the barrier. Unverified on a GPU (emulated only).
+//
+// The wgmma kernels' shared memory is their mma.sync twin's plus room to start it at the first
+// 1,024-aligned byte (wgmma_smem_pad): every tile then stays aligned, tile_bytes being a multiple.
+constexpr size_t kWgmmaSmemPad = wgmma::kAtomBytes;
 template <int D>
-size_t wgmma_forward_smem(int64_t nb) {
-  return query_side_smem<D>(false, nb) + wgmma::kAtomBytes;  // + room to align the tiles
+constexpr uint32_t kTileBytes = sizeof(bf16) * kBlock * D;  // tile_bytes<D>(), on the device
+static_assert(kTileBytes<64> % wgmma::kAtomBytes == 0 && kTileBytes<128> % wgmma::kAtomBytes == 0,
+              "tiles stay 1,024-aligned");
+// The bytes from the dynamic shared memory's start to its first 1,024-aligned byte.
+__device__ __forceinline__ uint32_t wgmma_smem_pad(const unsigned char* smem) {
+  const uint32_t raw = wgmma::smem_address(smem);
+  return ((raw + wgmma::kAtomBytes - 1) & ~(wgmma::kAtomBytes - 1)) - raw;
+}
+
+// acc (the warpgroup's 64 rows × NT·8) = A·Bᵀ over D/16 k-steps, both operands 64-row tiles
+// read K-major from shared memory (desc_a, desc_b: their descriptors at row 0, column 0):
+// S = Q·Kᵀ-shaped products. Issued only; the caller fences, commits and waits.
+template <int D, int NT>
+__device__ __forceinline__ void wgmma_rows_times_rows_t(float (&acc)[NT][4], uint64_t desc_a, uint64_t desc_b) {
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks) {
+    const uint64_t step = wgmma::k_major_step(kBlock, 0, 16 * ks);
+    wgmma::mma_ss<false>(acc, desc_a + step, desc_b + step, ks > 0);
+  }
+}
+
+// The weights W (fp32 C fragments of 64 rows × kBlock columns) as the register A operand of
+// wgmma: k-step st is columns 16st..16st+15, rounded to bf16.
+__device__ __forceinline__ void weights_to_a(const float (&w)[kBlock / 8][4], uint32_t (&a)[kBlock / 16][4]) {
+#pragma unroll
+  for (int st = 0; st < kBlock / 16; ++st) c_to_a_fragment(w, st, a[st]);
+}
+
+// acc (64 rows × D) += W·B with W from weights_to_a and B the kBlock × D tile at desc_b read
+// MN-major (transposed): P·V, dS·K, Pᵀ·dO, dSᵀ·Q. Issued only, as above.
+template <int NT>
+__device__ __forceinline__ void wgmma_weights_times_rows(float (&acc)[NT][4], const uint32_t (&w)[kBlock / 16][4],
+                                                         uint64_t desc_b) {
+#pragma unroll
+  for (int st = 0; st < kBlock / 16; ++st)
+    wgmma::mma_rs<true>(acc, w[st], desc_b + wgmma::mn_major_step(kBlock, 16 * st, 0), true);
 }
 
 template <int D>
 __global__ void __launch_bounds__(kThreads) forward_wgmma_kernel(const Params p) {
   extern __shared__ __align__(128) unsigned char smem[];
-  const uint32_t raw = wgmma::smem_address(smem);
-  const uint32_t pad = ((raw + wgmma::kAtomBytes - 1) & ~(wgmma::kAtomBytes - 1)) - raw;
+  const uint32_t pad = wgmma_smem_pad(smem);
   const TileCopy<D, true> copy_tile;
-  const ForwardSmem<D> sm(smem + pad, p.nb);  // every tile 1,024-aligned (tile_bytes is a multiple)
-  constexpr uint32_t kTileBytes = sizeof(bf16) * kBlock * D;  // tile_bytes<D>(), on the device
-  static_assert(kTileBytes % wgmma::kAtomBytes == 0, "tiles stay 1,024-aligned");
-  const uint32_t aQ = raw + pad, aK = aQ + kTileBytes, aV = aK + 2 * kTileBytes;
+  const ForwardSmem<D> sm(smem + pad, p.nb);
+  const uint32_t aQ = wgmma::smem_address(smem) + pad, aK = aQ + kTileBytes<D>, aV = aK + 2 * kTileBytes<D>;
   const uint64_t desc_q = wgmma::k_major_desc(aQ, kBlock, 0, 0);
 
   const int64_t qb = p.nb - 1 - static_cast<int64_t>(blockIdx.x);  // the longest rows first
@@ -567,30 +602,22 @@ __global__ void __launch_bounds__(kThreads) forward_wgmma_kernel(const Params p)
     wgmma::fence_proxy_async();  // ... and are visible to wgmma's reads
     __syncthreads();           // ... for every thread
 
-    const uint32_t k_s = aK + static_cast<uint32_t>(stage) * kTileBytes;
-    const uint32_t v_s = aV + static_cast<uint32_t>(stage) * kTileBytes;
+    const uint32_t k_s = aK + static_cast<uint32_t>(stage) * kTileBytes<D>;
+    const uint32_t v_s = aV + static_cast<uint32_t>(stage) * kTileBytes<D>;
 
     float s[kBlock / 8][4];
-    const uint64_t desc_k = wgmma::k_major_desc(k_s, kBlock, 0, 0), desc_v = wgmma::mn_major_desc(v_s, kBlock, 0, 0);
     wgmma::fence();
-#pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) {
-      const uint64_t step = wgmma::k_major_step(kBlock, 0, 16 * ks);
-      wgmma::mma_ss<false>(s, desc_q + step, desc_k + step, ks > 0);
-    }
+    wgmma_rows_times_rows_t<D>(s, desc_q, wgmma::k_major_desc(k_s, kBlock, 0, 0));  // Q·Kᵀ
     wgmma::commit_group();
     wgmma::wait_group<0>();
     wgmma::fence_operand(s);
 
     softmax_tile(s, rows, lane, keys, stage, block_begin(kb), walk_bit(sm.full, kb), p.scale2, m, l, o_acc);
-    uint32_t pa[kBlock / 16][4];  // P's k-steps as A fragments
-#pragma unroll
-    for (int st = 0; st < kBlock / 16; ++st) c_to_a_fragment(s, st, pa[st]);
+    uint32_t pa[kBlock / 16][4];
+    weights_to_a(s, pa);
     wgmma::fence_operand(o_acc);
     wgmma::fence();
-#pragma unroll
-    for (int st = 0; st < kBlock / 16; ++st)
-      wgmma::mma_rs<true>(o_acc, pa[st], desc_v + wgmma::mn_major_step(kBlock, 16 * st, 0), true);
+    wgmma_weights_times_rows(o_acc, pa, wgmma::mn_major_desc(v_s, kBlock, 0, 0));  // P·V
     wgmma::commit_group();
     wgmma::wait_group<0>();  // V's stage is read before the barrier below lets it be refilled
     wgmma::fence_operand(o_acc);
@@ -607,57 +634,91 @@ __global__ void __launch_bounds__(kThreads) forward_wgmma_kernel(const Params p)
 
 // ---- backward: dq ------------------------------------------------------------------------
 
+// A lane's two query rows in a dq CTA: ForwardRows plus each row's lse (base 2) and D_t.
+struct DqRows : ForwardRows {
+  float lse2[2], delta[2];
+  __device__ __forceinline__ DqRows(const Params& p, int64_t q0, int nq, int h, int warp, int lane)
+      : ForwardRows(p, q0, nq, warp, lane) {
+#pragma unroll
+    for (int x = 0; x < 2; ++x) {
+      lse2[x] = lse_base2(in_t[x] ? p.lse[t[x] * p.H + h] : kNegInf);
+      delta[x] = in_t[x] ? p.delta[t[x] * p.H + h] : 0.0f;
+    }
+  }
+};
+
+// A dq CTA's shared memory from `base`: [Q][dO][K × 2][V × 2][lb2 × 2][−c·lb2 × 2][doc of keys
+// × 2][walk] (query_side_smem with dO).
+template <int D>
+struct DqSmem {
+  bf16 *q, *dout, *k, *v;
+  float *lb2, *ncl;
+  int32_t* doc;
+  uint32_t *visit, *full;
+  __device__ __forceinline__ DqSmem(unsigned char* base, int64_t nb)
+      : q(reinterpret_cast<bf16*>(base)),
+        dout(q + kBlock * D),
+        k(dout + kBlock * D),
+        v(k + 2 * kBlock * D),
+        lb2(reinterpret_cast<float*>(v + 2 * kBlock * D)),
+        ncl(lb2 + 2 * kBlock),
+        doc(reinterpret_cast<int32_t*>(ncl + 2 * kBlock)),
+        visit(reinterpret_cast<uint32_t*>(doc + 2 * kBlock)),
+        full(visit + walk_words(nb)) {}
+  __device__ __forceinline__ KeyStages<D> keys() const { return {k, v, lb2, ncl, doc}; }
+};
+
+// The start of a dq CTA: the walk over key blocks, Q and dO copied, the first key block's
+// copies issued and committed; returns the first key block to visit (walk.hi: none).
+template <int D, class Copy>
+__device__ __forceinline__ int64_t start_dq(const Params& p, const DqSmem<D>& sm, const Copy& copy_tile,
+                                            const TileFilter& tiles, const WalkRange& walk, int64_t qb, int h,
+                                            int kv) {
+  const int64_t q0 = block_begin(qb);
+  const int nq = static_cast<int>(block_size(p.T, qb));
+  fill_walk(sm.visit, sm.full, walk, [&](int64_t kb) { return walk_bits(tiles, qb, kb); });
+  copy_tile(sm.q, p.q + int64_t{h} * D, int64_t{p.H} * D, q0, nq);
+  copy_tile(sm.dout, p.dout + int64_t{h} * D, int64_t{p.H} * D, q0, nq);
+  __syncthreads();  // the walk bits
+  const int64_t kb = next_walk_bit(sm.visit, walk.lo, walk.hi);
+  if (kb < walk.hi) sm.keys().store(sm.keys().fetch(p, copy_tile, kv, kb, 0), 0);
+  cp_async_commit();
+  return kb;
+}
+
+// The end of a dq CTA: dq = scale · Σ dS·K in bf16 (no copy may still be in flight when the
+// CTA exits: with no key block visited, Q and dO still are).
+template <int D>
+__device__ __forceinline__ void finish_dq(const Params& p, const DqRows& q, int h, int lane,
+                                          const float (&dq_acc)[D / 8][4]) {
+  cp_async_wait<0>();
+  int64_t row[2];
+  const float mul[2] = {p.scale, p.scale};
+#pragma unroll
+  for (int x = 0; x < 2; ++x) row[x] = q.t[x] * p.H + h;
+  store_rows<D>(p.dq, D, row, q.in_t, dq_acc, mul, lane);
+}
+
 template <int D>
 __global__ void __launch_bounds__(kThreads) dq_kernel(const Params p) {
   extern __shared__ __align__(128) unsigned char smem[];
   const TileCopy<D> copy_tile;
-  bf16* sQ = reinterpret_cast<bf16*>(smem);
-  bf16* sdO = sQ + kBlock * D;
-  bf16* sK = sdO + kBlock * D;     // stages 0, 1
-  bf16* sV = sK + 2 * kBlock * D;  // stages 0, 1
-  float* sLb = reinterpret_cast<float*>(sV + 2 * kBlock * D);
-  float* sNcl = sLb + 2 * kBlock;
-  int32_t* sDoc = reinterpret_cast<int32_t*>(sNcl + 2 * kBlock);
-  uint32_t* sVisit = reinterpret_cast<uint32_t*>(sDoc + 2 * kBlock);
-  uint32_t* sFull = sVisit + walk_words(p.nb);
+  const DqSmem<D> sm(smem, p.nb);
 
   const int64_t qb = p.nb - 1 - static_cast<int64_t>(blockIdx.x);
   const int h = blockIdx.y, kv = h / p.group;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const LaneLdsm<D> ldsm(lane);
-  const int64_t q0 = block_begin(qb);
-  const int nq = static_cast<int>(block_size(p.T, qb));
-
-  int64_t t[2];
-  int32_t doc_t[2];
-  bool in_t[2];
-  float lse2[2], delta[2];  // lse in base-2 units; D_t
-#pragma unroll
-  for (int x = 0; x < 2; ++x) {
-    const int r = warp * kRowsPerWarp + c_row(lane, 2 * x);
-    t[x] = q0 + r;
-    in_t[x] = r < nq;
-    doc_t[x] = in_t[x] ? p.doc[t[x]] : -1;
-    lse2[x] = lse_base2(in_t[x] ? p.lse[t[x] * p.H + h] : kNegInf);
-    delta[x] = in_t[x] ? p.delta[t[x] * p.H + h] : 0.0f;
-  }
-
-  const KeyStages<D> keys{sK, sV, sLb, sNcl, sDoc};
-
+  const DqRows rows(p, block_begin(qb), static_cast<int>(block_size(p.T, qb)), h, warp, lane);
+  const KeyStages<D> keys = sm.keys();
   const TileFilter tiles{p.ranges, p.spans, p.lbmax ? p.lbmax + kv : nullptr, p.K, p.log_eps};
   const WalkRange walk = key_walk_range(tiles, qb);
-  fill_walk(sVisit, sFull, walk, [&](int64_t kb) { return walk_bits(tiles, qb, kb); });
-  copy_tile(sQ, p.q + int64_t{h} * D, int64_t{p.H} * D, q0, nq);
-  copy_tile(sdO, p.dout + int64_t{h} * D, int64_t{p.H} * D, q0, nq);
-  __syncthreads();  // the walk bits
-  int64_t kb = next_walk_bit(sVisit, walk.lo, walk.hi);
-  if (kb < walk.hi) keys.store(keys.fetch(p, copy_tile, kv, kb, 0), 0);
-  cp_async_commit();
+  int64_t kb = start_dq<D>(p, sm, copy_tile, tiles, walk, qb, h, kv);
 
   float dq_acc[D / 8][4] = {};
   int stage = 0;
   while (kb < walk.hi) {
-    const int64_t kb_next = next_walk_bit(sVisit, kb + 1, walk.hi);
+    const int64_t kb_next = next_walk_bit(sm.visit, kb + 1, walk.hi);
     const bool prefetch = kb_next < walk.hi;
     KeyRow next_row;
     if (prefetch) next_row = keys.fetch(p, copy_tile, kv, kb_next, stage ^ 1);
@@ -665,19 +726,15 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const Params p) {
     cp_async_wait<1>();
     __syncthreads();
 
-    const bf16* k_s = sK + stage * kBlock * D;
-    const bf16* v_s = sV + stage * kBlock * D;
-    const float* lb_s = sLb + stage * kBlock;
-    const float* ncl_s = sNcl + stage * kBlock;
-    const int32_t* doc_s = sDoc + stage * kBlock;
-    const int64_t i0 = block_begin(kb);
-    const bool all_allowed = walk_bit(sFull, kb);
-
+    const bf16* k_s = sm.k + stage * kBlock * D;
+    const bf16* v_s = sm.v + stage * kBlock * D;
     float s[kBlock / 8][4] = {};
     float dp[kBlock / 8][4] = {};
-    rows_times_rows_t<D, kBlock / 8>(s, smem_base(sQ), warp * kRowsPerWarp, smem_base(k_s), 0, ldsm);    // Q·Kᵀ
-    rows_times_rows_t<D, kBlock / 8>(dp, smem_base(sdO), warp * kRowsPerWarp, smem_base(v_s), 0, ldsm);  // dO·Vᵀ
-    query_row_dscores(s, dp, lane, t, doc_t, i0, lb_s, ncl_s, doc_s, all_allowed, p.scale2, lse2, delta);  // s = dS
+    rows_times_rows_t<D, kBlock / 8>(s, smem_base(sm.q), warp * kRowsPerWarp, smem_base(k_s), 0, ldsm);     // Q·Kᵀ
+    rows_times_rows_t<D, kBlock / 8>(dp, smem_base(sm.dout), warp * kRowsPerWarp, smem_base(v_s), 0, ldsm);  // dO·Vᵀ
+    query_row_dscores(s, dp, lane, rows.t, rows.doc_t, block_begin(kb), keys.lb2 + stage * kBlock,
+                      keys.ncl + stage * kBlock, keys.doc + stage * kBlock, walk_bit(sm.full, kb), p.scale2,
+                      rows.lse2, rows.delta);  // s = dS
     weights_times_rows<D, kBlock / 8>(dq_acc, s, smem_base(k_s), 0, ldsm);  // dS·K
 
     if (prefetch) keys.store(next_row, stage ^ 1);
@@ -685,16 +742,190 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const Params p) {
     kb = kb_next;
     stage ^= 1;
   }
+  finish_dq<D>(p, rows, h, lane, dq_acc);
+}
 
-  cp_async_wait<0>();  // no copy may be in flight when the CTA exits (none visited: Q, dO still are)
-  int64_t row[2];
-  const float mul[2] = {p.scale, p.scale};
-#pragma unroll
-  for (int x = 0; x < 2; ++x) row[x] = t[x] * p.H + h;
-  store_rows<D>(p.dq, D, row, in_t, dq_acc, mul, lane);
+// dq_kernel on wgmma (RETAIN_ATTENTION_BACKWARD=wgmma, sm_90), as forward_wgmma_kernel is
+// forward_kernel: S = Q·Kᵀ and dP = dO·Vᵀ from shared memory in one commit group, dS in the
+// same registers by the same code, dq += dS·K with dS from registers and K read transposed.
+// Unverified on a GPU (emulated only).
+template <int D>
+__global__ void __launch_bounds__(kThreads) dq_wgmma_kernel(const Params p) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  const uint32_t pad = wgmma_smem_pad(smem);
+  const TileCopy<D, true> copy_tile;
+  const DqSmem<D> sm(smem + pad, p.nb);
+  const uint32_t aQ = wgmma::smem_address(smem) + pad, adO = aQ + kTileBytes<D>, aK = adO + kTileBytes<D>, aV = aK + 2 * kTileBytes<D>;
+  const uint64_t desc_q = wgmma::k_major_desc(aQ, kBlock, 0, 0), desc_do = wgmma::k_major_desc(adO, kBlock, 0, 0);
+
+  const int64_t qb = p.nb - 1 - static_cast<int64_t>(blockIdx.x);
+  const int h = blockIdx.y, kv = h / p.group;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const DqRows rows(p, block_begin(qb), static_cast<int>(block_size(p.T, qb)), h, warp, lane);
+  const KeyStages<D> keys = sm.keys();
+  const TileFilter tiles{p.ranges, p.spans, p.lbmax ? p.lbmax + kv : nullptr, p.K, p.log_eps};
+  const WalkRange walk = key_walk_range(tiles, qb);
+  int64_t kb = start_dq<D>(p, sm, copy_tile, tiles, walk, qb, h, kv);
+
+  float dq_acc[D / 8][4] = {};
+  int stage = 0;
+  while (kb < walk.hi) {
+    const int64_t kb_next = next_walk_bit(sm.visit, kb + 1, walk.hi);
+    const bool prefetch = kb_next < walk.hi;
+    KeyRow next_row;
+    if (prefetch) next_row = keys.fetch(p, copy_tile, kv, kb_next, stage ^ 1);
+    cp_async_commit();
+    cp_async_wait<1>();
+    wgmma::fence_proxy_async();
+    __syncthreads();
+
+    const uint32_t k_s = aK + static_cast<uint32_t>(stage) * kTileBytes<D>;
+    const uint32_t v_s = aV + static_cast<uint32_t>(stage) * kTileBytes<D>;
+    float s[kBlock / 8][4], dp[kBlock / 8][4];
+    wgmma::fence();
+    wgmma_rows_times_rows_t<D>(s, desc_q, wgmma::k_major_desc(k_s, kBlock, 0, 0));    // Q·Kᵀ
+    wgmma_rows_times_rows_t<D>(dp, desc_do, wgmma::k_major_desc(v_s, kBlock, 0, 0));  // dO·Vᵀ
+    wgmma::commit_group();
+    wgmma::wait_group<0>();
+    wgmma::fence_operand(s);
+    wgmma::fence_operand(dp);
+
+    query_row_dscores(s, dp, lane, rows.t, rows.doc_t, block_begin(kb), keys.lb2 + stage * kBlock,
+                      keys.ncl + stage * kBlock, keys.doc + stage * kBlock, walk_bit(sm.full, kb), p.scale2,
+                      rows.lse2, rows.delta);  // s = dS
+    uint32_t dsa[kBlock / 16][4];
+    weights_to_a(s, dsa);
+    wgmma::fence_operand(dq_acc);
+    wgmma::fence();
+    wgmma_weights_times_rows(dq_acc, dsa, wgmma::mn_major_desc(k_s, kBlock, 0, 0));  // dS·K
+    wgmma::commit_group();
+    wgmma::wait_group<0>();  // K's stage is read before the barrier below lets it be refilled
+    wgmma::fence_operand(dq_acc);
+
+    if (prefetch) keys.store(next_row, stage ^ 1);
+    __syncthreads();
+    kb = kb_next;
+    stage ^= 1;
+  }
+  finish_dq<D>(p, rows, h, lane, dq_acc);
 }
 
 // ---- backward: dk, dv, dlogβ -------------------------------------------------------------
+
+// A lane's two key rows in a dk/dv CTA (fragment rows group and group + 8 of its warp's
+// row-block): token, document (−1 past the block's nk rows), staged logβ (base 2) and whether
+// it is a row.
+struct KeyRows {
+  int64_t i[2];
+  int32_t doc_i[2];
+  bool in_i[2];
+  float lb2[2];
+  __device__ __forceinline__ KeyRows(const Params& p, int64_t i0, int nk, int kv, int warp, int lane) {
+#pragma unroll
+    for (int x = 0; x < 2; ++x) {
+      const int r = warp * kRowsPerWarp + c_row(lane, 2 * x);
+      i[x] = i0 + r;
+      in_i[x] = r < nk;
+      doc_i[x] = in_i[x] ? p.doc[i[x]] : -1;
+      lb2[x] = in_i[x] ? staged_lb2(p.log_beta[i[x] * p.K + kv]) : 0.0f;
+    }
+  }
+};
+
+// A key-side CTA's query stages: Q and dO tiles, and per query lse (base 2), D and doc.
+template <int D>
+struct QueryStages {
+  bf16* q;
+  bf16* dout;
+  float* lse2;
+  float* delta;
+  int32_t* doc;
+
+  // Issues the copies of query block qb of head h into `stage`; returns this thread's row.
+  template <class Copy>
+  __device__ __forceinline__ QueryRow fetch(const Params& p, const Copy& copy_tile, int h, int64_t qb,
+                                            int stage) const {
+    const int64_t q0 = block_begin(qb);
+    const int nq = static_cast<int>(block_size(p.T, qb));
+    copy_tile(q + stage * kBlock * D, p.q + int64_t{h} * D, int64_t{p.H} * D, q0, nq);
+    copy_tile(dout + stage * kBlock * D, p.dout + int64_t{h} * D, int64_t{p.H} * D, q0, nq);
+    QueryRow r;
+    const int c = threadIdx.x;
+    if (c < nq) {  // nq ≤ kBlock ≤ kThreads
+      r.lse = p.lse[(q0 + c) * p.H + h];
+      r.delta = p.delta[(q0 + c) * p.H + h];
+      r.doc = p.doc[q0 + c];
+    }
+    return r;
+  }
+  __device__ __forceinline__ void store(const QueryRow& r, int stage) const {
+    const int c = threadIdx.x;
+    if (c < kBlock) {
+      lse2[stage * kBlock + c] = lse_base2(r.lse);
+      delta[stage * kBlock + c] = r.delta;
+      doc[stage * kBlock + c] = r.doc;
+    }
+  }
+};
+
+// A dk/dv CTA's shared memory from `base`: [K][V][Q × 2][dO × 2][lse·log2e × 2][D × 2][doc of
+// queries × 2][walk] (key_side_smem).
+template <int D>
+struct DkdvSmem {
+  bf16 *k, *v, *q, *dout;
+  float *lse2, *delta;
+  int32_t* doc;
+  uint32_t *visit, *full;
+  __device__ __forceinline__ DkdvSmem(unsigned char* base, int64_t nb)
+      : k(reinterpret_cast<bf16*>(base)),
+        v(k + kBlock * D),
+        q(v + kBlock * D),
+        dout(q + 2 * kBlock * D),
+        lse2(reinterpret_cast<float*>(dout + 2 * kBlock * D)),
+        delta(lse2 + 2 * kBlock),
+        doc(reinterpret_cast<int32_t*>(delta + 2 * kBlock)),
+        visit(reinterpret_cast<uint32_t*>(doc + 2 * kBlock)),
+        full(visit + walk_words(nb)) {}
+  __device__ __forceinline__ QueryStages<D> queries() const { return {q, dout, lse2, delta, doc}; }
+};
+
+// The start of a dk/dv CTA: K and V copied, the walk over query blocks, the first (query
+// head, query block) pair's copies issued and committed. The pairs to visit: heads of the
+// group in order, and for each the query blocks qb ≥ kb that share a document with kb (the
+// walk's set bits). Returns the first pair (h = the group's end: none).
+template <int D, class Copy>
+__device__ __forceinline__ HeadBlock start_dkdv(const Params& p, const DkdvSmem<D>& sm, const Copy& copy_tile,
+                                                const TileFilter& tiles, const WalkRange& walk, int64_t kb, int kv) {
+  const int64_t i0 = block_begin(kb);
+  const int nk = static_cast<int>(block_size(p.T, kb));
+  copy_tile(sm.k, p.k + int64_t{kv} * D, int64_t{p.K} * D, i0, nk);
+  copy_tile(sm.v, p.v + int64_t{kv} * D, int64_t{p.K} * D, i0, nk);
+  fill_walk(sm.visit, sm.full, walk, [&](int64_t qb) { return walk_bits(tiles, qb, kb); });
+  __syncthreads();  // the walk bits
+  const int64_t first_qb = next_walk_bit(sm.visit, walk.lo, walk.hi);
+  const int h_end = (kv + 1) * p.group;
+  const int h = first_qb < walk.hi ? kv * p.group : h_end;
+  if (h < h_end) sm.queries().store(sm.queries().fetch(p, copy_tile, h, first_qb, 0), 0);
+  cp_async_commit();
+  return {h, first_qb};
+}
+
+// The end of a dk/dv CTA: dk = scale · Σ dSᵀ·Q and dv = Σ Pᵀ·dO in bf16, dlogβ in fp32.
+template <int D>
+__device__ __forceinline__ void finish_dkdv(const Params& p, const KeyRows& k, int kv, int lane, double (&dlb)[2],
+                                            const float (&dk_acc)[D / 8][4], const float (&dv_acc)[D / 8][4]) {
+  cp_async_wait<0>();  // no copy may be in flight when the CTA exits (nothing visited: K, V still are)
+  int64_t row[2];
+  const float mul_k[2] = {p.scale, p.scale}, mul_v[2] = {1.0f, 1.0f};
+#pragma unroll
+  for (int x = 0; x < 2; ++x) {
+    row[x] = k.i[x] * p.K + kv;
+    dlb[x] = quad_sum(dlb[x]);
+    if (k.in_i[x] && lane % 4 == 0) p.dlog_beta[row[x]] = static_cast<float>(dlb[x]);
+  }
+  store_rows<D>(p.dk, D, row, k.in_i, dk_acc, mul_k, lane);
+  store_rows<D>(p.dv, D, row, k.in_i, dv_acc, mul_v, lane);
+}
 
 template <int D>
 __global__ void __launch_bounds__(kThreads) dkdv_kernel(const Params p) {
@@ -705,75 +936,20 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(const Params p) {
   constexpr int kSubTiles = kSub / 8;
   extern __shared__ __align__(128) unsigned char smem[];
   const TileCopy<D> copy_tile;
-  bf16* sK = reinterpret_cast<bf16*>(smem);
-  bf16* sV = sK + kBlock * D;
-  bf16* sQ = sV + kBlock * D;       // stages 0, 1
-  bf16* sdO = sQ + 2 * kBlock * D;  // stages 0, 1
-  float* sLse2 = reinterpret_cast<float*>(sdO + 2 * kBlock * D);  // [2][kBlock]
-  float* sDelta = sLse2 + 2 * kBlock;                                // [2][kBlock]
-  int32_t* sDocQ = reinterpret_cast<int32_t*>(sDelta + 2 * kBlock);  // [2][kBlock]
-  uint32_t* sVisit = reinterpret_cast<uint32_t*>(sDocQ + 2 * kBlock);  // [walk_words(nb)]
-  uint32_t* sFull = sVisit + walk_words(p.nb);
+  const DkdvSmem<D> sm(smem, p.nb);
 
   const int64_t kb = blockIdx.x;  // early key blocks meet the most query blocks: first
   const int kv = blockIdx.y;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const LaneLdsm<D> ldsm(lane);
-  const int64_t i0 = block_begin(kb);
-  const int nk = static_cast<int>(block_size(p.T, kb));
-
-  // This lane's two key rows.
-  int64_t i[2];
-  int32_t doc_i[2];
-  bool in_i[2];
-  float lb2[2];
-#pragma unroll
-  for (int x = 0; x < 2; ++x) {
-    const int r = warp * kRowsPerWarp + c_row(lane, 2 * x);
-    i[x] = i0 + r;
-    in_i[x] = r < nk;
-    doc_i[x] = in_i[x] ? p.doc[i[x]] : -1;
-    lb2[x] = in_i[x] ? staged_lb2(p.log_beta[i[x] * p.K + kv]) : 0.0f;
-  }
-
-  // Issues the copies of query block qb of head h into `stage`; returns this thread's row.
-  auto fetch_queries = [&](int h, int64_t qb, int st) {
-    const int64_t q0 = block_begin(qb);
-    const int nq = static_cast<int>(block_size(p.T, qb));
-    copy_tile(sQ + st * kBlock * D, p.q + int64_t{h} * D, int64_t{p.H} * D, q0, nq);
-    copy_tile(sdO + st * kBlock * D, p.dout + int64_t{h} * D, int64_t{p.H} * D, q0, nq);
-    QueryRow r;
-    const int c = threadIdx.x;
-    if (c < nq) {  // nq ≤ kBlock ≤ kThreads
-      r.lse = p.lse[(q0 + c) * p.H + h];
-      r.delta = p.delta[(q0 + c) * p.H + h];
-      r.doc = p.doc[q0 + c];
-    }
-    return r;
-  };
-  auto stage_queries = [&](const QueryRow& r, int st) {
-    const int c = threadIdx.x;
-    if (c < kBlock) {
-      sLse2[st * kBlock + c] = lse_base2(r.lse);
-      sDelta[st * kBlock + c] = r.delta;
-      sDocQ[st * kBlock + c] = r.doc;
-    }
-  };
-
-  copy_tile(sK, p.k + int64_t{kv} * D, int64_t{p.K} * D, i0, nk);
-  copy_tile(sV, p.v + int64_t{kv} * D, int64_t{p.K} * D, i0, nk);
-  // The (query head, query block) pairs to visit: heads of the group in order, and for each
-  // the query blocks qb ≥ kb that share a document with kb (the walk's set bits).
+  const KeyRows rows(p, block_begin(kb), static_cast<int>(block_size(p.T, kb)), kv, warp, lane);
+  const QueryStages<D> queries = sm.queries();
   const TileFilter tiles{p.ranges, p.spans, p.lbmax ? p.lbmax + kv : nullptr, p.K, p.log_eps};
   const WalkRange walk = query_walk_range(tiles, kb);
-  fill_walk(sVisit, sFull, walk, [&](int64_t qb) { return walk_bits(tiles, qb, kb); });
-  __syncthreads();  // the walk bits
-  const int64_t first_qb = next_walk_bit(sVisit, walk.lo, walk.hi);
+  const HeadBlock first = start_dkdv<D>(p, sm, copy_tile, tiles, walk, kb, kv);
   const int h_end = (kv + 1) * p.group;
-  int h = first_qb < walk.hi ? kv * p.group : h_end;
-  int64_t qb = first_qb;
-  if (h < h_end) stage_queries(fetch_queries(h, qb, 0), 0);
-  cp_async_commit();
+  int h = first.h;
+  int64_t qb = first.qb;
 
   float dk_acc[D / 8][4] = {};
   float dv_acc[D / 8][4] = {};
@@ -782,23 +958,17 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(const Params p) {
   double dlb[2] = {0.0, 0.0};
   int stage = 0;
   while (h < h_end) {
-    const HeadBlock next = next_walk_head_block(sVisit, walk, first_qb, {h, qb});
-    const int h_next = next.h;
-    const int64_t qb_next = next.qb;
-    const bool prefetch = h_next < h_end;
+    const HeadBlock next = next_walk_head_block(sm.visit, walk, first.qb, {h, qb});
+    const bool prefetch = next.h < h_end;
     QueryRow next_row;
-    if (prefetch) next_row = fetch_queries(h_next, qb_next, stage ^ 1);
+    if (prefetch) next_row = queries.fetch(p, copy_tile, next.h, next.qb, stage ^ 1);
     cp_async_commit();
     cp_async_wait<1>();
     __syncthreads();
 
-    const bf16* q_s = sQ + stage * kBlock * D;
-    const bf16* do_s = sdO + stage * kBlock * D;
-    const float* lse2_s = sLse2 + stage * kBlock;
-    const float* delta_s = sDelta + stage * kBlock;
-    const int32_t* doc_s = sDocQ + stage * kBlock;
-    const int64_t q0 = block_begin(qb);
-    const bool all_allowed = walk_bit(sFull, qb);
+    const bf16* q_s = sm.q + stage * kBlock * D;
+    const bf16* do_s = sm.dout + stage * kBlock * D;
+    const bool all_allowed = walk_bit(sm.full, qb);
 
     float dlb_tile[2] = {0.0f, 0.0f};
 #pragma unroll 1
@@ -806,33 +976,103 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(const Params p) {
       const int c0 = sub * kSub;  // query columns c0 .. c0 + kSub of the tile
       float s[kSubTiles][4] = {};
       float dp[kSubTiles][4] = {};
-      rows_times_rows_t<D, kSubTiles>(s, smem_base(sK), warp * kRowsPerWarp, smem_base(q_s), c0, ldsm);    // K·Qᵀ
-      rows_times_rows_t<D, kSubTiles>(dp, smem_base(sV), warp * kRowsPerWarp, smem_base(do_s), c0, ldsm);  // V·dOᵀ
-      key_row_grads(s, dp, lane, i, doc_i, lb2, q0, c0, lse2_s, delta_s, doc_s, all_allowed, p.scale2, dlb_tile);
+      rows_times_rows_t<D, kSubTiles>(s, smem_base(sm.k), warp * kRowsPerWarp, smem_base(q_s), c0, ldsm);    // K·Qᵀ
+      rows_times_rows_t<D, kSubTiles>(dp, smem_base(sm.v), warp * kRowsPerWarp, smem_base(do_s), c0, ldsm);  // V·dOᵀ
+      key_row_grads(s, dp, lane, rows.i, rows.doc_i, rows.lb2, block_begin(qb), c0, queries.lse2 + stage * kBlock,
+                    queries.delta + stage * kBlock, queries.doc + stage * kBlock, all_allowed, p.scale2, dlb_tile);
       weights_times_rows<D, kSubTiles>(dv_acc, s, smem_base(do_s), c0, ldsm);  // Pᵀ·dO
       weights_times_rows<D, kSubTiles>(dk_acc, dp, smem_base(q_s), c0, ldsm);  // dSᵀ·Q
     }
     dlb[0] += static_cast<double>(dlb_tile[0]);
     dlb[1] += static_cast<double>(dlb_tile[1]);
 
-    if (prefetch) stage_queries(next_row, stage ^ 1);
+    if (prefetch) queries.store(next_row, stage ^ 1);
     __syncthreads();
-    h = h_next;
-    qb = qb_next;
+    h = next.h;
+    qb = next.qb;
     stage ^= 1;
   }
+  finish_dkdv<D>(p, rows, kv, lane, dlb, dk_acc, dv_acc);
+}
 
-  cp_async_wait<0>();  // no copy may be in flight when the CTA exits (nothing visited: K, V still are)
-  int64_t row[2];
-  const float mul_k[2] = {p.scale, p.scale}, mul_v[2] = {1.0f, 1.0f};
-#pragma unroll
-  for (int x = 0; x < 2; ++x) {
-    row[x] = i[x] * p.K + kv;
-    dlb[x] = quad_sum(dlb[x]);
-    if (in_i[x] && lane % 4 == 0) p.dlog_beta[row[x]] = static_cast<float>(dlb[x]);
+// dkdv_kernel on wgmma (RETAIN_ATTENTION_BACKWARD=wgmma, sm_90). The warpgroup's 64 rows are
+// the key block: Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ over a whole 64-query tile (no sub-tiles: the
+// operands come from shared memory, not ldmatrix registers, which leaves room for both 64-column
+// fragments beside dk and dv) in one commit group, P and dS by key_row_grads, then
+// dv += Pᵀ·dO and dk += dSᵀ·Q with Pᵀ, dSᵀ from registers and dO, Q read transposed.
+// Unverified on a GPU (emulated only).
+template <int D>
+__global__ void __launch_bounds__(kThreads) dkdv_wgmma_kernel(const Params p) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  const uint32_t pad = wgmma_smem_pad(smem);
+  const TileCopy<D, true> copy_tile;
+  const DkdvSmem<D> sm(smem + pad, p.nb);
+  const uint32_t aK = wgmma::smem_address(smem) + pad, aV = aK + kTileBytes<D>, aQ = aV + kTileBytes<D>, adO = aQ + 2 * kTileBytes<D>;
+  const uint64_t desc_k = wgmma::k_major_desc(aK, kBlock, 0, 0), desc_v = wgmma::k_major_desc(aV, kBlock, 0, 0);
+
+  const int64_t kb = blockIdx.x;
+  const int kv = blockIdx.y;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const KeyRows rows(p, block_begin(kb), static_cast<int>(block_size(p.T, kb)), kv, warp, lane);
+  const QueryStages<D> queries = sm.queries();
+  const TileFilter tiles{p.ranges, p.spans, p.lbmax ? p.lbmax + kv : nullptr, p.K, p.log_eps};
+  const WalkRange walk = query_walk_range(tiles, kb);
+  const HeadBlock first = start_dkdv<D>(p, sm, copy_tile, tiles, walk, kb, kv);
+  const int h_end = (kv + 1) * p.group;
+  int h = first.h;
+  int64_t qb = first.qb;
+
+  float dk_acc[D / 8][4] = {};
+  float dv_acc[D / 8][4] = {};
+  double dlb[2] = {0.0, 0.0};  // as dkdv_kernel: fp32 within a tile, fp64 across tiles
+  int stage = 0;
+  while (h < h_end) {
+    const HeadBlock next = next_walk_head_block(sm.visit, walk, first.qb, {h, qb});
+    const bool prefetch = next.h < h_end;
+    QueryRow next_row;
+    if (prefetch) next_row = queries.fetch(p, copy_tile, next.h, next.qb, stage ^ 1);
+    cp_async_commit();
+    cp_async_wait<1>();
+    wgmma::fence_proxy_async();
+    __syncthreads();
+
+    const uint32_t q_s = aQ + static_cast<uint32_t>(stage) * kTileBytes<D>;
+    const uint32_t do_s = adO + static_cast<uint32_t>(stage) * kTileBytes<D>;
+    float s[kBlock / 8][4], dp[kBlock / 8][4];
+    wgmma::fence();
+    wgmma_rows_times_rows_t<D>(s, desc_k, wgmma::k_major_desc(q_s, kBlock, 0, 0));    // K·Qᵀ
+    wgmma_rows_times_rows_t<D>(dp, desc_v, wgmma::k_major_desc(do_s, kBlock, 0, 0));  // V·dOᵀ
+    wgmma::commit_group();
+    wgmma::wait_group<0>();
+    wgmma::fence_operand(s);
+    wgmma::fence_operand(dp);
+
+    float dlb_tile[2] = {0.0f, 0.0f};
+    key_row_grads(s, dp, lane, rows.i, rows.doc_i, rows.lb2, block_begin(qb), 0, queries.lse2 + stage * kBlock,
+                  queries.delta + stage * kBlock, queries.doc + stage * kBlock, walk_bit(sm.full, qb), p.scale2,
+                  dlb_tile);  // s = P, dp = dS
+    uint32_t pa[kBlock / 16][4], dsa[kBlock / 16][4];
+    weights_to_a(s, pa);
+    weights_to_a(dp, dsa);
+    wgmma::fence_operand(dv_acc);
+    wgmma::fence_operand(dk_acc);
+    wgmma::fence();
+    wgmma_weights_times_rows(dv_acc, pa, wgmma::mn_major_desc(do_s, kBlock, 0, 0));  // Pᵀ·dO
+    wgmma_weights_times_rows(dk_acc, dsa, wgmma::mn_major_desc(q_s, kBlock, 0, 0));  // dSᵀ·Q
+    wgmma::commit_group();
+    wgmma::wait_group<0>();  // Q's and dO's stage are read before the barrier lets them be refilled
+    wgmma::fence_operand(dv_acc);
+    wgmma::fence_operand(dk_acc);
+    dlb[0] += static_cast<double>(dlb_tile[0]);
+    dlb[1] += static_cast<double>(dlb_tile[1]);
+
+    if (prefetch) queries.store(next_row, stage ^ 1);
+    __syncthreads();
+    h = next.h;
+    qb = next.qb;
+    stage ^= 1;
   }
-  store_rows<D>(p.dk, D, row, in_i, dk_acc, mul_k, lane);
-  store_rows<D>(p.dv, D, row, in_i, dv_acc, mul_v, lane);
+  finish_dkdv<D>(p, rows, kv, lane, dlb, dk_acc, dv_acc);
 }
 
 // ---- host side ---------------------------------------------------------------------------
@@ -950,23 +1190,24 @@ void launch(Kernel kernel, unsigned grid_x, unsigned grid_y, size_t smem, const 
   CUDA_CHECK(cudaGetLastError());
 }
 
-// RETAIN_ATTENTION_FORWARD picks the forward kernel: "mma" (default: mma.sync, sm_80 and up)
-// or "wgmma" (forward_wgmma_kernel, sm_90 only; not yet run on a GPU, so not the default).
-bool use_wgmma_forward() {
-  const char* e = std::getenv("RETAIN_ATTENTION_FORWARD");
+// RETAIN_ATTENTION_FORWARD and RETAIN_ATTENTION_BACKWARD pick the kernels of each pass: "mma"
+// (default: mma.sync, sm_80 and up) or "wgmma" (the *_wgmma_kernel ones, sm_90 only; not yet
+// run on a GPU, so not the default).
+bool use_wgmma(const char* op, const char* variable) {
+  const char* e = std::getenv(variable);
   const std::string v = e ? e : "mma";
   if (v == "mma") return false;
-  if (v != "wgmma") fail("{}: RETAIN_ATTENTION_FORWARD must be mma or wgmma, not '{}'", kForward, v);
-  if (!wgmma_forward_supported())
-    fail("{}: RETAIN_ATTENTION_FORWARD=wgmma needs an sm_90 GPU (H100/H200); this device is not one", kForward);
+  if (v != "wgmma") fail("{}: {} must be mma or wgmma, not '{}'", op, variable, v);
+  if (!wgmma_supported())
+    fail("{}: {}=wgmma needs an sm_90 GPU (H100/H200); this device is not one", op, variable);
   return true;
 }
 
 template <int D>
 void forward(const Params& p) {
-  if (use_wgmma_forward())
-    launch(forward_wgmma_kernel<D>, static_cast<unsigned>(p.nb), static_cast<unsigned>(p.H), wgmma_forward_smem<D>(p.nb),
-           p);
+  if (use_wgmma(kForward, "RETAIN_ATTENTION_FORWARD"))
+    launch(forward_wgmma_kernel<D>, static_cast<unsigned>(p.nb), static_cast<unsigned>(p.H),
+           query_side_smem<D>(false, p.nb) + kWgmmaSmemPad, p);
   else
     launch(forward_kernel<D>, static_cast<unsigned>(p.nb), static_cast<unsigned>(p.H), query_side_smem<D>(false, p.nb),
            p);
@@ -974,18 +1215,25 @@ void forward(const Params& p) {
 
 template <int D>
 void backward(const Params& p) {
+  const bool wgmma = use_wgmma(kBackward, "RETAIN_ATTENTION_BACKWARD");
   const int64_t rows = p.T * p.H;
   const int warps_per_cta = 8;
   delta_kernel<<<static_cast<unsigned>((rows + warps_per_cta - 1) / warps_per_cta), 32 * warps_per_cta>>>(
       p.out, p.dout, const_cast<float*>(p.delta), rows, D);
   CUDA_CHECK(cudaGetLastError());
-  launch(dq_kernel<D>, static_cast<unsigned>(p.nb), static_cast<unsigned>(p.H), query_side_smem<D>(true, p.nb), p);
-  launch(dkdv_kernel<D>, static_cast<unsigned>(p.nb), static_cast<unsigned>(p.K), key_side_smem<D>(p.nb), p);
+  const auto nb = static_cast<unsigned>(p.nb);
+  if (wgmma) {
+    launch(dq_wgmma_kernel<D>, nb, static_cast<unsigned>(p.H), query_side_smem<D>(true, p.nb) + kWgmmaSmemPad, p);
+    launch(dkdv_wgmma_kernel<D>, nb, static_cast<unsigned>(p.K), key_side_smem<D>(p.nb) + kWgmmaSmemPad, p);
+    return;
+  }
+  launch(dq_kernel<D>, nb, static_cast<unsigned>(p.H), query_side_smem<D>(true, p.nb), p);
+  launch(dkdv_kernel<D>, nb, static_cast<unsigned>(p.K), key_side_smem<D>(p.nb), p);
 }
 
 }  // namespace
 
-bool wgmma_forward_supported() {
+bool wgmma_supported() {
   int device = 0;
   cudaDeviceProp prop{};
   CUDA_CHECK(cudaGetDevice(&device));

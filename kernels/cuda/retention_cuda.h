@@ -31,10 +31,11 @@ void gated_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
                               Tensor& dq, Tensor& dk, Tensor& dv, Tensor& dlog_beta,
                               float skip_weight_below = 0.0f);
 
-// Whether this device runs the forward on wgmma (an sm_90 GPU: H100/H200). The environment
-// variable RETAIN_ATTENTION_FORWARD picks the forward kernel: mma (default; mma.sync) or wgmma
-// (Hopper's warpgroup products, not yet run on a GPU); any other value is an error.
-bool wgmma_forward_supported();
+// Whether this device runs the wgmma kernels (an sm_90 GPU: H100/H200). The environment
+// variables RETAIN_ATTENTION_FORWARD and RETAIN_ATTENTION_BACKWARD pick each pass's kernels:
+// mma (default; mma.sync) or wgmma (Hopper's warpgroup products, not yet run on a GPU); any
+// other value is an error.
+bool wgmma_supported();
 
 // ---- end of retention-gated attention ----------------------------------------------------
 

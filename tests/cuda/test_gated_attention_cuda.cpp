@@ -418,43 +418,48 @@ TEST(GatedAttentionCuda, RepeatedRunsAreBitwiseEqual) {
   repeated_runs_are_bitwise_equal();
 }
 
-// RETAIN_ATTENTION_FORWARD set for a scope (restored after).
-class ScopedForwardKernel {
+// An environment variable set for a scope (restored after): RETAIN_ATTENTION_FORWARD and
+// RETAIN_ATTENTION_BACKWARD pick the kernels.
+class ScopedEnv {
  public:
-  explicit ScopedForwardKernel(const char* value) {
-    if (const char* old = std::getenv(kVar)) old_ = old, had_ = true;
-    setenv(kVar, value, 1);
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old, had_ = true;
+    setenv(name, value, 1);
   }
-  ~ScopedForwardKernel() {
+  ~ScopedEnv() {
     if (had_)
-      setenv(kVar, old_.c_str(), 1);
+      setenv(name_.c_str(), old_.c_str(), 1);
     else
-      unsetenv(kVar);
+      unsetenv(name_.c_str());
   }
-  ScopedForwardKernel(const ScopedForwardKernel&) = delete;
-  ScopedForwardKernel& operator=(const ScopedForwardKernel&) = delete;
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
 
  private:
-  static constexpr const char* kVar = "RETAIN_ATTENTION_FORWARD";
-  std::string old_;
+  std::string name_, old_;
   bool had_ = false;
 };
 
-// The forward on Hopper's wgmma (forward_wgmma_kernel, RETAIN_ATTENTION_FORWARD=wgmma; sm_90
-// only) through the same checks; the backward is the same kernels.
+// Both passes on Hopper's wgmma (forward_wgmma_kernel, dq_wgmma_kernel, dkdv_wgmma_kernel;
+// RETAIN_ATTENTION_FORWARD=wgmma RETAIN_ATTENTION_BACKWARD=wgmma; sm_90 only) through the same
+// checks.
 class GatedAttentionCudaWgmma : public ::testing::Test {
  protected:
   void SetUp() override {
     SKIP_WITHOUT_GPU();
 #ifdef RETAIN_CUDA_KERNELS
-    if (!cuda::wgmma_forward_supported()) GTEST_SKIP() << "the wgmma forward needs an sm_90 GPU (H100/H200)";
-    wgmma_.emplace("wgmma");
+    if (!cuda::wgmma_supported()) GTEST_SKIP() << "the wgmma kernels need an sm_90 GPU (H100/H200)";
+    forward_.emplace("RETAIN_ATTENTION_FORWARD", "wgmma");
+    backward_.emplace("RETAIN_ATTENTION_BACKWARD", "wgmma");
 #else
     GTEST_SKIP() << "built without the CUDA kernels";
 #endif
   }
-  void TearDown() override { wgmma_.reset(); }
-  std::optional<ScopedForwardKernel> wgmma_;
+  void TearDown() override {
+    forward_.reset();
+    backward_.reset();
+  }
+  std::optional<ScopedEnv> forward_, backward_;
 };
 TEST_F(GatedAttentionCudaWgmma, SmallShapesMatchCpuReference) { small_shapes_match_cpu_reference(); }
 TEST_F(GatedAttentionCudaWgmma, LongerSequencesMatchCpuReference) { longer_sequences_match_cpu_reference(); }
@@ -503,8 +508,14 @@ TEST(GatedAttentionCuda, BadInputsAreOneLineErrors) {
   ops::gated_attention(q, k, v, lb, doc, scale, out, lse);
   EXPECT_NO_THROW(ops::raise_deferred_checks());
   {
-    const ScopedForwardKernel bogus("mma.sync");
+    const ScopedEnv bogus("RETAIN_ATTENTION_FORWARD", "mma.sync");
     test_support::expect_one_line_error([&] { ops::gated_attention(q, k, v, lb, doc, scale, out, lse); },
                                         "RETAIN_ATTENTION_FORWARD must be mma or wgmma, not 'mma.sync'");
+  }
+  {
+    const ScopedEnv bogus("RETAIN_ATTENTION_BACKWARD", "hgmma");
+    test_support::expect_one_line_error(
+        [&] { ops::gated_attention_backward(q, k, v, lb, doc, scale, out, lse, q, dq, dk, dv, dlb); },
+        "RETAIN_ATTENTION_BACKWARD must be mma or wgmma, not 'hgmma'");
   }
 }
