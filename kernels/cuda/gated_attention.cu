@@ -545,6 +545,34 @@ __device__ __forceinline__ void wgmma_rows_times_rows_t(float (&acc)[NT][4], uin
   }
 }
 
+// A warp's 16 rows (from warp·16) of a kBlock × D panel-layout tile at `tile` (TileCopy<D, true>,
+// 1,024-aligned) as wgmma's register A operand, frag[ks] = k-step ks (the mma.m16n8k16 A
+// fragment: rows g and g + 8, columns 2c, 2c + 1 and those + 8): one 32-bit shared load per
+// register, once per CTA.
+template <int D>
+__device__ __forceinline__ void panel_rows_to_a(const bf16* tile, int warp, int lane, uint32_t (&frag)[D / 16][4]) {
+  const int g = lane / 4, c = lane % 4;
+  const auto* bytes = reinterpret_cast<const unsigned char*>(tile);
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int row = warp * kRowsPerWarp + g + 8 * (j % 2), col = 16 * ks + 2 * c + 8 * (j / 2);
+      frag[ks][j] = *reinterpret_cast<const uint32_t*>(bytes + wgmma::tile_offset(kBlock, row, col));
+    }
+}
+
+// acc (64 rows × NT·8) = A·Bᵀ over D/16 k-steps with A in registers (panel_rows_to_a) and B a
+// 64-row tile read K-major from shared memory: S = Q·Kᵀ with Q held by the warpgroup, so only
+// K crosses from shared memory (half the operand traffic of both from shared memory).
+template <int D, int NT>
+__device__ __forceinline__ void wgmma_frags_times_rows_t(float (&acc)[NT][4], const uint32_t (&a)[D / 16][4],
+                                                         uint64_t desc_b) {
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks)
+    wgmma::mma_rs<false>(acc, a[ks], desc_b + wgmma::k_major_step(kBlock, 0, 16 * ks), ks > 0);
+}
+
 // The weights W (fp32 C fragments of 64 rows × kBlock columns) as the register A operand of
 // wgmma: k-step st is columns 16st..16st+15, rounded to bf16.
 __device__ __forceinline__ void weights_to_a(const float (&w)[kBlock / 8][4], uint32_t (&a)[kBlock / 16][4]) {
@@ -568,8 +596,7 @@ __global__ void __launch_bounds__(kThreads) forward_wgmma_kernel(const Params p)
   const uint32_t pad = wgmma_smem_pad(smem);
   const TileCopy<D, true> copy_tile;
   const ForwardSmem<D> sm(smem + pad, p.nb);
-  const uint32_t aQ = wgmma::smem_address(smem) + pad, aK = aQ + kTileBytes<D>, aV = aK + 2 * kTileBytes<D>;
-  const uint64_t desc_q = wgmma::k_major_desc(aQ, kBlock, 0, 0);
+  const uint32_t aK = wgmma::smem_address(smem) + pad + kTileBytes<D>, aV = aK + 2 * kTileBytes<D>;
 
   const int64_t qb = p.nb - 1 - static_cast<int64_t>(blockIdx.x);  // the longest rows first
   const int h = blockIdx.y, kv = h / p.group;
@@ -583,10 +610,15 @@ __global__ void __launch_bounds__(kThreads) forward_wgmma_kernel(const Params p)
   const WalkRange walk = key_walk_range(tiles, qb);
   fill_walk(sm.visit, sm.full, walk, [&](int64_t kb) { return walk_bits(tiles, qb, kb); });
   copy_tile(sm.q, p.q + int64_t{h} * D, int64_t{p.H} * D, q0, nq);
-  __syncthreads();  // the walk bits
+  cp_async_commit();  // Q alone, so that its fragments can be read while the first key tile lands
+  __syncthreads();    // the walk bits
   int64_t kb = prev_walk_bit(sm.visit, walk.hi - 1, walk.lo);  // from the diagonal down, as forward_kernel
   if (kb >= walk.lo) keys.store(keys.fetch(p, copy_tile, kv, kb, 0), 0);
   cp_async_commit();
+  cp_async_wait<1>();  // Q
+  __syncthreads();
+  uint32_t qf[D / 16][4];  // the warpgroup holds Q: S = Q·Kᵀ reads only K from shared memory
+  panel_rows_to_a<D>(sm.q, warp, lane, qf);
 
   float o_acc[D / 8][4] = {};
   float m[2] = {kNegInf, kNegInf};
@@ -598,7 +630,7 @@ __global__ void __launch_bounds__(kThreads) forward_wgmma_kernel(const Params p)
     KeyRow next_row;
     if (prefetch) next_row = keys.fetch(p, copy_tile, kv, kb_next, stage ^ 1);
     cp_async_commit();
-    cp_async_wait<1>();        // this stage (and Q) have landed for this thread ...
+    cp_async_wait<1>();        // this stage has landed for this thread ...
     wgmma::fence_proxy_async();  // ... and are visible to wgmma's reads
     __syncthreads();           // ... for every thread
 
@@ -607,7 +639,7 @@ __global__ void __launch_bounds__(kThreads) forward_wgmma_kernel(const Params p)
 
     float s[kBlock / 8][4];
     wgmma::fence();
-    wgmma_rows_times_rows_t<D>(s, desc_q, wgmma::k_major_desc(k_s, kBlock, 0, 0));  // Q·Kᵀ
+    wgmma_frags_times_rows_t<D>(s, qf, wgmma::k_major_desc(k_s, kBlock, 0, 0));  // Q·Kᵀ
     wgmma::commit_group();
     wgmma::wait_group<0>();
     wgmma::fence_operand(s);
@@ -668,8 +700,9 @@ struct DqSmem {
   __device__ __forceinline__ KeyStages<D> keys() const { return {k, v, lb2, ncl, doc}; }
 };
 
-// The start of a dq CTA: the walk over key blocks, Q and dO copied, the first key block's
-// copies issued and committed; returns the first key block to visit (walk.hi: none).
+// The start of a dq CTA: the walk over key blocks, Q and dO copied (one commit group), the first
+// key block's copies issued and committed (the next); returns the first key block to visit
+// (walk.hi: none).
 template <int D, class Copy>
 __device__ __forceinline__ int64_t start_dq(const Params& p, const DqSmem<D>& sm, const Copy& copy_tile,
                                             const TileFilter& tiles, const WalkRange& walk, int64_t qb, int h,
@@ -679,7 +712,8 @@ __device__ __forceinline__ int64_t start_dq(const Params& p, const DqSmem<D>& sm
   fill_walk(sm.visit, sm.full, walk, [&](int64_t kb) { return walk_bits(tiles, qb, kb); });
   copy_tile(sm.q, p.q + int64_t{h} * D, int64_t{p.H} * D, q0, nq);
   copy_tile(sm.dout, p.dout + int64_t{h} * D, int64_t{p.H} * D, q0, nq);
-  __syncthreads();  // the walk bits
+  cp_async_commit();  // Q and dO alone: dq_wgmma_kernel reads them into registers first
+  __syncthreads();    // the walk bits
   const int64_t kb = next_walk_bit(sm.visit, walk.lo, walk.hi);
   if (kb < walk.hi) sm.keys().store(sm.keys().fetch(p, copy_tile, kv, kb, 0), 0);
   cp_async_commit();
@@ -755,8 +789,7 @@ __global__ void __launch_bounds__(kThreads) dq_wgmma_kernel(const Params p) {
   const uint32_t pad = wgmma_smem_pad(smem);
   const TileCopy<D, true> copy_tile;
   const DqSmem<D> sm(smem + pad, p.nb);
-  const uint32_t aQ = wgmma::smem_address(smem) + pad, adO = aQ + kTileBytes<D>, aK = adO + kTileBytes<D>, aV = aK + 2 * kTileBytes<D>;
-  const uint64_t desc_q = wgmma::k_major_desc(aQ, kBlock, 0, 0), desc_do = wgmma::k_major_desc(adO, kBlock, 0, 0);
+  const uint32_t aK = wgmma::smem_address(smem) + pad + 2 * kTileBytes<D>, aV = aK + 2 * kTileBytes<D>;
 
   const int64_t qb = p.nb - 1 - static_cast<int64_t>(blockIdx.x);
   const int h = blockIdx.y, kv = h / p.group;
@@ -766,6 +799,11 @@ __global__ void __launch_bounds__(kThreads) dq_wgmma_kernel(const Params p) {
   const TileFilter tiles{p.ranges, p.spans, p.lbmax ? p.lbmax + kv : nullptr, p.K, p.log_eps};
   const WalkRange walk = key_walk_range(tiles, qb);
   int64_t kb = start_dq<D>(p, sm, copy_tile, tiles, walk, qb, h, kv);
+  cp_async_wait<1>();  // Q and dO
+  __syncthreads();
+  uint32_t qf[D / 16][4], dof[D / 16][4];  // held by the warpgroup: S and dP read only K and V
+  panel_rows_to_a<D>(sm.q, warp, lane, qf);
+  panel_rows_to_a<D>(sm.dout, warp, lane, dof);
 
   float dq_acc[D / 8][4] = {};
   int stage = 0;
@@ -783,8 +821,8 @@ __global__ void __launch_bounds__(kThreads) dq_wgmma_kernel(const Params p) {
     const uint32_t v_s = aV + static_cast<uint32_t>(stage) * kTileBytes<D>;
     float s[kBlock / 8][4], dp[kBlock / 8][4];
     wgmma::fence();
-    wgmma_rows_times_rows_t<D>(s, desc_q, wgmma::k_major_desc(k_s, kBlock, 0, 0));    // Q·Kᵀ
-    wgmma_rows_times_rows_t<D>(dp, desc_do, wgmma::k_major_desc(v_s, kBlock, 0, 0));  // dO·Vᵀ
+    wgmma_frags_times_rows_t<D>(s, qf, wgmma::k_major_desc(k_s, kBlock, 0, 0));    // Q·Kᵀ
+    wgmma_frags_times_rows_t<D>(dp, dof, wgmma::k_major_desc(v_s, kBlock, 0, 0));  // dO·Vᵀ
     wgmma::commit_group();
     wgmma::wait_group<0>();
     wgmma::fence_operand(s);
