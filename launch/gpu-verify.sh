@@ -109,6 +109,8 @@ if phase tests; then
   step "test_gates_cuda (gate MLPs fwd/bwd vs CPU)" "$log" 600 "$bin/test_gates_cuda" --gtest_color=no
   step "test_step_cuda (the training step vs the CPU step)" "$log" 600 "$bin/test_step_cuda" --gtest_color=no
   step "test_kvpop_step_cuda (the KVPOP scorer step vs the CPU step)" "$log" 300 "$bin/test_kvpop_step_cuda" --gtest_color=no
+  step "test_step_cuda, attention on wgmma" "$log" 600 env RETAIN_ATTENTION_FORWARD=wgmma RETAIN_ATTENTION_BACKWARD=wgmma \
+    "$bin/test_step_cuda" --gtest_color=no
   step "test_gated_attention_long (32K, 128K vs float64)" "$log" 600 "$bin/test_gated_attention_long" --gtest_color=no
   step "test_gated_attention_long, wgmma forward and backward" "$log" 600 env RETAIN_ATTENTION_FORWARD=wgmma \
     RETAIN_ATTENTION_BACKWARD=wgmma "$bin/test_gated_attention_long" --gtest_color=no

@@ -100,13 +100,14 @@ struct Params {
 // instructions as the tile's mma.sync did, kernels/cuda/sass_report.py).
 //
 // kPanels selects the layout wgmma reads (wgmma_layout.h): 64-column panels of 128-byte
-// swizzled rows instead of whole D-column rows; the same for D = 64.
-template <int D, bool kPanels = false>
+// swizzled rows instead of whole D-column rows; the same for D = 64. kCopyThreads: the CTA's
+// threads, all of which copy.
+template <int D, bool kPanels = false, int kCopyThreads = kThreads>
 struct TileCopy {
   static constexpr int kChunks = D / 8;  // 16-byte chunks per row
-  static constexpr int kRowStep = kThreads / kChunks;
+  static constexpr int kRowStep = kCopyThreads / kChunks;
   static constexpr int kPerThread = kBlock / kRowStep;
-  static_assert(kThreads % kChunks == 0 && kRowStep % 8 == 0 && kBlock % kRowStep == 0,
+  static_assert(kCopyThreads % kChunks == 0 && kRowStep % 8 == 0 && kBlock % kRowStep == 0,
                 "each thread copies one chunk column of rows kRowStep apart, all with one swizzle");
   // Elements between a thread's destinations (kRowStep rows of a row or of a panel).
   static constexpr int kDestStep = kRowStep * (kPanels ? wgmma::kPanelCols : D);
@@ -511,14 +512,15 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const Params p) {
 
 // ---- forward on Hopper's wgmma (RETAIN_ATTENTION_FORWARD=wgmma) -------------------------
 //
-// forward_kernel's algorithm and register layouts with its two products on wgmma: the CTA's
-// 4 warps are one warpgroup, and a warp's share of an m64nN product is exactly its mma.sync
-// fragments (16 rows × N as N/8 m16n8 tiles), so the masking, gating and online softmax are
-// the same code. S = Q·Kᵀ reads Q and K from shared memory (K-major), O += P·V takes P from
-// registers and V from shared memory (MN-major); no ldmatrix, one instruction per 16-deep step
-// for the whole CTA. Tiles are in wgmma's 128-byte-swizzled panel layout at 1,024-aligned
-// addresses. Loads stay on cp.async (2 stages), each thread's copies made visible to wgmma's
-// async proxy before the barrier. Unverified on a GPU (emulated only).
+// forward_kernel's algorithm and register layouts with its two products on wgmma: a
+// warpgroup's 4 warps own a 64-row query block as forward_kernel's CTA does, and a warp's share
+// of an m64nN product is exactly its mma.sync fragments (16 rows × N as N/8 m16n8 tiles), so
+// the masking, gating and online softmax are the same code. S = Q·Kᵀ takes Q from registers
+// (loaded once) and K from shared memory (K-major), O += P·V takes P from registers and V from
+// shared memory (MN-major); no ldmatrix, one instruction per 16-deep step for the warpgroup.
+// Tiles are in wgmma's 128-byte-swizzled panel layout at 1,024-aligned addresses. Loads stay
+// on cp.async (2 stages), each thread's copies made visible to wgmma's async proxy before the
+// barrier. Unverified on a GPU (emulated only).
 //
 // The wgmma kernels' shared memory is their mma.sync twin's plus room to start it at the first
 // 1,024-aligned byte (wgmma_smem_pad): every tile then stays aligned, tile_bytes being a multiple.
@@ -590,69 +592,157 @@ __device__ __forceinline__ void wgmma_weights_times_rows(float (&acc)[NT][4], co
     wgmma::mma_rs<true>(acc, w[st], desc_b + wgmma::mn_major_step(kBlock, 16 * st, 0), true);
 }
 
+// The wgmma forward's CTA is two warpgroups over 128 query rows: warpgroup g takes query block
+// 2·pair + g and both share each K/V tile, so every tile crosses from L2 to the SM once per
+// 128 query rows instead of once per 64: at 32K tokens, 32 heads and d = 128 a 64-row forward
+// moves ≈ 138 GB of K and V (4.2 M tiles of 32 KB) for 8.8 TFLOP, ≈ 9 TB/s at 600 TFLOP/s (an
+// estimate from the tile counts, not a measurement); 128 rows halve it. The CTA walks the
+// union of both blocks' key walks; a warpgroup whose own walk skips a tile (the other block's
+// diagonal tile, another document) only helps copy it.
+constexpr int kForwardGroups = 2;
+constexpr int kForwardThreads = kForwardGroups * kThreads;
+constexpr int kForwardWarps = kForwardGroups * kWarps;
+
+// Its shared memory: [Q × 2][K × 2][V × 2][lb2 × 2][−c·lb2 × 2][doc of keys × 2] and the walk
+// bits: visit and full per warpgroup, then their union (visit).
 template <int D>
-__global__ void __launch_bounds__(kThreads) forward_wgmma_kernel(const Params p) {
+size_t wgmma_forward_smem(int64_t nb) {
+  return tile_bytes<D>() * (kForwardGroups + 4) + 2 * kBlock * (2 * sizeof(float) + sizeof(int32_t)) +
+         sizeof(uint32_t) * static_cast<size_t>((2 * kForwardGroups + 1) * walk_words(nb)) + kWgmmaSmemPad;
+}
+template <int D>
+struct WgmmaForwardSmem {
+  bf16 *q, *k, *v;  // q: one tile per warpgroup
+  float *lb2, *ncl;
+  int32_t* doc;
+  uint32_t* bits;  // [visit 0][full 0][visit 1][full 1][any], walk_words(nb) words each
+  int64_t words;
+  __device__ __forceinline__ WgmmaForwardSmem(unsigned char* base, int64_t nb)
+      : q(reinterpret_cast<bf16*>(base)),
+        k(q + kForwardGroups * kBlock * D),
+        v(k + 2 * kBlock * D),
+        lb2(reinterpret_cast<float*>(v + 2 * kBlock * D)),
+        ncl(lb2 + 2 * kBlock),
+        doc(reinterpret_cast<int32_t*>(ncl + 2 * kBlock)),
+        bits(reinterpret_cast<uint32_t*>(doc + 2 * kBlock)),
+        words(walk_words(nb)) {}
+  __device__ __forceinline__ KeyStages<D> keys() const { return {k, v, lb2, ncl, doc}; }
+  __device__ __forceinline__ uint32_t* visit(int g) const { return bits + 2 * g * words; }
+  __device__ __forceinline__ uint32_t* full(int g) const { return bits + (2 * g + 1) * words; }
+  __device__ __forceinline__ uint32_t* any() const { return bits + 2 * kForwardGroups * words; }
+};
+
+// Sets both warpgroups' walk bits over the union range `all` and the union's visit bits (as
+// fill_walk, for kForwardWarps warps): warpgroup g's bits are its own walk's, `own[g]` (empty
+// for a warpgroup past the last block), and none outside it.
+template <int D>
+__device__ __forceinline__ void fill_forward_walks(const WgmmaForwardSmem<D>& sm, const TileFilter& tiles,
+                                                   WalkRange all, const WalkRange (&own)[kForwardGroups],
+                                                   const int64_t (&qb)[kForwardGroups]) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int64_t w = all.lo / 32 + warp; 32 * w < all.hi; w += kForwardWarps) {  // warp-uniform trip count
+    const int64_t b = 32 * w + lane;
+    uint32_t any = 0;
+#pragma unroll
+    for (int g = 0; g < kForwardGroups; ++g) {
+      WalkBits x{false, false};
+      if (b >= own[g].lo && b < own[g].hi) x = walk_bits(tiles, qb[g], b);
+      const uint32_t v = __ballot_sync(0xffffffffu, x.visit), a = __ballot_sync(0xffffffffu, x.full);
+      any |= v;
+      if (lane == 0) {
+        sm.visit(g)[w] = v;
+        sm.full(g)[w] = a;
+      }
+    }
+    if (lane == 0) sm.any()[w] = any;
+  }
+}
+
+template <int D>
+__global__ void __launch_bounds__(kForwardThreads) forward_wgmma_kernel(const Params p) {
   extern __shared__ __align__(128) unsigned char smem[];
   const uint32_t pad = wgmma_smem_pad(smem);
-  const TileCopy<D, true> copy_tile;
-  const ForwardSmem<D> sm(smem + pad, p.nb);
-  const uint32_t aK = wgmma::smem_address(smem) + pad + kTileBytes<D>, aV = aK + 2 * kTileBytes<D>;
+  const TileCopy<D, true, kForwardThreads> copy_tile;
+  const WgmmaForwardSmem<D> sm(smem + pad, p.nb);
+  const uint32_t aK = wgmma::smem_address(smem) + pad + kForwardGroups * kTileBytes<D>, aV = aK + 2 * kTileBytes<D>;
 
-  const int64_t qb = p.nb - 1 - static_cast<int64_t>(blockIdx.x);  // the longest rows first
+  const int64_t pairs = (p.nb + kForwardGroups - 1) / kForwardGroups;
+  const int64_t pair = pairs - 1 - static_cast<int64_t>(blockIdx.x);  // the longest rows first
   const int h = blockIdx.y, kv = h / p.group;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int group = threadIdx.x / kThreads;  // this thread's warpgroup
+  const int warp = (threadIdx.x % kThreads) / 32, lane = threadIdx.x % 32;  // warp within it
+
+  // Both warpgroups' query blocks and walks (block 0 always exists; block 1 not past the end).
+  const TileFilter tiles{p.ranges, p.spans, p.lbmax ? p.lbmax + kv : nullptr, p.K, p.log_eps};
+  int64_t qbs[kForwardGroups];
+  WalkRange own[kForwardGroups];
+  WalkRange all{0, 0};  // the union; empty when neither block has a key (padding only)
+#pragma unroll
+  for (int g = 0; g < kForwardGroups; ++g) {
+    qbs[g] = kForwardGroups * pair + g;
+    own[g] = qbs[g] < p.nb ? key_walk_range(tiles, qbs[g]) : WalkRange{0, 0};
+    if (own[g].lo >= own[g].hi) continue;
+    all = all.lo < all.hi ? WalkRange{own[g].lo < all.lo ? own[g].lo : all.lo, own[g].hi > all.hi ? own[g].hi : all.hi}
+                          : own[g];
+  }
+  const int64_t qb = kForwardGroups * pair + group;  // qbs[group] (a computed index would put qbs on the stack)
   const int64_t q0 = block_begin(qb);
-  const int nq = static_cast<int>(block_size(p.T, qb));
+  const int nq = qb < p.nb ? static_cast<int>(block_size(p.T, qb)) : 0;
   const ForwardRows rows(p, q0, nq, warp, lane);
+  const uint32_t* visit = sm.visit(group);
+  const uint32_t* full = sm.full(group);
 
   const KeyStages<D> keys = sm.keys();
-  const TileFilter tiles{p.ranges, p.spans, p.lbmax ? p.lbmax + kv : nullptr, p.K, p.log_eps};
-  const WalkRange walk = key_walk_range(tiles, qb);
-  fill_walk(sm.visit, sm.full, walk, [&](int64_t kb) { return walk_bits(tiles, qb, kb); });
-  copy_tile(sm.q, p.q + int64_t{h} * D, int64_t{p.H} * D, q0, nq);
+  fill_forward_walks(sm, tiles, all, own, qbs);
+#pragma unroll
+  for (int g = 0; g < kForwardGroups; ++g)
+    if (qbs[g] < p.nb)
+      copy_tile(sm.q + g * kBlock * D, p.q + int64_t{h} * D, int64_t{p.H} * D, block_begin(qbs[g]),
+                static_cast<int>(block_size(p.T, qbs[g])));
   cp_async_commit();  // Q alone, so that its fragments can be read while the first key tile lands
   __syncthreads();    // the walk bits
-  int64_t kb = prev_walk_bit(sm.visit, walk.hi - 1, walk.lo);  // from the diagonal down, as forward_kernel
-  if (kb >= walk.lo) keys.store(keys.fetch(p, copy_tile, kv, kb, 0), 0);
+  int64_t kb = prev_walk_bit(sm.any(), all.hi - 1, all.lo);  // from the diagonal down, as forward_kernel
+  if (kb >= all.lo) keys.store(keys.fetch(p, copy_tile, kv, kb, 0), 0);
   cp_async_commit();
   cp_async_wait<1>();  // Q
   __syncthreads();
-  uint32_t qf[D / 16][4];  // the warpgroup holds Q: S = Q·Kᵀ reads only K from shared memory
-  panel_rows_to_a<D>(sm.q, warp, lane, qf);
+  uint32_t qf[D / 16][4];  // the warpgroup holds its Q: S = Q·Kᵀ reads only K from shared memory
+  panel_rows_to_a<D>(sm.q + group * kBlock * D, warp, lane, qf);
 
   float o_acc[D / 8][4] = {};
   float m[2] = {kNegInf, kNegInf};
   float l[2] = {0.0f, 0.0f};
   int stage = 0;
-  while (kb >= walk.lo) {
-    const int64_t kb_next = prev_walk_bit(sm.visit, kb - 1, walk.lo);
-    const bool prefetch = kb_next >= walk.lo;
+  while (kb >= all.lo) {
+    const int64_t kb_next = prev_walk_bit(sm.any(), kb - 1, all.lo);
+    const bool prefetch = kb_next >= all.lo;
     KeyRow next_row;
     if (prefetch) next_row = keys.fetch(p, copy_tile, kv, kb_next, stage ^ 1);
     cp_async_commit();
-    cp_async_wait<1>();        // this stage has landed for this thread ...
-    wgmma::fence_proxy_async();  // ... and are visible to wgmma's reads
-    __syncthreads();           // ... for every thread
+    cp_async_wait<1>();          // this stage has landed for this thread ...
+    wgmma::fence_proxy_async();  // ... and is visible to wgmma's reads
+    __syncthreads();             // ... for every thread
 
-    const uint32_t k_s = aK + static_cast<uint32_t>(stage) * kTileBytes<D>;
-    const uint32_t v_s = aV + static_cast<uint32_t>(stage) * kTileBytes<D>;
+    if (walk_bit(visit, kb)) {  // uniform over the warpgroup, whose wgmma are collective
+      const uint32_t k_s = aK + static_cast<uint32_t>(stage) * kTileBytes<D>;
+      const uint32_t v_s = aV + static_cast<uint32_t>(stage) * kTileBytes<D>;
+      float s[kBlock / 8][4];
+      wgmma::fence();
+      wgmma_frags_times_rows_t<D>(s, qf, wgmma::k_major_desc(k_s, kBlock, 0, 0));  // Q·Kᵀ
+      wgmma::commit_group();
+      wgmma::wait_group<0>();
+      wgmma::fence_operand(s);
 
-    float s[kBlock / 8][4];
-    wgmma::fence();
-    wgmma_frags_times_rows_t<D>(s, qf, wgmma::k_major_desc(k_s, kBlock, 0, 0));  // Q·Kᵀ
-    wgmma::commit_group();
-    wgmma::wait_group<0>();
-    wgmma::fence_operand(s);
-
-    softmax_tile(s, rows, lane, keys, stage, block_begin(kb), walk_bit(sm.full, kb), p.scale2, m, l, o_acc);
-    uint32_t pa[kBlock / 16][4];
-    weights_to_a(s, pa);
-    wgmma::fence_operand(o_acc);
-    wgmma::fence();
-    wgmma_weights_times_rows(o_acc, pa, wgmma::mn_major_desc(v_s, kBlock, 0, 0));  // P·V
-    wgmma::commit_group();
-    wgmma::wait_group<0>();  // V's stage is read before the barrier below lets it be refilled
-    wgmma::fence_operand(o_acc);
+      softmax_tile(s, rows, lane, keys, stage, block_begin(kb), walk_bit(full, kb), p.scale2, m, l, o_acc);
+      uint32_t pa[kBlock / 16][4];
+      weights_to_a(s, pa);
+      wgmma::fence_operand(o_acc);
+      wgmma::fence();
+      wgmma_weights_times_rows(o_acc, pa, wgmma::mn_major_desc(v_s, kBlock, 0, 0));  // P·V
+      wgmma::commit_group();
+      wgmma::wait_group<0>();  // V's stage is read before the barrier below lets it be refilled
+      wgmma::fence_operand(o_acc);
+    }
 
     if (prefetch) keys.store(next_row, stage ^ 1);
     __syncthreads();
@@ -1222,9 +1312,9 @@ int head_dim(const char* op, const Tensor& q) {
 }
 
 template <typename Kernel>
-void launch(Kernel kernel, unsigned grid_x, unsigned grid_y, size_t smem, const Params& p) {
+void launch(Kernel kernel, unsigned grid_x, unsigned grid_y, size_t smem, const Params& p, int threads = kThreads) {
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  kernel<<<dim3(grid_x, grid_y), kThreads, smem>>>(p);
+  kernel<<<dim3(grid_x, grid_y), threads, smem>>>(p);
   CUDA_CHECK(cudaGetLastError());
 }
 
@@ -1244,8 +1334,8 @@ bool use_wgmma(const char* op, const char* variable) {
 template <int D>
 void forward(const Params& p) {
   if (use_wgmma(kForward, "RETAIN_ATTENTION_FORWARD"))
-    launch(forward_wgmma_kernel<D>, static_cast<unsigned>(p.nb), static_cast<unsigned>(p.H),
-           query_side_smem<D>(false, p.nb) + kWgmmaSmemPad, p);
+    launch(forward_wgmma_kernel<D>, static_cast<unsigned>((p.nb + kForwardGroups - 1) / kForwardGroups),
+           static_cast<unsigned>(p.H), wgmma_forward_smem<D>(p.nb), p, kForwardThreads);
   else
     launch(forward_kernel<D>, static_cast<unsigned>(p.nb), static_cast<unsigned>(p.H), query_side_smem<D>(false, p.nb),
            p);

@@ -131,8 +131,8 @@ KERNELS = {
     # The wgmma kernels: the same products as HGMMA.64xNx16 (N/8 HMMA each per warp),
     # descriptors built once per tile, Q (and dO) held in registers by forward and dq (2026-11-24,
     # nvcc 13.0). dk/dv takes whole 64-query tiles.
-    "forward_wgmma_kernelILi128": (2 * 8 * 8, 3.48),
-    "forward_wgmma_kernelILi64": (2 * 8 * 4, 6.64),
+    "forward_wgmma_kernelILi128": (2 * 8 * 8, 3.39),
+    "forward_wgmma_kernelILi64": (2 * 8 * 4, 7.09),
     "dq_wgmma_kernelILi128": (3 * 8 * 8, 2.25),
     "dq_wgmma_kernelILi64": (3 * 8 * 4, 4.19),
     "dkdv_wgmma_kernelILi128": (4 * 8 * 8, 2.25),
