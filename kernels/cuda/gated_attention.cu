@@ -13,10 +13,15 @@
 //                     S and dP (7 tile products per tile pair instead of 5) but is
 //                     deterministic, needs no fp32 scratch and no conversion pass.
 //
-// Blocks are kBlock = 64 tokens and CTAs have 4 warps; warp w owns rows 16w..16w+15 of the
-// CTA's block (query rows in forward/dq, key rows in dk/dv), i.e. one m16 row-block of every
-// mma. Tiles above the diagonal and tiles whose blocks share no document id are never
-// visited (the per-block document ranges come from a small kernel, and each CTA starts and
+// Each kernel has a twin on Hopper's wgmma (forward_wgmma_kernel, dq_wgmma_kernel,
+// dkdv_wgmma_kernel; RETAIN_ATTENTION_FORWARD / RETAIN_ATTENTION_BACKWARD=wgmma, sm_90): the
+// same algorithm and lane code with the products as warpgroup instructions (see there).
+//
+// Blocks are kBlock = 64 tokens and CTAs have 4 warps (the wgmma forward 8: two query blocks,
+// one per warpgroup); warp w owns rows 16w..16w+15 of the CTA's (warpgroup's) block (query
+// rows in forward/dq, key rows in dk/dv), i.e. one m16 row-block of every mma. Tiles above
+// the diagonal and tiles whose blocks share no document id are never visited (the per-block
+// document ranges come from a small kernel, and each CTA starts and
 // ends its walk at its block's span, kernels/cuda/block_spans.h); tiles strictly below the
 // diagonal inside one document skip the per-pair mask. Scores are kept in base-2 units
 // (multiplied by log2 e) so that exp is one ex2. Index math lives in attention_tiles.h and is
@@ -522,8 +527,9 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const Params p) {
 // on cp.async (2 stages), each thread's copies made visible to wgmma's async proxy before the
 // barrier. Unverified on a GPU (emulated only).
 //
-// The wgmma kernels' shared memory is their mma.sync twin's plus room to start it at the first
-// 1,024-aligned byte (wgmma_smem_pad): every tile then stays aligned, tile_bytes being a multiple.
+// Every wgmma kernel starts its shared memory at the first 1,024-aligned byte (wgmma_smem_pad),
+// so every tile stays aligned, tile_bytes being a multiple; the launches add kWgmmaSmemPad of
+// room to the layout (for dq and dk/dv the mma.sync twin's, the forward's its own).
 constexpr size_t kWgmmaSmemPad = wgmma::kAtomBytes;
 template <int D>
 constexpr uint32_t kTileBytes = sizeof(bf16) * kBlock * D;  // tile_bytes<D>(), on the device
