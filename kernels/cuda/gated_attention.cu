@@ -341,6 +341,12 @@ struct KeyStages {
 };
 static_assert(kBlock <= kThreads, "one thread stages one key or query of a tile");
 
+// The tile tables of KV head kv (attention_tiles.h TileFilter): document ranges, block spans
+// and, with the weight skip, the head's per-block largest logβ.
+__device__ __forceinline__ TileFilter tile_filter(const Params& p, int kv) {
+  return {p.ranges, p.spans, p.lbmax ? p.lbmax + kv : nullptr, p.K, p.log_eps};
+}
+
 // ---- small kernels -----------------------------------------------------------------------
 
 __global__ void doc_ranges_kernel(const int32_t* doc, int64_t T, int64_t nb, DocRange* ranges) {
@@ -465,7 +471,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const Params p) {
 
   const ForwardRows rows(p, q0, nq, warp, lane);
   const KeyStages<D> keys = sm.keys();
-  const TileFilter tiles{p.ranges, p.spans, p.lbmax ? p.lbmax + kv : nullptr, p.K, p.log_eps};
+  const TileFilter tiles = tile_filter(p, kv);
   const WalkRange walk = key_walk_range(tiles, qb);
   fill_walk(sm.visit, sm.full, walk, [&](int64_t kb) { return walk_bits(tiles, qb, kb); });
   copy_tile(sm.q, p.q + int64_t{h} * D, int64_t{p.H} * D, q0, nq);
@@ -679,7 +685,7 @@ __global__ void __launch_bounds__(kForwardThreads) forward_wgmma_kernel(const Pa
   const int warp = (threadIdx.x % kThreads) / 32, lane = threadIdx.x % 32;  // warp within it
 
   // Both warpgroups' query blocks and walks (block 0 always exists; block 1 not past the end).
-  const TileFilter tiles{p.ranges, p.spans, p.lbmax ? p.lbmax + kv : nullptr, p.K, p.log_eps};
+  const TileFilter tiles = tile_filter(p, kv);
   int64_t qbs[kForwardGroups];
   WalkRange own[kForwardGroups];
   WalkRange all{0, 0};  // the union; empty when neither block has a key (padding only)
@@ -841,7 +847,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const Params p) {
   const LaneLdsm<D> ldsm(lane);
   const DqRows rows(p, block_begin(qb), static_cast<int>(block_size(p.T, qb)), h, warp, lane);
   const KeyStages<D> keys = sm.keys();
-  const TileFilter tiles{p.ranges, p.spans, p.lbmax ? p.lbmax + kv : nullptr, p.K, p.log_eps};
+  const TileFilter tiles = tile_filter(p, kv);
   const WalkRange walk = key_walk_range(tiles, qb);
   int64_t kb = start_dq<D>(p, sm, copy_tile, tiles, walk, qb, h, kv);
 
@@ -892,7 +898,7 @@ __global__ void __launch_bounds__(kThreads) dq_wgmma_kernel(const Params p) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const DqRows rows(p, block_begin(qb), static_cast<int>(block_size(p.T, qb)), h, warp, lane);
   const KeyStages<D> keys = sm.keys();
-  const TileFilter tiles{p.ranges, p.spans, p.lbmax ? p.lbmax + kv : nullptr, p.K, p.log_eps};
+  const TileFilter tiles = tile_filter(p, kv);
   const WalkRange walk = key_walk_range(tiles, qb);
   int64_t kb = start_dq<D>(p, sm, copy_tile, tiles, walk, qb, h, kv);
   cp_async_wait<1>();  // Q and dO
@@ -1078,7 +1084,7 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(const Params p) {
   const LaneLdsm<D> ldsm(lane);
   const KeyRows rows(p, block_begin(kb), static_cast<int>(block_size(p.T, kb)), kv, warp, lane);
   const QueryStages<D> queries = sm.queries();
-  const TileFilter tiles{p.ranges, p.spans, p.lbmax ? p.lbmax + kv : nullptr, p.K, p.log_eps};
+  const TileFilter tiles = tile_filter(p, kv);
   const WalkRange walk = query_walk_range(tiles, kb);
   const HeadBlock first = start_dkdv<D>(p, sm, copy_tile, tiles, walk, kb, kv);
   const int h_end = (kv + 1) * p.group;
@@ -1149,7 +1155,7 @@ __global__ void __launch_bounds__(kThreads) dkdv_wgmma_kernel(const Params p) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const KeyRows rows(p, block_begin(kb), static_cast<int>(block_size(p.T, kb)), kv, warp, lane);
   const QueryStages<D> queries = sm.queries();
-  const TileFilter tiles{p.ranges, p.spans, p.lbmax ? p.lbmax + kv : nullptr, p.K, p.log_eps};
+  const TileFilter tiles = tile_filter(p, kv);
   const WalkRange walk = query_walk_range(tiles, kb);
   const HeadBlock first = start_dkdv<D>(p, sm, copy_tile, tiles, walk, kb, kv);
   const int h_end = (kv + 1) * p.group;
