@@ -1373,12 +1373,14 @@ void backward(const Params& p) {
 
 }  // namespace
 
+// Two attribute reads, not cudaGetDeviceProperties: this runs on every attention call that asks
+// for wgmma, and the whole property struct costs far more than the two fields it needs.
 bool wgmma_supported() {
-  int device = 0;
-  cudaDeviceProp prop{};
+  int device = 0, major = 0, minor = 0;
   CUDA_CHECK(cudaGetDevice(&device));
-  CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
-  return prop.major == 9 && prop.minor == 0;
+  CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  return major == 9 && minor == 0;
 }
 
 void gated_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& log_beta, const Tensor& doc,
