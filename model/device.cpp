@@ -1,5 +1,7 @@
 #include "model/device.h"
 
+#include <cerrno>
+#include <climits>
 #include <cstdlib>
 #include <string_view>
 
@@ -27,16 +29,24 @@ Device resolve_device(const std::string& flag, const std::string& flag_name) {
   return Device::CUDA;
 }
 
-int bind_local_gpu() {
+int local_rank_from_env(int fallback) {
+  for (const char* var : {"OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "MPI_LOCALRANKID"}) {
+    const char* v = std::getenv(var);
+    if (!v || !*v) continue;
+    char* end = nullptr;
+    errno = 0;
+    const long local = std::strtol(v, &end, 10);
+    if (errno != 0 || *end != '\0' || local < 0 || local > INT_MAX)
+      fail("{}='{}' is not a node-local rank (a non-negative integer)", var, v);
+    return static_cast<int>(local);
+  }
+  return fallback;
+}
+
+int bind_local_gpu(int fallback_local_rank) {
   const int count = cuda_device_count();
   if (count == 0) fail("no CUDA device is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES)");
-  int local = 0;
-  for (const char* var : {"OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "MPI_LOCALRANKID"})
-    if (const char* v = std::getenv(var); v && *v) {
-      local = std::atoi(v);
-      break;
-    }
-  const int ordinal = local % count;
+  const int ordinal = local_rank_from_env(fallback_local_rank) % count;
   cuda::set_device(ordinal);
   return ordinal;
 }

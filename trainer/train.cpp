@@ -134,7 +134,7 @@ data::LoaderOptions loader_options(const TrainConfig& cfg, const Inputs& in, con
 void make_weight_provider(const TrainConfig& cfg, Inputs& in, dist::Comm& comm) {
   if (cfg.device == Device::CUDA) {
     collectively(comm, [&] {
-      const int gpu = bind_local_gpu();
+      const int gpu = bind_local_gpu(dist::node_local_rank(comm));  // first: a collective
       double gb = 0;
       if (comm.size() == 1) {
         auto whole = std::make_unique<DeviceWeightProvider>(in.model);

@@ -8,12 +8,15 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "kernels/base/error.h"
+#include "model/device.h"
 #include "trainer/dist/comm.h"
 #include "trainer/dist/mpi_check.h"
 #include "tests/mpi/mpi_test_main.h"
@@ -457,6 +460,80 @@ TEST(Comm, BroadcastAboveIntMax) {
   EXPECT_EQ(buf[bytes - 1], 100);
 }
 
+// ---- node-local rank (which GPU a rank binds) ---------------------------------------------
+
+// The launcher variables local_rank_from_env reads, saved and cleared for a test's scope and
+// restored after (under mpirun OpenMPI set OMPI_COMM_WORLD_LOCAL_RANK; it reads it at MPI init
+// only, so clearing it later changes nothing but what retain reads).
+class LauncherVariables {
+ public:
+  static constexpr const char* kNames[] = {"OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "MPI_LOCALRANKID"};
+  LauncherVariables() {
+    for (const char* n : kNames) {
+      const char* v = std::getenv(n);
+      saved_.emplace_back(v != nullptr, v ? v : "");
+      ::unsetenv(n);
+    }
+  }
+  ~LauncherVariables() {
+    for (size_t i = 0; i < std::size(kNames); ++i)
+      if (saved_[i].first)
+        ::setenv(kNames[i], saved_[i].second.c_str(), 1);
+      else
+        ::unsetenv(kNames[i]);
+  }
+  LauncherVariables(const LauncherVariables&) = delete;
+  LauncherVariables& operator=(const LauncherVariables&) = delete;
+
+ private:
+  std::vector<std::pair<bool, std::string>> saved_;
+};
+
+TEST(LocalRank, LauncherVariablesTakePrecedenceInOrder) {
+  const LauncherVariables clear;
+  EXPECT_EQ(local_rank_from_env(5), 5);  // none set: the fallback
+  ::setenv("MPI_LOCALRANKID", "3", 1);
+  EXPECT_EQ(local_rank_from_env(5), 3);
+  ::setenv("SLURM_LOCALID", "2", 1);
+  EXPECT_EQ(local_rank_from_env(5), 2);  // Slurm's before MPICH's
+  ::setenv("OMPI_COMM_WORLD_LOCAL_RANK", "1", 1);
+  EXPECT_EQ(local_rank_from_env(5), 1);  // OpenMPI's before both
+  ::setenv("OMPI_COMM_WORLD_LOCAL_RANK", "", 1);
+  EXPECT_EQ(local_rank_from_env(5), 2);  // empty counts as unset
+  ::setenv("SLURM_LOCALID", "0", 1);
+  EXPECT_EQ(local_rank_from_env(5), 0);  // 0 is a value, not "unset"
+  for (const char* bad : {"x", "-1", "1x", "99999999999"}) {
+    ::setenv("SLURM_LOCALID", bad, 1);
+    try {
+      local_rank_from_env(5);
+      ADD_FAILURE() << "SLURM_LOCALID=" << bad << " was accepted";
+    } catch (const retain::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("SLURM_LOCALID"), std::string::npos) << e.what();
+    }
+  }
+}
+
+// With no launcher variable the rank is counted from the hosts: every rank of this test runs
+// on this host, so rank r is the r-th there, and the ranks' local ranks are 0..size-1.
+TEST(LocalRank, HostnameCountWhenNoVariableIsSet) {
+  const LauncherVariables clear;
+  const int local = local_rank_from_env(node_local_rank(comm()));
+  EXPECT_EQ(local, comm().rank());
+  std::vector<float> all(static_cast<size_t>(comm().size()), -1.0f);
+  const float mine = static_cast<float>(local);
+  comm().all_gather(&mine, all.data(), 1);
+  for (int r = 0; r < comm().size(); ++r) EXPECT_EQ(all[size_t(r)], float(r));
+}
+
+// Ranks on different hosts count apart: with even and odd ranks on two pretend hosts, rank r
+// is the (r / 2)-th of its host.
+TEST(LocalRank, RanksOnOtherHostsAreNotCounted) {
+  const int r = comm().rank();
+  EXPECT_EQ(node_local_rank(comm(), r % 2 == 0 ? "node-a" : "node-b"), r / 2);
+  EXPECT_EQ(node_local_rank(comm(), "same"), r);
+  // Only the first 255 bytes count.
+  EXPECT_EQ(node_local_rank(comm(), std::string(300, 'h') + std::to_string(r)), r);
+}
+
 }  // namespace
 }  // namespace retain::dist
-

@@ -48,7 +48,7 @@ bool gpu_everywhere() {
 #define SKIP_WITHOUT_GPUS()                                                            \
   do {                                                                                 \
     if (!gpu_everywhere()) GTEST_SKIP() << "needs a CUDA device on every rank";        \
-    bind_local_gpu();                                                                  \
+    bind_local_gpu(node_local_rank(world()));                                          \
   } while (0)
 
 // NCCL over the world's ranks, when they have a GPU each (NCCL refuses two ranks on one).

@@ -2,11 +2,15 @@
 // and the choice of backend.
 #include "trainer/dist/comm.h"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -286,6 +290,41 @@ bool launched_by_mpirun() {
     if (v != nullptr && *v != '\0') return true;
   }
   return false;
+}
+
+namespace {
+constexpr size_t kHostRecord = 256;  // bytes per rank in node_local_rank's gather
+
+int count_same_host(Comm& comm, const std::array<char, kHostRecord>& mine) {
+  std::vector<char> all(kHostRecord * static_cast<size_t>(comm.size()));
+  comm.all_gather_bytes(mine.data(), all.data(), kHostRecord);
+  int local = 0;
+  for (int r = 0; r < comm.rank(); ++r)
+    if (std::memcmp(all.data() + kHostRecord * static_cast<size_t>(r), mine.data(), kHostRecord) == 0) ++local;
+  return local;
+}
+}  // namespace
+
+int node_local_rank(Comm& comm) {
+  // [0, 192): the hostname; [192, 256): the boot id. Zero padding, so records compare whole.
+  // No error is raised before the collective (the other ranks would wait in it): a rank
+  // that cannot read its hostname or boot id compares by what it could read.
+  constexpr size_t kHostBytes = 192;
+  std::array<char, kHostRecord> mine{};
+  if (::gethostname(mine.data(), kHostBytes - 1) != 0) mine.fill('\0');
+  mine[kHostBytes - 1] = '\0';
+  if (std::FILE* f = std::fopen("/proc/sys/kernel/random/boot_id", "r")) {
+    const size_t n = std::fread(mine.data() + kHostBytes, 1, kHostRecord - kHostBytes - 1, f);
+    std::fclose(f);
+    if (n > 0 && mine[kHostBytes + n - 1] == '\n') mine[kHostBytes + n - 1] = '\0';
+  }
+  return count_same_host(comm, mine);
+}
+
+int node_local_rank(Comm& comm, std::string_view host_id) {
+  std::array<char, kHostRecord> mine{};
+  std::memcpy(mine.data(), host_id.data(), std::min(host_id.size(), kHostRecord - 1));
+  return count_same_host(comm, mine);
 }
 
 #if !RETAIN_HAVE_NCCL

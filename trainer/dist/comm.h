@@ -171,6 +171,16 @@ std::unique_ptr<Comm> make_local_comm();
 // Initializes MPI if nobody has; the last MPI comm destroyed finalizes it in that case.
 std::unique_ptr<Comm> make_mpi_comm();
 
+// This rank's index among the ranks on its host, counted as llm.c does: every rank's host
+// identity (gethostname, and the kernel's boot id, so that two machines that share a hostname
+// stay apart) is all-gathered in a fixed 256-byte record, and the result is the number of
+// lower ranks with the same identity. What retain::bind_local_gpu falls back to when the
+// launcher exported no node-local rank (a PMIx direct launch outside Slurm, say):
+// `bind_local_gpu(dist::node_local_rank(comm))`. Collective.
+int node_local_rank(Comm& comm);
+// The same count with `host_id` (its first 255 bytes) as this rank's host identity (tests).
+int node_local_rank(Comm& comm, std::string_view host_id);
+
 // True when this build has the NCCL backend (CUDA and NCCL found at configure time).
 bool nccl_built() noexcept;
 

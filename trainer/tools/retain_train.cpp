@@ -53,7 +53,7 @@ std::unique_ptr<dist::Comm> nccl_comm_if_wanted(const trainer::TrainConfig& c, d
   const bool nccl = c.comm == "nccl" ||
                     (c.comm == "auto" && c.device == Device::CUDA && host.size() > 1 && dist::nccl_built());
   if (!nccl) return nullptr;
-  bind_local_gpu();  // NCCL's communicator belongs to the current device
+  bind_local_gpu(dist::node_local_rank(host));  // NCCL's communicator belongs to the current device
   return dist::make_nccl_comm(host);
 }
 
