@@ -11,10 +11,12 @@
 # Options: -np N (ranks; one per GPU), --hostfile FILE (nodes and their slots; without it,
 # all ranks run here), --dry-run (print the command only), -h/--help, and:
 #   --nproc N   N ranks on this host (instead of -np; no --hostfile, and not inside a Slurm
-#               allocation of several nodes). When `nvidia-smi -L` works and the program's
-#               arguments say --device cuda, N above the visible GPUs (CUDA_VISIBLE_DEVICES'
-#               entries when set, else nvidia-smi's) is an error; use -np to put several
-#               ranks on one GPU (--comm mpi tests).
+#               allocation of several nodes). When `nvidia-smi -L` works and the ranks will
+#               compute on cuda (the program's arguments say --device cuda, or they name no
+#               --device and RETAIN_DEVICE is not cpu: retain's tools then default to cuda on
+#               a GPU machine), N above the visible GPUs (CUDA_VISIBLE_DEVICES' entries when
+#               set, else nvidia-smi's) is an error; use -np to put several ranks on one GPU
+#               (--comm mpi tests), or --device cpu.
 #   --gpus-per-node G   place G ranks on each node (--map-by ppr:G:node), so that a rank's
 #               node-local rank, which picks its GPU, runs 0..G-1 on every node; with
 #               RETAIN_THREADS_PER_RANK=T it is --map-by ppr:G:node:PE=T --bind-to core.
@@ -129,15 +131,25 @@ if [ $multi_node -eq 0 ] && [ -n "$gpus_per_node" ] && [ "$np" -gt "$gpus_per_no
   die "$np ranks do not fit one host at --gpus-per-node $gpus_per_node (name the nodes with --hostfile)"
 fi
 
-# --nproc with --device cuda: one GPU per rank, so no more ranks than visible GPUs (retain-train
-# binds node-local rank modulo the GPUs, and NCCL refuses two ranks on one GPU).
+# --nproc on cuda: one GPU per rank, so no more ranks than visible GPUs (retain-train binds
+# node-local rank modulo the GPUs, and NCCL refuses two ranks on one GPU). The device is the
+# last --device among the program's arguments; without one, $RETAIN_DEVICE; without that, cuda
+# (retain's tools take cuda when a GPU is visible, and nvidia-smi just said one is).
 if [ -n "$nproc_ranks" ] && nvidia-smi -L >/dev/null 2>&1; then
-  wants_cuda=0 prev=""
+  device="" prev=""
   for a in "$@"; do
-    if [ "$a" = --device=cuda ] || { [ "$prev" = --device ] && [ "$a" = cuda ]; }; then wants_cuda=1; fi
+    case "$a" in --device=*) device=${a#--device=} ;; esac
+    if [ "$prev" = --device ]; then device=$a; fi
     prev=$a
   done
-  if [ $wants_cuda -eq 1 ]; then
+  if [ -n "$device" ]; then
+    how="with --device $device"
+  elif [ -n "${RETAIN_DEVICE:-}" ]; then
+    device=$RETAIN_DEVICE how="with RETAIN_DEVICE=$device"
+  else
+    device=cuda how="on cuda (the default with a GPU visible: no --device, no RETAIN_DEVICE)"
+  fi
+  if [ "$device" = cuda ]; then
     if [ -n "${CUDA_VISIBLE_DEVICES+set}" ]; then
       IFS=, read -r -a visible <<<"$CUDA_VISIBLE_DEVICES"
       gpus=0
@@ -148,7 +160,7 @@ if [ -n "$nproc_ranks" ] && nvidia-smi -L >/dev/null 2>&1; then
       seen="nvidia-smi -L"
     fi
     [ "$nproc_ranks" -le "$gpus" ] ||
-      die "--nproc $nproc_ranks with --device cuda: $nproc_ranks ranks but $gpus visible GPUs ($seen); one GPU per rank"
+      die "--nproc $nproc_ranks $how: $nproc_ranks ranks but $gpus visible GPUs ($seen); one GPU per rank (-np N shares GPUs; --device cpu computes on the CPU)"
   fi
 fi
 
