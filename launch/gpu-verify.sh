@@ -281,7 +281,7 @@ if phase train; then
       --head-dim 128 --vocab 151936 --yarn-factor 4 --seed 1
     for gate in trimkv dbtrimkv; do
       step "train: retain-bench train Qwen3-$m $gate 128K" "$log" 300 "$bin/retain-bench" train --device cuda \
-        --model "$models/qwen3-$m" --seq 131072 --gate $gate --docs 1 --iters 2 --warmup 1 \
+        --model "$models/qwen3-$m" --seq 131072 --gate $gate --docs 1 --iters 1 --warmup 1 \
         --json "$L/train-$m-$gate-128k.json"
     done
     for gate in trimkv dbtrimkv; do

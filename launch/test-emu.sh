@@ -46,8 +46,9 @@ fi
 targets=(test_cuda_emu test_cublaslt_emu test_gated_attention_cuda test_capacity_cuda test_kvpop_cuda test_ops_cuda
          test_gemm_cuda test_gates_cuda test_loss_cuda test_step_cuda test_kvpop_step_cuda test_comm_cuda
          test_train_cuda retain-train retain-make-tiny retain-pack retain-bench retain-forward)
-# Cases that take minutes under emulation: T ≥ 2K kernels, and the 100- and 1,000-step runs.
-slow='_NOT_BUILT|GatedAttentionCuda.*LongerSequences|GatedAttentionLong|Large/|LongSequence|KvpopTrainCuda|LossCurveCuda'
+# Cases that take minutes under emulation: long kernels, and the 100- and 1,000-step runs. The
+# multi-tile attention cases (T up to 2,048, ~30 s) stay in: only they reach the steady state.
+slow='_NOT_BUILT|GatedAttentionLong|Large/|LongSequence|KvpopTrainCuda|LossCurveCuda'
 if [ "$all" = 1 ]; then
   # Not test_gated_attention_long: 32K and 128K tokens of attention would take the emulator
   # hours (a GPU's seconds); its sampled-row checks are for a real device.
