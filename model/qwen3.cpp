@@ -1,6 +1,7 @@
 #include "model/qwen3.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 
 #include "kernels/ops.h"
@@ -70,14 +71,24 @@ Tensor layer_attention(Tensor& q3, Tensor& k3, Tensor& v3, const Tensor* log_bet
   return out;
 }
 
+std::atomic<int64_t> g_mlp_chunk_tokens{kMlpChunkTokens};
+
 }  // namespace
+
+int64_t mlp_chunk_tokens() { return g_mlp_chunk_tokens.load(std::memory_order_relaxed); }
+
+int64_t set_mlp_chunk_tokens(int64_t tokens) {
+  RETAIN_CHECK(tokens >= 1, "set_mlp_chunk_tokens: {} tokens per MLP chunk", tokens);
+  return g_mlp_chunk_tokens.exchange(tokens, std::memory_order_relaxed);
+}
 
 void qwen3_mlp(const Qwen3Config& c, const LayerWeights& w, Tensor& x) {
   const int64_t T = x.dim(0), D = c.hidden_size, I = c.intermediate_size;
   const float eps = static_cast<float>(c.rms_norm_eps);
   auto f32 = [&x](const Shape& shape) { return Tensor::empty(shape, DType::F32, x.device()); };
-  for (int64_t t0 = 0; t0 < T; t0 += kMlpChunkTokens) {
-    const int64_t n = std::min(T, t0 + kMlpChunkTokens) - t0;
+  const int64_t chunk = mlp_chunk_tokens();
+  for (int64_t t0 = 0; t0 < T; t0 += chunk) {
+    const int64_t n = std::min(T, t0 + chunk) - t0;
     Tensor xr = x.rows(t0, t0 + n);
     Tensor h2 = f32({n, D}), g = f32({n, I}), u = f32({n, I});
     ops::rmsnorm(xr, w.post_norm, eps, h2);

@@ -58,8 +58,15 @@ struct DecoderLayerSaved {
 // (8192 × 9728 F32 = 318 MB for Qwen3-4B) whatever the sequence length.
 inline constexpr int64_t kMlpChunkTokens = 8192;
 
+// The MLP chunk in use: kMlpChunkTokens unless set_mlp_chunk_tokens changed it. The chunk loop
+// is the same whatever the value; the tools never change it, tests do (a chunk of 64 runs the
+// multi-chunk loop, with a partial last chunk, at a few hundred tokens).
+int64_t mlp_chunk_tokens();
+// Sets the MLP chunk for the whole process (tokens ≥ 1) and returns the previous value.
+int64_t set_mlp_chunk_tokens(int64_t tokens);
+
 // The layer's MLP block in place on the residual stream x F32 [T, D]:
-// x += down(silu(gate(h))·up(h)), h = post_norm(x), kMlpChunkTokens tokens at a time (its
+// x += down(silu(gate(h))·up(h)), h = post_norm(x), mlp_chunk_tokens() tokens at a time (its
 // [tokens, I] intermediates would be the largest buffers of a long sequence: 128K × 9728 F32 is
 // 5 GB each). Shared by qwen3_decoder_layer and the bounded-cache decoder (model/infer).
 void qwen3_mlp(const Qwen3Config& config, const LayerWeights& w, Tensor& x);

@@ -92,9 +92,10 @@ void layer_backward(const Qwen3Config& c, const LayerWeights& w, const RopeParam
   auto f32 = [dev](const Shape& shape) { return Tensor::empty(shape, DType::F32, dev); };
 
   // MLP block: x_out = x_mid + down(silu(g)·u), g, u = gate/up(post_norm(x_mid)), recomputed
-  // from x_mid kMlpChunkTokens tokens at a time (the forward's chunks): every step is row-wise.
-  for (int64_t t0 = 0; t0 < T; t0 += kMlpChunkTokens) {
-    const int64_t n = std::min(T, t0 + kMlpChunkTokens) - t0;
+  // from x_mid mlp_chunk_tokens() tokens at a time (the forward's chunks): every step is row-wise.
+  const int64_t chunk = mlp_chunk_tokens();
+  for (int64_t t0 = 0; t0 < T; t0 += chunk) {
+    const int64_t n = std::min(T, t0 + chunk) - t0;
     const Tensor xm = s.x_mid.rows(t0, t0 + n);
     Tensor dxr = dx.rows(t0, t0 + n);
     Tensor h2 = f32({n, D}), g = f32({n, I}), u = f32({n, I}), dm = f32({n, I});

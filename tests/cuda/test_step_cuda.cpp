@@ -3,7 +3,7 @@
 // (LocalWeightProvider, the float32 reference whose gradients equal the TRIM-KV authors' code
 // and float64 autograd): tiny random Qwen3s with both gate kinds, packed documents with
 // padding, GQA, YaRN, one and two micro-batches; the bf16-weight GPU path and the F32-weight
-// one. Tolerances are the issue's: losses 1e-3 relative, each gate gradient ≤ 2e-2 relative
+// one; the GPU's MLP in several token chunks (the last one partial) against the CPU's one. Tolerances are the issue's: losses 1e-3 relative, each gate gradient ≤ 2e-2 relative
 // L2 norm (the GPU rounds q, k, v, the probabilities and the bf16 path's GEMM inputs to bf16).
 // Also the device memory the backward holds against docs/memory-plan.md (StepCudaMemory).
 // Skips (visibly) without a CUDA build or device. Not yet run on a GPU: none has been lent;
@@ -49,6 +49,21 @@ struct Case {
   double yarn_factor;   // > 1: YaRN
   int micro_batches;    // 2: gradient accumulation (the extra counting pass)
   DType weights;        // the GPU's matmul weights
+  int64_t mlp_chunk;    // > 0: the GPU step's MLP chunk (set_mlp_chunk_tokens); the CPU keeps one chunk
+};
+
+// Sets the process's MLP chunk for a scope (0: leaves it).
+class MlpChunkScope {
+ public:
+  explicit MlpChunkScope(int64_t tokens) : previous_(tokens > 0 ? set_mlp_chunk_tokens(tokens) : 0) {}
+  ~MlpChunkScope() {
+    if (previous_ > 0) set_mlp_chunk_tokens(previous_);
+  }
+  MlpChunkScope(const MlpChunkScope&) = delete;
+  MlpChunkScope& operator=(const MlpChunkScope&) = delete;
+
+ private:
+  int64_t previous_;
 };
 
 // A packed micro-batch of T tokens: documents of the given lengths, then padding.
@@ -105,7 +120,12 @@ TEST_P(StepCuda, EqualsTheCpuStep) {
   DeviceWeightProvider gpu_weights(ckpt, c.weights);
   gpu_gates.zero_grad();
   PhaseTimes times;
-  const StepLosses got = compute_gradients(gpu_weights, gpu_gates, mbs, loss, *comm, nullptr, &times);
+  StepLosses got;
+  {
+    const MlpChunkScope chunk(c.mlp_chunk);
+    got = compute_gradients(gpu_weights, gpu_gates, mbs, loss, *comm, nullptr, &times);
+  }
+  EXPECT_EQ(mlp_chunk_tokens(), kMlpChunkTokens);
 
   EXPECT_EQ(got.positions, want.positions);
   EXPECT_EQ(got.tokens, want.tokens);
@@ -136,11 +156,14 @@ TEST_P(StepCuda, EqualsTheCpuStep) {
 
 INSTANTIATE_TEST_SUITE_P(
     Tiny, StepCuda,
-    ::testing::Values(Case{"trimkv_d64", gates::GateKind::trimkv, 64, 0, 1, DType::BF16},
-                      Case{"dbtrimkv_d64", gates::GateKind::dbtrimkv, 64, 0, 1, DType::BF16},
-                      Case{"trimkv_d128_yarn", gates::GateKind::trimkv, 128, 4.0, 1, DType::BF16},
-                      Case{"dbtrimkv_accumulate", gates::GateKind::dbtrimkv, 64, 0, 2, DType::BF16},
-                      Case{"trimkv_f32_weights", gates::GateKind::trimkv, 64, 0, 2, DType::F32}),
+    ::testing::Values(Case{"trimkv_d64", gates::GateKind::trimkv, 64, 0, 1, DType::BF16, 0},
+                      Case{"dbtrimkv_d64", gates::GateKind::dbtrimkv, 64, 0, 1, DType::BF16, 0},
+                      Case{"trimkv_d128_yarn", gates::GateKind::trimkv, 128, 4.0, 1, DType::BF16, 0},
+                      Case{"dbtrimkv_accumulate", gates::GateKind::dbtrimkv, 64, 0, 2, DType::BF16, 0},
+                      Case{"trimkv_f32_weights", gates::GateKind::trimkv, 64, 0, 2, DType::F32, 0},
+                      // The MLP loop of every T > 8,192 run: 256 tokens in chunks of 100, 100
+                      // and 56 (forward, recomputation and backward) against the CPU's one chunk.
+                      Case{"dbtrimkv_mlp_chunk100", gates::GateKind::dbtrimkv, 64, 0, 2, DType::BF16, 100}),
     [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
 
 // The device memory the student's forward leaves for the backward (the checkpoints: bf16
@@ -149,7 +172,7 @@ INSTANTIATE_TEST_SUITE_P(
 // adds, from the stream-ordered pool (kernels/cuda/memory.h), against docs/memory-plan.md's
 // accounting of one layer at a time,
 // buffer by buffer (F32 A = [T, D], Q = [T, H·d], Kv = [T, K·d]; bf16 halves; c = the MLP
-// chunk, min(T, kMlpChunkTokens)), on top of dx, the running gradient:
+// chunk, min(T, mlp_chunk_tokens())), on top of dx, the running gradient:
 //   recomputation, q narrowed:  stream, h, q and k before their norms, gate activations, logβ,
 //                               the normed q and k and v in F32, q in bf16
 //   recomputation's MLP:        stream, h, q and k before their norms, gate activations, logβ,
@@ -162,14 +185,16 @@ INSTANTIATE_TEST_SUITE_P(
 // high-water mark must be the largest of these, at most 64 KiB above it (small per-call
 // tables; a driver's pool may round allocations up) and at most 16 KiB below: above means the
 // plan misses a buffer, below that it counts one the code does not keep.
-// Four shapes, one for each point to be the highest: the MLP (every T ≤ 8,192 runs its MLP as
-// one chunk), the narrowing of q (a wide stream, as many KV heads as query heads and a narrow
-// MLP), ∂attention narrowed (many query heads on a narrow stream, as Qwen3-4B at 128K) and the
-// kernel (as many KV heads as query heads on a narrow stream).
+// Four shapes, one for each point to be the highest: the MLP (as one chunk, T ≤ 8,192, and in
+// chunks of 384 tokens, the last one partial, as every T > 8,192 runs it), the narrowing of q
+// (a wide stream, as many KV heads as query heads and a narrow MLP), ∂attention narrowed (many
+// query heads on a narrow stream, as Qwen3-4B at 128K) and the kernel (as many KV heads as
+// query heads on a narrow stream).
 struct MemoryCase {
   const char* name;
   int64_t hidden, heads, kv_heads, intermediate, gate_hidden, T;
-  const char* peak;  // which point the plan says is highest
+  const char* peak;   // which point the plan says is highest
+  int64_t mlp_chunk;  // > 0: set_mlp_chunk_tokens for the case
 };
 void PrintTo(const MemoryCase& c, std::ostream* os) { *os << c.name; }
 
@@ -182,7 +207,7 @@ struct BufferBytes {
 BufferBytes buffer_bytes(const MemoryCase& c) {
   const int64_t T = c.T;
   return {T * c.hidden * 4, T * c.heads * 64 * 4, T * c.kv_heads * 64 * 4, T * c.heads * 4, T * c.kv_heads * 4,
-          T * c.gate_hidden * 4, T * 4, std::min(T, kMlpChunkTokens)};
+          T * c.gate_hidden * 4, T * 4, std::min(T, mlp_chunk_tokens())};
 }
 
 // The case's tiny model (2 layers, head_dim 64, trimkv gates) on the device, and a packed
@@ -192,6 +217,7 @@ class StepCudaMemory : public ::testing::TestWithParam<MemoryCase> {
   void SetUp() override {
     SKIP_WITHOUT_GPU();
     c_ = GetParam();
+    chunk_ = std::make_unique<MlpChunkScope>(c_.mlp_chunk);
     dir_ = fs::temp_directory_path() / fmt::format("retain_step_memory_{}_{}", ::getpid(), c_.name);
     fs::remove_all(dir_);
     opt_.layers = 2, opt_.hidden = c_.hidden, opt_.heads = c_.heads, opt_.kv_heads = c_.kv_heads;
@@ -208,8 +234,10 @@ class StepCudaMemory : public ::testing::TestWithParam<MemoryCase> {
   }
   void TearDown() override {
     if (!dir_.empty()) fs::remove_all(dir_);
+    chunk_.reset();
   }
   MemoryCase c_{};
+  std::unique_ptr<MlpChunkScope> chunk_;
   fs::path dir_;
   TinyModelOptions opt_;
   std::unique_ptr<gates::RetentionGates> gates_;
@@ -318,10 +346,11 @@ TEST_P(StepCudaMemory, ForwardsHoldOneLayerAtATime) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Tiny, StepCudaMemory,
-                         ::testing::Values(MemoryCase{"mlp_peak", 96, 4, 1, 320, 40, 1024, "mlp"},
-                                           MemoryCase{"narrowing_peak", 240, 4, 4, 16, 40, 1024, "narrowing"},
-                                           MemoryCase{"dout_peak", 96, 32, 4, 192, 40, 256, "dout"},
-                                           MemoryCase{"kernel_peak", 96, 4, 4, 64, 40, 1024, "kernel"}),
+                         ::testing::Values(MemoryCase{"mlp_peak", 96, 4, 1, 320, 40, 1024, "mlp", 0},
+                                           MemoryCase{"mlp_chunked_peak", 96, 4, 1, 320, 40, 1024, "mlp", 384},
+                                           MemoryCase{"narrowing_peak", 240, 4, 4, 16, 40, 1024, "narrowing", 0},
+                                           MemoryCase{"dout_peak", 96, 32, 4, 192, 40, 256, "dout", 0},
+                                           MemoryCase{"kernel_peak", 96, 4, 4, 64, 40, 1024, "kernel", 0}),
                          [](const ::testing::TestParamInfo<MemoryCase>& info) { return std::string(info.param.name); });
 
 

@@ -5,8 +5,9 @@
 // the float32 forward (in a random direction over all parameters, and entry by entry), the
 // independent reference a frozen float32 model allows. Also: the forward is bit-identical to
 // qwen3_hidden / qwen3_forward, padding rows of ∂L/∂hidden change nothing, every parameter
-// tensor gets a gradient from each loss term, layers are requested in the promised order, and
-// the backward holds one layer's buffers at a time (counted by host_tensor_memory).
+// tensor gets a gradient from each loss term, layers are requested in the promised order, the
+// backward holds one layer's buffers at a time (counted by host_tensor_memory), and the MLP's
+// token chunks (several, the last one partial) equal one chunk.
 #include <gtest/gtest.h>
 
 #include <unistd.h>
@@ -377,6 +378,90 @@ TEST_P(StudentBackward, BackwardHoldsOneLayerAtATime) {
   std::printf("recomputation adds %zu bytes of tensors (bound %lld), the backward %zu (bound %lld); one [T, D] is %lld\n",
               added_recompute, static_cast<long long>(recompute_alone), added, static_cast<long long>(bound),
               static_cast<long long>(A));
+}
+
+// The MLP's token chunks (mlp_chunk_tokens(), 8,192 in the tools: every T > 8,192 runs
+// several) change nothing but the buffers' size: with a chunk of 64, T = 300 runs four full
+// chunks and a partial one of 44, and the teacher's and the student's hidden states, logβ, the
+// checkpoints and every gate gradient equal the one-chunk run's within float32 rounding (2e-6 of
+// the largest entry forward, 1e-5 for the gradients; every step is row-wise, so only the GEMMs'
+// rounding can differ). The chunk
+// in use is also what qwen3_mlp allocates: its [c, D] + 2 [c, I] buffers at c = 64, not 300.
+TEST_P(StudentBackward, MlpChunksMatchOneChunk) {
+  struct ChunkGuard {
+    explicit ChunkGuard(int64_t n) : previous(set_mlp_chunk_tokens(n)) {}
+    ~ChunkGuard() { set_mlp_chunk_tokens(previous); }
+    int64_t previous;
+  };
+  ASSERT_EQ(mlp_chunk_tokens(), kMlpChunkTokens) << "the tools' chunk is the default";
+  const int64_t T = 300, chunk = 64;
+  std::vector<int32_t> ids(T), doc(T);
+  std::mt19937_64 rng(GetParam().seed + 5);
+  std::uniform_int_distribution<int32_t> tok(0, kVocab - 1);
+  for (int64_t t = 0; t < T; ++t) ids[t] = tok(rng), doc[t] = t < 120 ? 0 : t < 250 ? 1 : t < 290 ? 2 : -1;
+  const Tensor id = Tensor::from_vector(ids, {T}), dc = Tensor::from_vector(doc, {T});
+  const Tensor d_hidden = random({T, kHidden}, rng), d_log_beta = random({kLayers, T, kKv}, rng);
+
+  struct Run {
+    Tensor teacher, student, log_beta;
+    std::vector<Tensor> inputs, grads;
+    size_t mlp_peak = 0;
+  };
+  auto run = [&] {
+    Run r;
+    r.teacher = qwen3_hidden(*weights_, id, dc);
+    gates_.zero_grad();
+    const StudentPass pass = student_forward(*weights_, gates_, id, dc);
+    r.student = pass.hidden, r.log_beta = pass.log_beta, r.inputs = pass.layer_inputs;
+    student_backward(*weights_, gates_, pass, d_hidden, d_log_beta);
+    for (const gates::GateParameter& p : gates_.parameters()) r.grads.push_back(p.grad.clone());
+    Tensor x = pass.final_input.clone();
+    const size_t before = host_tensor_memory().in_use;
+    reset_host_tensor_peak();
+    qwen3_mlp(ckpt_->config(), weights_->layer(0), x);
+    r.mlp_peak = host_tensor_memory().peak - before;
+    return r;
+  };
+  const Run one = run();
+  Run chunked;
+  {
+    ChunkGuard guard(chunk);
+    ASSERT_EQ(mlp_chunk_tokens(), chunk);
+    chunked = run();
+  }
+  EXPECT_EQ(mlp_chunk_tokens(), kMlpChunkTokens);
+
+  double worst = 0;
+  auto expect_close = [&](const Tensor& a, const Tensor& b, const std::string& what, double tolerance) {
+    ASSERT_EQ(a.shape(), b.shape()) << what;
+    double diff = 0, scale = 0;
+    for (int64_t i = 0; i < b.numel(); ++i) {
+      diff = std::max(diff, std::fabs(double(a.data<float>()[i]) - b.data<float>()[i]));
+      scale = std::max(scale, std::fabs(double(b.data<float>()[i])));
+    }
+    ASSERT_GT(scale, 0) << what << " is all zeros";
+    worst = std::max(worst, diff / scale);
+    EXPECT_LE(diff, tolerance * scale) << what << ": chunk " << chunk << " vs one chunk of " << T;
+  };
+  // The GEMMs' rounding differs with the rows they are given (measured: up to 6e-7 of the
+  // largest entry forward, 1.8e-6 in the gradients, sums over 300 tokens); a dropped, repeated
+  // or misplaced row would move them by O(1).
+  constexpr double kForward = 2e-6, kGradient = 1e-5;
+  expect_close(chunked.teacher, one.teacher, "teacher hidden state", kForward);
+  expect_close(chunked.student, one.student, "student hidden state", kForward);
+  expect_close(chunked.log_beta, one.log_beta, "logβ", kForward);
+  for (size_t l = 0; l < one.inputs.size(); ++l)
+    expect_close(chunked.inputs[l], one.inputs[l], "layer " + std::to_string(l) + " input", kForward);
+  const auto& params = gates_.parameters();
+  for (size_t k = 0; k < params.size(); ++k)
+    expect_close(chunked.grads[k], one.grads[k], params[k].name() + " grad", kGradient);
+
+  const int64_t per_token = (kHidden + 2 * kInter) * 4;  // h2 [c, D], gate and up [c, I]
+  EXPECT_LE(static_cast<int64_t>(chunked.mlp_peak), chunk * per_token + (4 << 10));
+  EXPECT_GE(static_cast<int64_t>(one.mlp_peak), T * per_token);
+  std::printf("chunk %lld vs one chunk at T %lld: largest difference %.3g of the largest entry; qwen3_mlp holds %zu "
+              "bytes chunked, %zu in one chunk\n",
+              static_cast<long long>(chunk), static_cast<long long>(T), worst, chunked.mlp_peak, one.mlp_peak);
 }
 
 INSTANTIATE_TEST_SUITE_P(TinyModels, StudentBackward,
