@@ -8,8 +8,10 @@
 //     later queries t of the document; each term needs row t's lse and Dₜ = doutₜ·outₜ, which
 //     would cost the whole T² reference, so these use the GPU's lse and out (themselves
 //     checked on the sampled rows) and recompute everything else in float64.
+// LongHarness runs the same checks at T = 2,500, where the CUDA emulator runs them in CI.
 // Tolerances as the small-shape test's (bf16 operands): ‖Δ‖/‖ref‖ ≤ 1e-2 over the sampled
 // entries, lse within 1e-3·(1 + |lse|). Skips (visibly) without a CUDA build or device.
+#include <gtest/gtest-spi.h>
 #include <gtest/gtest.h>
 
 #include "tests/cuda/cuda_test.h"
@@ -23,6 +25,9 @@
 #include <vector>
 
 #include "kernels/base/half.h"
+#ifdef RETAIN_CUDA_KERNELS
+#include "kernels/cuda/retention_cuda.h"
+#endif
 #include "kernels/retention.h"
 #include "kernels/tensor.h"
 
@@ -144,7 +149,9 @@ std::vector<float> to_host_f32(const Tensor& t) {
   return std::vector<float>(f.data<float>(), f.data<float>() + f.numel());
 }
 
-void check_long(const Long& c, uint32_t seed) {
+// check_long(c, seed, dq_scale): dq_scale ≠ 1 scales the GPU's dq before the comparison, so
+// the harness itself can be shown to fail (a 5% error must not pass a 1% tolerance).
+void check_long(const Long& c, uint32_t seed, float dq_scale = 1.0f) {
   SCOPED_TRACE(::testing::Message() << "seed=" << seed << " (RETAIN_TEST_SEED replays it) T=" << c.T << " H=" << c.H
                                     << " K=" << c.K << " d=" << c.d);
   const Inputs in = make_inputs(c, seed);
@@ -161,8 +168,10 @@ void check_long(const Long& c, uint32_t seed) {
   Tensor dq = Tensor::empty({T, H, d}, DType::BF16, Device::CUDA), dk = Tensor::empty({T, K, d}, DType::BF16, Device::CUDA);
   Tensor dv = Tensor::empty({T, K, d}, DType::BF16, Device::CUDA), dlb = Tensor::empty({T, K}, DType::F32, Device::CUDA);
   ops::gated_attention_backward(q, k, v, lb, doc, in.scale, out, lse, dout, dq, dk, dv, dlb);
-  const std::vector<float> g_out = to_host_f32(out), g_lse = to_host_f32(lse), g_dq = to_host_f32(dq),
+  const std::vector<float> g_out = to_host_f32(out), g_lse = to_host_f32(lse),
                            g_dk = to_host_f32(dk), g_dv = to_host_f32(dv), g_dlb = to_host_f32(dlb);
+  std::vector<float> g_dq = to_host_f32(dq);
+  for (float& x : g_dq) x *= dq_scale;
 
   std::mt19937 rng(seed);
   const std::vector<int64_t> pos = sample_positions(in, rng);
@@ -273,4 +282,26 @@ TEST(GatedAttentionLong, T128KPackedMatchesFloat64OnSamples) {
   const uint32_t seed = fresh_seed();
   std::cout << "seed " << seed << "\n";
   check_long({131072, 8, 2, 128, {70001, 30000, 20000, 10000}, 99}, seed);
+}
+
+// The harness itself at a length the CUDA emulator runs in CI (seconds): three documents with
+// padding, GQA 4, both head dims (d = 128 on wgmma too); and a 5% error in dq must fail it.
+// (Not named GatedAttentionLong*: launch/test-emu.sh leaves those to a real GPU.)
+TEST(LongHarness, ShortPackedMatchesFloat64OnSamples) {
+  SKIP_WITHOUT_GPU();
+  const uint32_t seed = fresh_seed();
+  std::cout << "seed " << seed << "\n";
+  const Long c128{2500, 4, 1, 128, {1100, 201, 900}, 37}, c64{2500, 4, 1, 64, {700, 1500}, 99};
+  check_long(c128, seed);
+  check_long(c64, seed + 1);
+#ifdef RETAIN_CUDA_KERNELS
+  if (cuda::wgmma_supported()) {
+    setenv("RETAIN_ATTENTION_FORWARD", "wgmma", 1);
+    setenv("RETAIN_ATTENTION_BACKWARD", "wgmma", 1);
+    check_long(c128, seed + 2);
+    unsetenv("RETAIN_ATTENTION_FORWARD");
+    unsetenv("RETAIN_ATTENTION_BACKWARD");
+  }
+#endif
+  EXPECT_NONFATAL_FAILURE(check_long(c64, seed + 3, 1.05f), "total(e_dq)");
 }
