@@ -2,7 +2,8 @@
 // random inputs per run (the seed is printed with every failure): S, the local and global hinge
 // (sum, exact count) and dlogβ in float32 within 1e-5 relative; outputs poisoned with NaN
 // before each call (an unwritten element fails); T not a multiple of the 128-token tile;
-// documents with padding; up to L·K = 36·8; bad inputs as one-line errors; bitwise repeatable.
+// documents with padding; up to L·K = 36·8; bad inputs as one-line errors; bitwise repeatable;
+// at T = 40000 and 131072 (GPU only) S on sampled rows, the loss and dlogβ at sampled keys vs float64.
 // Skips (visibly) without a CUDA build or device.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
@@ -235,4 +236,74 @@ TEST(CapacityCuda, LongSequenceSampledRows) {
   }
 }
 
+// The local hinge's loss and its gradient at sampled keys of a long packed sequence (one layer,
+// K heads of the four decay regimes), against float64. The full reference is O(T²·K), so S
+// comes from the GPU (checked on sampled rows by LongSequenceSampledRows): with S, the loss
+// is Σ max(0, (S − M)/max(p − M, 1)) and dlogβ[i, κ] = Σ_{t ≥ i, same document, S > M}
+// (t − i)·e^{(t−i)·logβ[i, κ]} / max(p(t) − M, 1), recomputed here in float64. A row whose S
+// lies within float32 rounding of M may count on either side: the count allows those rows.
+void check_capacity_at_sampled_keys(int64_t T, int64_t K, int64_t max_doc, unsigned seed) {
+  SCOPED_TRACE(::testing::Message() << "seed " << seed << " T " << T << " K " << K);
+  std::mt19937 rng(seed);
+  const std::vector<float> lb = random_log_betas(1, T, K, rng);
+  const std::vector<int32_t> doc = packed_docs(T, rng, max_doc);
+  const Tensor doc_h = i32(doc), pos_h = ops::document_positions(doc_h);
+  const std::vector<int32_t> pos(pos_h.data<int32_t>(), pos_h.data<int32_t>() + T);
+  const Tensor lb_d = Tensor::from_vector(lb, {1, T, K}).to(Device::CUDA), doc_d = doc_h.to(Device::CUDA);
+  const Tensor pos_d = pos_h.to(Device::CUDA);
+  Tensor S_d = poisoned_cuda({1, T, K});
+  ops::capacity_sums(lb_d, doc_d, S_d);
+  const std::vector<double> S = host_f64(S_d);
+  const double M = 40.0, scale = 1.0;  // M: the barely decaying heads exceed it, the steep ones never
+  const ops::CapacityLoss loss = ops::capacity_loss(lb_d, doc_d, pos_d, M, Mode::local);
+  Tensor g_d = poisoned_cuda({1, T, K});
+  ops::capacity_loss_backward(lb_d, doc_d, pos_d, M, Mode::local, scale, g_d);
+  const std::vector<double> g = host_f64(g_d);
+  ASSERT_EQ(nan_count(g), 0u) << "unwritten elements of dlogβ";
+
+  double sum = 0;
+  int64_t positive = 0, undecided = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    if (doc[t] < 0) continue;
+    for (int64_t k = 0; k < K; ++k) {
+      const double x = S[t * K + k];
+      if (std::abs(x - M) <= 1e-6 * x) ++undecided;
+      if (x > M) sum += (x - M) / std::max(pos[t] - M, 1.0), ++positive;
+    }
+  }
+  EXPECT_NEAR(loss.sum, sum, 1e-5 * std::max(sum, 1.0));
+  EXPECT_LE(std::abs(loss.positive - positive), undecided) << "count " << loss.positive << " vs " << positive;
+  ASSERT_GT(positive, 0) << "no row above M: the gradient check would be vacuous";
+
+  std::uniform_int_distribution<int64_t> key(0, T - 1);
+  double num = 0, den = 0;
+  for (int n = 0; n < 32; ++n) {
+    const int64_t i = n == 0 ? 0 : key(rng);
+    for (int64_t k = 0; k < K; ++k) {
+      double want = 0;
+      const double l = lb[i * K + k];
+      if (doc[i] >= 0)
+        for (int64_t t = i + 1; t < T && doc[t] == doc[i]; ++t)
+          if (S[t * K + k] > M) want += static_cast<double>(t - i) * std::exp(static_cast<double>(t - i) * l) /
+                                        std::max(pos[t] - M, 1.0);
+      want *= scale;
+      num += (g[i * K + k] - want) * (g[i * K + k] - want), den += want * want;
+    }
+  }
+  EXPECT_LE(std::sqrt(num / std::max(den, 1e-300)), 1e-4) << "dlogβ at sampled keys";
+  EXPECT_GT(den, 0.0) << "every sampled gradient is zero: the check would be vacuous";
+}
+
 }  // namespace
+
+// The same check at a length the CUDA emulator runs in CI, so the harness itself is exercised.
+TEST(CapacityCuda, LossAndKeyGradientsMatchFloat64AtSampledKeys) {
+  SKIP_WITHOUT_GPU();
+  check_capacity_at_sampled_keys(3000, 8, 2000, std::random_device{}());
+}
+
+TEST(CapacityCuda, LongSequenceLossAndKeyGradients) {
+  // T = 131072 (1024 tiles), one layer, K = 8, documents up to 100K tokens.
+  SKIP_WITHOUT_GPU();
+  check_capacity_at_sampled_keys(131072, 8, 100000, std::random_device{}());
+}
