@@ -62,18 +62,25 @@ std::string dump(const GpuModel& m, const std::string& kind, const std::string& 
   return "";
 }
 
-void expect_close_dumps(const std::string& got_path, const std::string& want_path, double tol, const std::string& what) {
+// Every loss/* entry of two dumps within loss_tol relative (loss/kl within kl_tol, by default
+// loss_tol), every grad/* tensor within grad_tol relative L2 norm (rel_diff); at least one loss
+// and four gradients compared.
+void expect_close_dumps(const std::string& got_path, const std::string& want_path, double loss_tol, double grad_tol,
+                        const std::string& what, double kl_tol = -1) {
   const SafetensorsFile got = SafetensorsFile::open(got_path), want = SafetensorsFile::open(want_path);
-  int compared = 0;
+  int losses = 0, grads = 0;
   for (const std::string& name : want.names()) {
-    if (name.rfind("grad/", 0) != 0 && name.rfind("loss/", 0) != 0) continue;
-    ++compared;
+    const bool loss = name.rfind("loss/", 0) == 0, grad = name.rfind("grad/", 0) == 0;
+    if (!loss && !grad) continue;
+    ++(loss ? losses : grads);
     ASSERT_TRUE(got.contains(name)) << what << ": " << name;
     const double e = rel_diff(got.tensor(name), want.tensor(name));
+    const double tol = !loss ? grad_tol : name == "loss/kl" && kl_tol >= 0 ? kl_tol : loss_tol;
     EXPECT_LE(e, tol) << what << ": " << name;
     ::testing::Test::RecordProperty(what + ": " + name, std::to_string(e));
   }
-  EXPECT_GT(compared, 4) << what;
+  EXPECT_GE(losses, 1) << what;
+  EXPECT_GE(grads, 4) << what;
 }
 
 class DumpGradsCuda : public ::testing::TestWithParam<const char*> {};
@@ -88,9 +95,15 @@ TEST_P(DumpGradsCuda, RanksAndBackendsAgree) {
   ASSERT_FALSE(cpu.empty()) << why;
   const std::string one = dump(m, kind, "cuda", "", "--micro-batch 4", dir, "one_rank", &why);
   ASSERT_FALSE(one.empty()) << why;
-  // bf16 weights and activations against the float32 CPU step: the GPU step's tolerance
-  // (tests/cuda/test_step_cuda.cpp).
-  expect_close_dumps(one, cpu, 3e-2, "cuda vs cpu");
+  // bf16 weights and activations against the float32 CPU step: the tolerances, as
+  // tests/cuda/test_step_cuda.cpp's: losses 1e-3 relative, gate gradients 2e-2 relative L2 norm
+  // (measured on the CUDA emulator: total, NTP and capacity ≤ 1.5e-4, gradients ≤ 1.2e-2).
+  // Except the KL, 2e-3: it is small here (0.114 nats per position, against NTP's 6.3) and the
+  // bf16 rounding of both models' logits raises it by ~1.2e-4 absolute whatever its size (KL is
+  // convex with its minimum at zero difference, so noise only adds: the GPU's KL is the larger
+  // in every run), 1.06e-3 to 1.09e-3 relative for dbtrimkv in both thread orders and
+  // micro-batch 1 or 4 (trimkv 4.7e-4 to 7.1e-4).
+  expect_close_dumps(one, cpu, 1e-3, 2e-2, "cuda vs cpu", /*kl_tol=*/2e-3);
 
   // The same bf16 math in other micro-batch shapes: 1e-2. Not tighter: a sequence packed at
   // another offset meets other attention tile boundaries, so the online softmax rescales by
@@ -99,13 +112,13 @@ TEST_P(DumpGradsCuda, RanksAndBackendsAgree) {
   // 1.2e-2 from the float32 CPU step; the 1e-3 first written here had never run).
   const std::string two = dump(m, kind, "cuda", mpirun(2), "--comm mpi --micro-batch 1", dir, "two_ranks_mpi", &why);
   ASSERT_FALSE(two.empty()) << why;
-  expect_close_dumps(two, one, 1e-2, "2 ranks sharing the GPU (mpi, FSDP staged) vs 1 rank");
+  expect_close_dumps(two, one, 1e-2, 1e-2, "2 ranks sharing the GPU (mpi, FSDP staged) vs 1 rank");
 
   // One rank over NCCL: the same computation; only the reductions go through NCCL.
   const std::string nccl = dump(m, kind, "cuda", "", "--comm nccl --micro-batch 4", dir, "one_rank_nccl", &why);
   if (nccl.empty() && why.find("no NCCL backend") != std::string::npos) GTEST_SKIP() << "built without NCCL";
   ASSERT_FALSE(nccl.empty()) << why;
-  expect_close_dumps(nccl, one, 0, "1 rank over nccl vs 1 rank");
+  expect_close_dumps(nccl, one, 0, 0, "1 rank over nccl vs 1 rank");
 }
 
 INSTANTIATE_TEST_SUITE_P(Kinds, DumpGradsCuda, ::testing::Values("trimkv", "dbtrimkv"));
