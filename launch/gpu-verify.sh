@@ -350,7 +350,8 @@ if phase ncu; then
     sections=(--section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats --metrics "$metrics")
     for kernels in mma wgmma; do
       step "ncu: attention and capacity kernels ($kernels) at 32K, d 128" "$log" 300 env RETAIN_ATTENTION_FORWARD=$kernels \
-        RETAIN_ATTENTION_BACKWARD=$kernels "$ncu" --target-processes all --launch-skip 0 --launch-count 40 "${sections[@]}" \
+        RETAIN_ATTENTION_BACKWARD=$kernels "$ncu" --target-processes all --kernel-name regex:'_kernel|Scan' --launch-skip 0 --launch-count 60 \
+        "${sections[@]}" \
         "$bin/retain-bench" attention --device cuda --seq 32768 --iters 1 --warmup 0
     done
   fi
