@@ -289,6 +289,15 @@ if phase train; then
         --model "$models/qwen3-$m" --seq 8192,32768 --gate $gate --docs 1 --iters 3 --warmup 1 \
         --json "$L/train-$m-$gate.json"
     done
+    # Issue 13's exposed all-gather, estimated from this GPU's 32K step for 8 ranks of one node
+    # (FSDP_BUSBW: an assumed NCCL all_gather bus bandwidth, ~80% of H100 NVLink's 450 GB/s per
+    # direction; replace it with all_gather_perf's busbw of the target machine).
+    if [ "$dry" = 1 ] || [ -f "$L/train-$m-trimkv.json" ]; then
+      step "train: FSDP exposed all-gather estimate, Qwen3-$m" "$log" 60 python3 trainer/bench/fsdp_estimate.py \
+        --json "$L/train-$m-trimkv.json" --busbw "${FSDP_BUSBW:-360}" --ranks 8
+      [ "$dry" = 1 ] || sed -n '/^=== train: FSDP exposed all-gather estimate, Qwen3-'"$m"'/,/^=== .*after/p' "$log" |
+        grep -E '^(FSDP|  T=)' | tee -a "$summary" >/dev/null
+    fi
     [ "$dry" = 1 ] || rm -rf "$models/qwen3-$m"
   done
   # The table of every row and the targets' verdicts, into the summary (a missed target is a
@@ -365,7 +374,7 @@ case $status in
   1) what="a step failed" ;;
   *) what="incomplete: nothing failed, but something did not run" ;;
 esac
-note "--- gpu-verify: exit $status, $what; logs and JSON in $out/gpu-verify.tar.gz"
+echo "--- gpu-verify: exit $status, $what; logs and JSON in $out/gpu-verify.tar.gz" >>"$summary"
 pack
 cat "$summary"
 exit $status

@@ -4,7 +4,8 @@
 # programs, the verdicts: an expected skip passes, any other skip fails its step, a failing
 # program fails, the exit status is 1, and what comes back ($OUT) is two files whose archive
 # holds the logs; (3) --deadline cuts the running step and leaves the rest NOT RUN (exit 3);
-# (4) usage errors exit 2 with one line; (5) trainer/bench/train_table.py's target verdicts.
+# (4) usage errors exit 2 with one line; (5) trainer/bench/train_table.py's target verdicts;
+# (6) trainer/bench/fsdp_estimate.py's arithmetic.
 # usage: test_gpu_verify.sh REPO_ROOT
 set -uo pipefail
 repo=$1
@@ -80,5 +81,18 @@ check "train_table: only the 4B row is judged" '[ "$(grep -c "^TARGET" <<<"$tabl
 echo '{"rows": 3}' >"$tmp/bad.json"
 err=$(python3 "$repo/trainer/bench/train_table.py" "$tmp/bad.json" 2>&1); rc=$?
 check "train_table: a wrong file is one line naming it" '[ $rc -eq 1 ] && grep -q "bad.json: not a retain-bench train JSON" <<<"$err"'
+
+# (6) fsdp_estimate.py's arithmetic on a hand-computed case: layer 181,200 B (bf16 projections
+# 90,000 elements, F32 norms 300), embedding 200,000 B; 2 ranks at 10^6 B/s: 90.6 ms per layer,
+# 100 ms per embedding gather; exposed = 3·100 + (90.6 + 3·80.6) + 90.6 + 90.6 = 813.6 ms.
+mkdir -p "$tmp/m"
+echo '{"hidden_size": 100, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 50,
+       "intermediate_size": 200, "vocab_size": 1000, "num_hidden_layers": 4}' >"$tmp/m/config.json"
+printf '{"model": "%s", "rows": [{"seq": 64, "gate": "trimkv", "step_ms": 2000,
+        "phase_ms": {"teacher": 40, "student": 400, "backward": 800}}]}' "$tmp/m" >"$tmp/f.json"
+est=$(python3 "$repo/trainer/bench/fsdp_estimate.py" --json "$tmp/f.json" --busbw 0.001 --ranks 2); rc=$?
+check "fsdp_estimate exits 0" '[ $rc -eq 0 ]'
+check "fsdp_estimate: per-layer and embedding gathers" 'grep -q "90.600 ms per layer, 100.000 ms embedding" <<<"$est"'
+check "fsdp_estimate: the exposed total" 'grep -q "exposed all-gather 813.60 ms = 40.680% of the step" <<<"$est"'
 
 [ "$fails" -eq 0 ] && echo "test_gpu_verify: all checks passed" || { echo "test_gpu_verify: $fails failed"; exit 1; }
