@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/cuda/memory.h"
 #include "kernels/tensor.h"
 #include "model/safetensors.h"
 #include "tests/trainer/train_helpers.h"
@@ -162,6 +163,33 @@ TEST(TrainCuda, HeadDimWithoutAKernelIsAClearError) {
   EXPECT_NE(r.err.find("retain-train: error: " + kModel + "/config.json: head_dim 16 has no CUDA attention kernel"),
             std::string::npos)
       << r.err;
+}
+
+// The tools' default device (model/device.h): with RETAIN_DEVICE unset and no --device, cuda
+// when a GPU is visible (the emulator reports one); RETAIN_DEVICE=cpu (what CTest sets for every
+// other test) still pins the CPU.
+TEST(TrainCuda, DefaultDeviceIsCudaWhenVisible) {
+  SKIP_WITHOUT_GPU();
+  TempDir dir;
+  const GpuModel m = make_gpu_model(dir, "trimkv");
+  const std::string forward = bin("retain-forward") + " --model " + m.model + " --ids \"1 2 3 4 5 6 7 8\" --out ";
+  Result r = run("env -u RETAIN_DEVICE " + forward + dir / "default.safetensors", dir);
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find(" on cuda\n"), std::string::npos) << r.out;
+  r = run("env RETAIN_DEVICE=cpu " + forward + dir / "pinned.safetensors", dir);
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find(" on cpu\n"), std::string::npos) << r.out;
+
+  const std::string train = bin("retain-train") + " --model " + m.model + " --data " + m.data + " --gate trimkv" +
+                            " --init-gates " + m.gates + " --memory 4 --global-batch 4 --seed 3 --steps 1 --out ";
+  r = run("env -u RETAIN_DEVICE " + train + dir / "run-default", dir);
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("device cuda:0 (" + cuda::device_name() + ")"), std::string::npos) << r.out;
+  EXPECT_NE(slurp(dir / "run-default/config.toml").find("device = \"cuda\""), std::string::npos);
+  r = run("env RETAIN_DEVICE=cpu " + train + dir / "run-pinned", dir);
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(r.out.find("device cuda"), std::string::npos) << r.out;
+  EXPECT_NE(slurp(dir / "run-pinned/config.toml").find("device = \"cpu\""), std::string::npos);
 }
 
 // Mean of `field` over steps [begin, end) of a metrics.jsonl.
