@@ -21,13 +21,35 @@ loss, not the speed. Reported per row: median step ms and per phase over --iters
 steps after --warmup, tokens/s, peak memory (torch.cuda.max_memory_allocated, or ru_maxrss on
 the CPU), the first step's loss. An out-of-memory or any other failure is a row {"error": "..."}.
 
-Run it with the venv that has trimkv (see /work/shared/notes/trimkv-on-cpu.md):
+Every row, whether it succeeds or fails, releases what it allocated before the next one starts:
+the model, the optimizer, the teacher logits (at 128K with a 151936-token vocabulary ~40 GB of
+bf16) and the student's output go out of scope with the row (a failed row's traceback is dropped
+too), then torch._dynamo.reset() (the graphs traced for FlexAttention hold the row's weights and
+activations as constants), gc.collect() until it finds nothing, and torch.cuda.empty_cache().
+On CUDA each row records "allocated_after_gb" (torch.cuda.memory_allocated() after that
+cleanup), which should be ~0.
+Test hook: BENCH_REFERENCE_FAIL_PHASE=PHASE (setup, teacher_forward, student_forward, backward,
+optimizer) raises torch.OutOfMemoryError at the end of that phase of row BENCH_REFERENCE_FAIL_ROW
+(0-based over (T, gate) in order, default 0), after its tensors exist;
+BENCH_REFERENCE_REPORT_ALIVE=1 adds "alive_tensor_mb" to every row (the MB of torch tensors still
+reachable after its cleanup) and "alive_tensor_mb_before_rows" to the JSON
+(tests/live/bench_reference_check.py uses both hooks).
+
+trimkv 0.1.5 pins transformers 4.57.1, so it needs its own Python environment, e.g.
+    python3 -m venv ~/.cache/retain/venvs/trimkv
+    ~/.cache/retain/venvs/trimkv/bin/pip install torch "transformers==4.57.1" accelerate einops \
+        safetensors matplotlib
+    ~/.cache/retain/venvs/trimkv/bin/pip install --no-deps trimkv==0.1.5
+(flash_attn, which the package imports at load time, is replaced by a stand-in module; nothing on
+the training path calls it). The live checks and compare_train.py find that Python through
+$RETAIN_TRIMKV_PYTHON, default ~/.cache/retain/venvs/trimkv/bin/python. Then:
     build/bin/retain-bench train --model DIR --seq 128,256 --dump-batch /tmp/batch.json ...
-    /work/venvs/trimkv/bin/python trainer/bench/bench_reference.py --model DIR --batch /tmp/batch.json \
-        --gate trimkv,dbtrimkv --json /tmp/reference.json
+    ~/.cache/retain/venvs/trimkv/bin/python trainer/bench/bench_reference.py --model DIR \
+        --batch /tmp/batch.json --gate trimkv,dbtrimkv --json /tmp/reference.json
 """
 import argparse
 import datetime
+import gc
 import importlib.machinery
 import json
 import os
@@ -102,6 +124,177 @@ def one_line(e):
     return text[0][:300] if text else type(e).__name__
 
 
+PHASES = ("setup", "teacher_forward", "student_forward", "backward", "optimizer")
+
+
+def fail_hook(row_index):
+    """The test hook: the phase of this row that BENCH_REFERENCE_FAIL_PHASE names, else None."""
+    phase = os.environ.get("BENCH_REFERENCE_FAIL_PHASE")
+    if not phase:
+        return None
+    if phase not in PHASES:
+        sys.exit(f"bench_reference.py: BENCH_REFERENCE_FAIL_PHASE={phase!r} is not one of {', '.join(PHASES)}")
+    return phase if row_index == int(os.environ.get("BENCH_REFERENCE_FAIL_ROW", "0")) else None
+
+
+def alive_tensor_mb():
+    """MB of the distinct tensor storages the garbage collector can still reach (the test hook's
+    view of a leak: after a row's cleanup nothing of that row should remain)."""
+    import warnings
+
+    import torch
+
+    seen, total = set(), 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for obj in gc.get_objects():
+            try:
+                if not isinstance(obj, torch.Tensor) or type(obj).__name__ == "FakeTensor" or obj.is_meta:
+                    continue
+                st = obj.untyped_storage()
+                key = (st.data_ptr(), obj.device.type)
+                if key not in seen:
+                    seen.add(key)
+                    total += st.nbytes()
+            except Exception:  # noqa: BLE001 - tensor subclasses, storages without data
+                continue
+    return total / 1e6
+
+
+def run_row(a, mq, TrimKVQwen3Config, b, g, kind, device, dtype, state, fail_phase):
+    """One (T, gate) row: its result dict. Everything it allocates is local to this call, so a
+    return or an exception drops it (main then runs gc.collect() and empty_cache())."""
+    import torch
+
+    T = int(b["seq"])
+    row = {"seq": T, "gate": g}
+
+    def done(phase):  # the end of a phase: the test hook's failure point
+        if fail_phase == phase:
+            raise torch.OutOfMemoryError(f"test hook BENCH_REFERENCE_FAIL_PHASE={phase}")
+
+    state["phase"] = "setup"
+    torch.manual_seed(a.seed)
+    cfg = TrimKVQwen3Config.from_pretrained(a.model)
+    cfg.retention_gate = kind
+    cfg.retention_gate_intermediate_size = a.gate_hidden
+    cfg.retention_gate_bias_init = 18.0
+    cfg.retention_weight = 1.0
+    cfg.memory_size = a.memory
+    cfg.global_capacity = False  # retain's default capacity (local, per layer and KV head)
+    cfg.logit_block_size = 8192
+    cfg.base_loss = "fwkl,ntp"
+    cfg.rg_dropout = 0.0
+    cfg.attn_impl = "rg_attn_flex"
+    cfg.use_cache = False
+    cfg._attn_implementation = "flex_attention"
+    model = mq.TrimKVQwen3ForCausalLM.from_pretrained(a.model, config=cfg, load_trimkv_weights=False,
+                                                      dtype=dtype).to(device)
+    model.config._attn_implementation = "flex_attention"
+    for m in model.modules():  # the gates are missing from the checkpoint: fresh, bias 18
+        if isinstance(m, (mq.RetentionGate, mq.RetentionGate10)):
+            m.reset_parameters()
+    params = []
+    for name, p in model.named_parameters():
+        p.requires_grad_("retention_gate" in name)
+        if p.requires_grad:
+            params.append(p)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+
+    # retain's loss positions: t whose t+1 is in t's document; both losses read them unshifted.
+    # The closure holds lm_head, not the model (no model -> closure -> model cycle).
+    lm_head = model.lm_head
+
+    def ntp_same_positions(hidden_states, labels=None, **kw):
+        logits = lm_head(hidden_states).float()
+        return torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1),
+                                                 ignore_index=-100)
+
+    model.compute_ntp_loss = ntp_same_positions
+    opt = torch.optim.AdamW(params, lr=2e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-6)
+
+    ids = torch.tensor(b["ids"], dtype=torch.long, device=device)[None]
+    doc = torch.tensor(b["doc"], dtype=torch.long, device=device)
+    starts = torch.ones_like(doc, dtype=torch.bool)
+    starts[1:] = doc[1:] != doc[:-1]
+    first = torch.cummax(torch.where(starts, torch.arange(T, device=device), 0), 0).values
+    pos = (torch.arange(T, device=device) - first)[None]
+    labels = torch.full_like(ids, -100)
+    same = doc[1:] == doc[:-1]
+    labels[0, :-1] = torch.where(same, ids[0, 1:], torch.full_like(ids[0, 1:], -100))
+    done("setup")
+
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    times = {k: [] for k in ("step", "teacher", "student", "backward", "optimizer")}
+    for it in range(a.warmup + a.iters):
+        if it == a.warmup and device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        print(f"bench_reference: T={T} {g}: {'warm-up' if it < a.warmup else 'step'} "
+              f"{it + 1 if it < a.warmup else it - a.warmup + 1}/{a.warmup if it < a.warmup else a.iters}",
+              file=sys.stderr, flush=True)
+        sync()
+        state["phase"] = "teacher forward"
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            base_logits = model(input_ids=ids, position_ids=pos, vanilla_forward=True).logits
+        sync()
+        done("teacher_forward")
+        t1 = time.perf_counter()
+        state["phase"] = "student forward"
+        out = model(input_ids=ids, position_ids=pos, labels=labels, base_logits=base_logits)
+        sync()
+        done("student_forward")
+        t2 = time.perf_counter()
+        state["phase"] = "backward"
+        out.loss.backward()
+        sync()
+        done("backward")
+        t3 = time.perf_counter()
+        state["phase"] = "optimizer"
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync()
+        done("optimizer")
+        t4 = time.perf_counter()
+        if it == 0:
+            row["first_loss"] = float(out.loss)
+            row["first_base_loss"] = float(out.base_loss) if out.base_loss is not None else None
+            row["first_cap"] = float(out.retention_loss) if out.retention_loss is not None else None
+        out = base_logits = None  # the next iteration's teacher must not overlap these
+        if it < a.warmup:
+            continue
+        for k, v in (("step", t4 - t0), ("teacher", t1 - t0), ("student", t2 - t1),
+                     ("backward", t3 - t2), ("optimizer", t4 - t3)):
+            times[k].append(v * 1e3)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    row["step_ms"] = med["step"]
+    row["phase_ms"] = {k: med[k] for k in ("teacher", "student", "backward", "optimizer")}
+    row["tokens_per_s"] = T / (med["step"] * 1e-3)
+    row["peak_gb"] = peak_gb(device)
+    return row
+
+
+def release(device):
+    """After a row: drop torch.compile's caches (the graphs traced for FlexAttention keep the row's
+    layer weights and activations as constants; the next row's fresh model recompiles anyway),
+    collect the cycles (model hooks, autograd graphs of a failed step) and give the CUDA cache
+    back."""
+    import torch
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    for _ in range(4):  # a pass's finalizers free more (the traced graphs need two)
+        if not gc.collect():
+            break
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="the model directory (the one retain-bench train used)")
@@ -144,121 +337,36 @@ def main():
              f"{'tokens/s':>10} {'peak GB':>8} {'loss@1':>10}"
     print(header, flush=True)
     rows = []
+    report_alive = bool(os.environ.get("BENCH_REFERENCE_REPORT_ALIVE"))
+    alive_before = alive_tensor_mb() if report_alive else None
+    index = 0
     for b in batches:
         T = int(b["seq"])
         for g in gates:
-            row = {"seq": T, "gate": g}
-            model = None
-            phase = "setup"
+            state = {"phase": "setup"}
             try:
-                torch.manual_seed(a.seed)
-                cfg = TrimKVQwen3Config.from_pretrained(a.model)
-                cfg.retention_gate = kinds[g]
-                cfg.retention_gate_intermediate_size = a.gate_hidden
-                cfg.retention_gate_bias_init = 18.0
-                cfg.retention_weight = 1.0
-                cfg.memory_size = a.memory
-                cfg.global_capacity = False  # retain's default capacity (local, per layer and KV head)
-                cfg.logit_block_size = 8192
-                cfg.base_loss = "fwkl,ntp"
-                cfg.rg_dropout = 0.0
-                cfg.attn_impl = "rg_attn_flex"
-                cfg.use_cache = False
-                cfg._attn_implementation = "flex_attention"
-                model = mq.TrimKVQwen3ForCausalLM.from_pretrained(a.model, config=cfg, load_trimkv_weights=False,
-                                                                  dtype=dtype).to(device)
-                model.config._attn_implementation = "flex_attention"
-                for m in model.modules():  # the gates are missing from the checkpoint: fresh, bias 18
-                    if isinstance(m, (mq.RetentionGate, mq.RetentionGate10)):
-                        m.reset_parameters()
-                params = []
-                for name, p in model.named_parameters():
-                    p.requires_grad_("retention_gate" in name)
-                    if p.requires_grad:
-                        params.append(p)
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-                model.train()
-
-                # retain's loss positions: t whose t+1 is in t's document; both losses read them unshifted.
-                def ntp_same_positions(hidden_states, labels=None, **kw):
-                    logits = model.lm_head(hidden_states).float()
-                    return torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1),
-                                                             ignore_index=-100)
-
-                model.compute_ntp_loss = ntp_same_positions
-                opt = torch.optim.AdamW(params, lr=2e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-6)
-
-                ids = torch.tensor(b["ids"], dtype=torch.long, device=device)[None]
-                doc = torch.tensor(b["doc"], dtype=torch.long, device=device)
-                starts = torch.ones_like(doc, dtype=torch.bool)
-                starts[1:] = doc[1:] != doc[:-1]
-                first = torch.cummax(torch.where(starts, torch.arange(T, device=device), 0), 0).values
-                pos = (torch.arange(T, device=device) - first)[None]
-                labels = torch.full_like(ids, -100)
-                same = doc[1:] == doc[:-1]
-                labels[0, :-1] = torch.where(same, ids[0, 1:], torch.full_like(ids[0, 1:], -100))
-
-                def sync():
-                    if device == "cuda":
-                        torch.cuda.synchronize()
-
-                times = {k: [] for k in ("step", "teacher", "student", "backward", "optimizer")}
-                for it in range(a.warmup + a.iters):
-                    if it == a.warmup and device == "cuda":
-                        torch.cuda.reset_peak_memory_stats()
-                    print(f"bench_reference: T={T} {g}: {'warm-up' if it < a.warmup else 'step'} "
-                          f"{it + 1 if it < a.warmup else it - a.warmup + 1}/{a.warmup if it < a.warmup else a.iters}",
-                          file=sys.stderr, flush=True)
-                    sync()
-                    phase = "teacher forward"
-                    t0 = time.perf_counter()
-                    with torch.no_grad():
-                        base_logits = model(input_ids=ids, position_ids=pos, vanilla_forward=True).logits
-                    sync()
-                    t1 = time.perf_counter()
-                    phase = "student forward"
-                    out = model(input_ids=ids, position_ids=pos, labels=labels, base_logits=base_logits)
-                    sync()
-                    t2 = time.perf_counter()
-                    phase = "backward"
-                    out.loss.backward()
-                    sync()
-                    t3 = time.perf_counter()
-                    phase = "optimizer"
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-                    sync()
-                    t4 = time.perf_counter()
-                    if it == 0:
-                        row["first_loss"] = float(out.loss)
-                        row["first_base_loss"] = float(out.base_loss) if out.base_loss is not None else None
-                        row["first_cap"] = float(out.retention_loss) if out.retention_loss is not None else None
-                    del out, base_logits
-                    if it < a.warmup:
-                        continue
-                    for k, v in (("step", t4 - t0), ("teacher", t1 - t0), ("student", t2 - t1),
-                                 ("backward", t3 - t2), ("optimizer", t4 - t3)):
-                        times[k].append(v * 1e3)
-                med = {k: statistics.median(v) for k, v in times.items()}
-                row["step_ms"] = med["step"]
-                row["phase_ms"] = {k: med[k] for k in ("teacher", "student", "backward", "optimizer")}
-                row["tokens_per_s"] = T / (med["step"] * 1e-3)
-                row["peak_gb"] = peak_gb(device)
-                print(f"{T:>7} {g:<8} {med['step']:>10.2f} {med['teacher']:>9.2f} {med['student']:>9.2f} "
-                      f"{med['backward']:>9.2f} {med['optimizer']:>9.2f} {row['tokens_per_s']:>10.1f} "
+                row = run_row(a, mq, TrimKVQwen3Config, b, g, kinds[g], device, dtype, state, fail_hook(index))
+                print(f"{T:>7} {g:<8} {row['step_ms']:>10.2f} {row['phase_ms']['teacher']:>9.2f} "
+                      f"{row['phase_ms']['student']:>9.2f} {row['phase_ms']['backward']:>9.2f} "
+                      f"{row['phase_ms']['optimizer']:>9.2f} {row['tokens_per_s']:>10.1f} "
                       f"{row['peak_gb']:>8.3f} {row['first_loss']:>10.5f}", flush=True)
             except Exception as e:  # OOM, ...: the honest result
                 if os.environ.get("BENCH_REFERENCE_TRACEBACK"):
                     import traceback
                     traceback.print_exc()
                 oom = "out of memory, " if isinstance(e, torch.OutOfMemoryError) else ""
-                row = {"seq": T, "gate": g, "error": f"{oom}{phase}: {one_line(e)}"}
+                row = {"seq": T, "gate": g, "error": f"{oom}{state['phase']}: {one_line(e)}"}
                 print(f"{T:>7} {g:<8} error: {row['error']}", flush=True)
+                e.__traceback__ = None  # its frames hold the row's tensors
+                del e
             finally:
-                model = None
-                if device == "cuda":
-                    torch.cuda.empty_cache()
+                release(device)
+            if device == "cuda":
+                row["allocated_after_gb"] = torch.cuda.memory_allocated() / 1e9
+            if report_alive:
+                row["alive_tensor_mb"] = alive_tensor_mb()
             rows.append(row)
+            index += 1
 
     if a.json:
         result = {"tool": "bench_reference.py (trimkv)", "device": device_line, "model": a.model,
@@ -267,6 +375,8 @@ def main():
                                "transformers": transformers.__version__},
                   "dtype": str(dtype).replace("torch.", ""), "gate_hidden": a.gate_hidden, "memory": a.memory,
                   "iters": a.iters, "warmup": a.warmup, "rows": rows}
+        if report_alive:
+            result["alive_tensor_mb_before_rows"] = alive_before
         folder = os.path.dirname(os.path.abspath(a.json))
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=".bench_reference.")
         with os.fdopen(fd, "w") as f:
