@@ -11,6 +11,8 @@
 
 #include <cmath>
 #include <numeric>
+#include <optional>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -18,6 +20,7 @@
 #include "kernels/tensor.h"
 #include "model/safetensors.h"
 #include "tests/trainer/train_helpers.h"
+#include "trainer/flops.h"
 
 namespace retain::trainer::test {
 namespace {
@@ -190,6 +193,59 @@ TEST(TrainCuda, DefaultDeviceIsCudaWhenVisible) {
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_EQ(r.out.find("device cuda"), std::string::npos) << r.out;
   EXPECT_NE(slurp(dir / "run-pinned/config.toml").find("device = \"cpu\""), std::string::npos);
+}
+
+// The per-step throughput fields of a cuda run (trainer/train.cpp, metrics.cpp): in
+// metrics.jsonl tokens/s, TFLOP/s and the pool's peak memory are positive; MFU is null exactly
+// when the device's name is not in the peak table (trainer/flops.h; the emulator's is not) and
+// TFLOP/s over the peak when it is; each log line says "MFU n/a" or the same percentage.
+TEST(TrainCuda, StepLogHasThroughputMfuAndPeakMemory) {
+  SKIP_WITHOUT_GPU();
+  TempDir dir;
+  const GpuModel m = make_gpu_model(dir, "dbtrimkv");
+  const std::string out = dir / "run";
+  const Result r = run(bin("retain-train") + " --model " + m.model + " --data " + m.data + " --out " + out +
+                           " --gate dbtrimkv --init-gates " + m.gates +
+                           " --memory 4 --global-batch 4 --seed 3 --steps 2 --device cuda",
+                       dir);
+  ASSERT_EQ(r.code, 0) << r.err;
+  const std::string device = cuda::device_name();
+  const std::optional<double> peak = bf16_peak_tflops(device);
+  RecordProperty("device", device);
+  const std::vector<nlohmann::json> steps = metrics(out);
+  ASSERT_EQ(steps.size(), 2u);
+  for (const nlohmann::json& s : steps) {
+    const std::string at = "step " + s.at("step").dump() + " on " + device;
+    ASSERT_TRUE(s.at("tokens_per_s").is_number()) << at;
+    ASSERT_TRUE(s.at("tflops").is_number()) << at;
+    ASSERT_TRUE(s.at("peak_memory_gb").is_number()) << at;
+    EXPECT_GT(s.at("tokens_per_s").get<double>(), 0) << at;
+    EXPECT_GT(s.at("tflops").get<double>(), 0) << at;
+    EXPECT_GT(s.at("peak_memory_gb").get<double>(), 0) << at;
+    if (peak) {
+      ASSERT_TRUE(s.at("mfu").is_number()) << at << ": a device in the peak table has an MFU";
+      EXPECT_NEAR(s.at("mfu").get<double>(), s.at("tflops").get<double>() / *peak, 1e-12) << at;
+    } else {
+      EXPECT_TRUE(s.at("mfu").is_null()) << at << ": not in the peak table, yet mfu " << s.at("mfu").dump();
+    }
+  }
+  // The log lines: "... <x> TFLOP/s MFU n/a mem <y> GB" (or "MFU <z>%" on a GPU in the table).
+  size_t lines = 0;
+  std::istringstream log(r.out);
+  for (std::string line; std::getline(log, line);) {
+    if (line.find("] step ") == std::string::npos || line.find(" loss ") == std::string::npos) continue;
+    ++lines;
+    if (peak) {
+      EXPECT_EQ(line.find("MFU n/a"), std::string::npos) << line;
+    } else {
+      EXPECT_NE(line.find(" TFLOP/s MFU n/a mem "), std::string::npos) << line;
+    }
+    EXPECT_NE(line.find(" GB"), std::string::npos) << line;
+  }
+  EXPECT_EQ(lines, 2u) << r.out;
+  if (device.find("emulator") != std::string::npos) {
+    EXPECT_FALSE(peak) << device << " is in the peak table";
+  }
 }
 
 // Mean of `field` over steps [begin, end) of a metrics.jsonl.
