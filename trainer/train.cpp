@@ -131,32 +131,47 @@ data::LoaderOptions loader_options(const TrainConfig& cfg, const Inputs& in, con
 // On CUDA one rank holds the whole model on its GPU; several shard it over their GPUs (FSDP,
 // bf16 matrices, gathers on the comm's stream with NCCL, staged through the host with MPI). On
 // the CPU, one rank reads the mapped checkpoint layer by layer; several shard it (FSDP, F32).
+// --fsdp-force-gather takes the FSDP provider with one rank too, gathering through the comm.
 void make_weight_provider(const TrainConfig& cfg, Inputs& in, dist::Comm& comm) {
+  const bool whole_model = comm.size() == 1 && !cfg.fsdp_force_gather;
   if (cfg.device == Device::CUDA) {
     collectively(comm, [&] {
       const int gpu = bind_local_gpu(dist::node_local_rank(comm));  // first: a collective
       double gb = 0;
-      if (comm.size() == 1) {
+      if (whole_model) {
         auto whole = std::make_unique<DeviceWeightProvider>(in.model);
         gb = static_cast<double>(whole->bytes()) / 1e9;
         in.weights = std::move(whole);
       } else {
-        auto sharded = std::make_unique<dist::FsdpWeightProvider>(in.model, comm,
-                                                                  dist::FsdpOptions{Device::CUDA, DType::BF16});
+        auto sharded = std::make_unique<dist::FsdpWeightProvider>(
+            in.model, comm, dist::FsdpOptions{Device::CUDA, DType::BF16, cfg.fsdp_force_gather});
         gb = static_cast<double>(sharded->shard_bytes()) / 1e9;
         in.weights = std::move(sharded);
       }
       if (comm.is_main_rank())
-        spdlog::info("device cuda:{} ({}); {} {:.2f} GB there ({} comm)", gpu, cuda::device_name(),
-                     comm.size() == 1 ? "the model's weights take" : "this rank's weight shards take", gb,
-                     comm.backend());
+        spdlog::info("device cuda:{} ({}); {} {:.2f} GB there ({} comm{})", gpu, cuda::device_name(),
+                     whole_model ? "the model's weights take" : "this rank's weight shards take", gb, comm.backend(),
+                     comm.size() == 1 && !whole_model ? "; layers gathered through it: --fsdp-force-gather" : "");
     });
     return;
   }
-  if (comm.size() == 1)
+  if (whole_model)
     in.weights = std::make_unique<LocalWeightProvider>(in.model);
   else
-    in.weights = std::make_unique<dist::FsdpWeightProvider>(in.model, comm);
+    in.weights = std::make_unique<dist::FsdpWeightProvider>(
+        in.model, comm, dist::FsdpOptions{Device::CPU, DType::F32, cfg.fsdp_force_gather});
+}
+
+// Rank 0's FSDP counters (when the weights are sharded or force-gathered), for the log: how
+// many layers were gathered and how many the prefetch had ready.
+void log_fsdp_stats(const WeightProvider& weights, const dist::Comm& comm) {
+  const auto* fsdp = dynamic_cast<const dist::FsdpWeightProvider*>(&weights);
+  if (fsdp == nullptr || !fsdp->gathers() || !comm.is_main_rank()) return;
+  const dist::FsdpStats& s = fsdp->stats();
+  spdlog::info("fsdp: {} layer requests, {} layer all-gathers ({} prefetched and used, {} prefetched and discarded, "
+               "{} waited for), {} embedding/lm_head all-gathers",
+               s.layer_requests, s.layer_gathers, s.prefetch_hits, s.prefetch_misses, s.waited_gathers,
+               s.global_gathers);
 }
 
 gates::RetentionGates initial_gates(const TrainConfig& cfg, const Qwen3Config& mc) {
@@ -634,6 +649,7 @@ int run_training(const TrainConfig& cfg, dist::Comm& comm) {
                    last_saved.empty() ? std::string("(none new)") : last_saved);
     }
   }
+  log_fsdp_stats(*in.weights, comm);
   comm.barrier();
   return 0;
 }
@@ -653,6 +669,7 @@ void dump_gradients(const TrainConfig& cfg, dist::Comm& comm) {
   gates.zero_grad();
   StepMetrics m;
   trainee->step(*in.weights, make_micro_batches(batch, cfg.micro_batch), false, m, comm);
+  log_fsdp_stats(*in.weights, comm);
 
   // The global gradient on every rank, then the global batch in rank order.
   const int64_t n = flat_size(gates);

@@ -39,6 +39,7 @@ nlohmann::json to_json(const TrainConfig& c) {
   };
   // Only an approximate skip is written, so configs of the exact default stay as before.
   if (c.capacity_skip != TrainConfig{}.capacity_skip) j["capacity_skip"] = c.capacity_skip;
+  if (c.fsdp_force_gather) j["fsdp_force_gather"] = true;  // only when set, likewise
   if (c.kvpop) {  // only kvpop runs have them, so gate runs' configs are as before
     j["window"] = c.window;
     j["sinks"] = c.sinks;

@@ -235,12 +235,14 @@ bool same_bytes(const Tensor& a, const Tensor& b) {
   return std::memcmp(x.raw(), y.raw(), x.nbytes()) == 0;
 }
 
-void check_fsdp(Comm& comm, const std::string& name) {
-  SCOPED_TRACE(std::string(comm.backend()) + " " + name);
+// `force`: FsdpOptions::force_gather (a one-rank world gathers through `comm` too).
+void check_fsdp(Comm& comm, const std::string& name, bool force = false) {
+  SCOPED_TRACE(std::string(comm.backend()) + " " + name + (force ? " forced" : ""));
   const auto ckpt = std::make_shared<const Qwen3Checkpoint>(Qwen3Checkpoint::open(Model::root + "/" + name));
   DeviceWeightProvider whole(ckpt);
-  FsdpWeightProvider fsdp(ckpt, comm, {Device::CUDA, DType::BF16});
+  FsdpWeightProvider fsdp(ckpt, comm, {Device::CUDA, DType::BF16, force});
   EXPECT_EQ(fsdp.device(), Device::CUDA);
+  EXPECT_EQ(fsdp.gathers(), force || comm.size() > 1);
   const int64_t L = ckpt->config().num_hidden_layers;
   std::vector<int64_t> order;
   for (int pass = 0; pass < 2; ++pass)
@@ -268,6 +270,10 @@ void check_fsdp(Comm& comm, const std::string& name) {
   const Tensor want = qwen3_forward(whole, ids_t, doc_t);
   for (int pass = 0; pass < 2; ++pass)
     EXPECT_TRUE(same_bytes(qwen3_forward(fsdp, ids_t, doc_t), want)) << "forward pass " << pass;
+  if (fsdp.gathers()) {
+    EXPECT_GT(fsdp.resident_bytes(), fsdp.shard_bytes()) << "layer buffers of its own";
+  }
+  EXPECT_GT(fsdp.stats().prefetch_hits, 0);
 }
 
 TEST(FsdpCuda, WorldCommEqualsTheWholeModel) {
@@ -280,6 +286,31 @@ TEST(FsdpCuda, NcclEqualsTheWholeModel) {
   auto nccl = nccl_or_null();
   if (!nccl) GTEST_SKIP() << "no NCCL comm here (shared GPU or no NCCL)";
   for (const char* name : {"tied", "untied"}) check_fsdp(*nccl, name);
+}
+
+// force_gather: one rank takes the N-rank path (layer buffers, prefetch, staged gathers here)
+// and still gives the whole model's bytes and forward.
+TEST(FsdpCuda, ForcedGatherEqualsTheWholeModel) {
+  SKIP_WITHOUT_GPUS();
+  for (const char* name : {"tied", "untied"}) check_fsdp(world(), name, /*force=*/true);
+}
+
+// The same over NCCL, where a one-rank world otherwise never gathers: the gathers run on the
+// communication stream (a device copy for one rank), ordered by events, and the comm's device
+// timers count them. What a single lent GPU can check of FSDP over NCCL.
+TEST(FsdpCuda, NcclForcedGatherEqualsTheWholeModelAndIsTimed) {
+  SKIP_WITHOUT_GPUS();
+  auto nccl = nccl_or_null();
+  if (!nccl) GTEST_SKIP() << "no NCCL comm here (shared GPU or no NCCL)";
+  for (const char* name : {"tied", "untied"}) {
+    nccl->take_device_times();  // from now on
+    check_fsdp(*nccl, name, /*force=*/true);
+    cuda::synchronize();
+    const CommTimes t = nccl->take_device_times();
+    EXPECT_GT(t.busy_seconds, 0) << name;
+    EXPECT_GE(t.exposed_seconds, 0) << name;
+    EXPECT_LT(t.busy_seconds, 10) << name;
+  }
 }
 
 }  // namespace

@@ -14,6 +14,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "kernels/base/error.h"
@@ -431,6 +432,91 @@ TEST_P(FsdpBf16, ForwardEqualsTheDeviceLayout) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, FsdpBf16, ::testing::Values("tied", "untied"),
+                         [](const auto& p) { return std::string(p.param); });
+
+// ---- force_gather: the N-rank path in any world, one rank included -------------------------
+
+// The world comm, counting the all_gather_bytes calls (blocking or not) that go through it.
+class CountingComm final : public Comm {
+ public:
+  explicit CountingComm(Comm& inner) : inner_(inner) {}
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  std::string_view backend() const override { return inner_.backend(); }
+  int64_t gathers = 0;
+
+ private:
+  void do_all_gather(const float* s, float* r, size_t n) override { inner_.all_gather(s, r, n); }
+  std::unique_ptr<Request> do_all_gather_async(const float* s, float* r, size_t n) override {
+    return inner_.all_gather_async(s, r, n);
+  }
+  void do_all_gather_bytes(const void* s, void* r, size_t n) override {
+    ++gathers;
+    inner_.all_gather_bytes(s, r, n);
+  }
+  std::unique_ptr<Request> do_all_gather_bytes_async(const void* s, void* r, size_t n) override {
+    ++gathers;
+    return inner_.all_gather_bytes_async(s, r, n);
+  }
+  void do_reduce_scatter(const float* s, float* r, size_t n) override { inner_.reduce_scatter(s, r, n); }
+  void do_all_reduce(float* b, size_t n) override { inner_.all_reduce(b, n); }
+  void do_all_reduce(double* b, size_t n) override { inner_.all_reduce(b, n); }
+  void do_all_reduce_max(double* b, size_t n) override { inner_.all_reduce_max(b, n); }
+  void do_broadcast(void* b, size_t n, int root) override { inner_.broadcast(b, n, root); }
+  void do_barrier() override { inner_.barrier(); }
+  void do_abort(int code) override { inner_.abort(code); }
+
+  Comm& inner_;
+};
+
+// Forced and plain providers in the same world, over the F32 and the GPU's BF16 layout: the
+// same bytes for every layer and global, the same forward, the same counters; the forced one
+// gathers every layer and global through the comm (a one-rank plain one never does) into
+// buffers of its own.
+class FsdpForceGather : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(FsdpForceGather, GathersThroughTheCommWithTheSameValues) {
+  const auto ckpt = open_model(GetParam());
+  const Qwen3Config& c = ckpt->config();
+  const int64_t L = c.num_hidden_layers;
+  const auto [ids, doc] = batch(c.vocab_size, 19);
+  for (const DType mm : {DType::F32, DType::BF16}) {
+    SCOPED_TRACE(dtype_name(mm));
+    CountingComm plain_comm(comm()), forced_comm(comm());
+    FsdpWeightProvider plain(ckpt, plain_comm, {Device::CPU, mm});
+    FsdpWeightProvider forced(ckpt, forced_comm, {Device::CPU, mm, /*force_gather=*/true});
+    EXPECT_EQ(plain.gathers(), comm().size() > 1);
+    EXPECT_TRUE(forced.gathers());
+    const int64_t setup = forced_comm.gathers;  // the constructor's shape check
+    EXPECT_EQ(plain_comm.gathers, setup);
+    EXPECT_EQ(forced.shard_bytes(), plain.shard_bytes());
+
+    std::vector<int64_t> order = training_step(L), again = training_step(L);
+    order.insert(order.end(), again.begin(), again.end());
+    for (int64_t l : order) {
+      LayerWeights got = forced.layer(l), want = plain.layer(l);
+      const auto g = layer_fields(got), w = layer_fields(want);
+      for (size_t i = 0; i < g.size(); ++i) EXPECT_TRUE(same_bytes(*g[i], *w[i])) << "layer " << l << " " << kFieldNames[i];
+    }
+    EXPECT_GT(forced.resident_bytes(), forced.shard_bytes()) << "two layer buffers of its own";
+    EXPECT_TRUE(same_bytes(forced.embedding(), plain.embedding()));
+    EXPECT_TRUE(same_bytes(forced.lm_head(), plain.lm_head()));
+    EXPECT_TRUE(same_bits(qwen3_forward(forced, ids, doc), qwen3_forward(plain, ids, doc)));
+
+    const FsdpStats& f = forced.stats();
+    const FsdpStats& p = plain.stats();
+    EXPECT_EQ(forced_comm.gathers - setup, f.layer_gathers + f.global_gathers);
+    EXPECT_EQ(plain_comm.gathers - setup, comm().size() > 1 ? p.layer_gathers + p.global_gathers : 0);
+    EXPECT_GT(f.layer_gathers, 2 * L) << "the prefetch keeps gathering";
+    EXPECT_GT(f.prefetch_hits, 0);
+    EXPECT_EQ(f.layer_gathers, p.layer_gathers);
+    EXPECT_EQ(f.prefetch_hits, p.prefetch_hits);
+    EXPECT_EQ(f.waited_gathers, p.waited_gathers);
+    EXPECT_EQ(f.global_gathers, p.global_gathers);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, FsdpForceGather, ::testing::Values("tied", "untied"),
                          [](const auto& p) { return std::string(p.param); });
 
 // ---- memory: about 1/N of the model per rank --------------------------------------------------

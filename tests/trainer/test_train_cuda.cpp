@@ -1,8 +1,9 @@
 // retain-train on a GPU (skips visibly without one), through the tools as a user runs them:
 // - --dump-grads with --device cuda against the same dump on the CPU (the CPU path equals the
 //   float64 autograd reference, test_dump_grads.cpp) at the GPU step's bf16 tolerance; two ranks
-//   sharing the GPU over MPI (FSDP-sharded bf16 weights staged through the host) and one rank
-//   over NCCL against the one-rank GPU dump;
+//   sharing the GPU over MPI (FSDP-sharded bf16 weights staged through the host), one rank
+//   gathering its weights through the comm (--fsdp-force-gather) and one rank over NCCL against
+//   the one-rank GPU dump;
 // - 1,000 optimizer steps on the GPU track the CPU run's loss curve.
 // The model is a tiny random Qwen3 with head_dim 64 (the CUDA attention kernels take 64 and
 // 128; the committed fixture model's 16 has none), and the fixture corpus packed by its
@@ -117,6 +118,13 @@ TEST_P(DumpGradsCuda, RanksAndBackendsAgree) {
   const std::string two = dump(m, kind, "cuda", mpirun(2), "--comm mpi --micro-batch 1", dir, "two_ranks_mpi", &why);
   ASSERT_FALSE(two.empty()) << why;
   expect_close_dumps(two, one, 1e-2, 1e-2, "2 ranks sharing the GPU (mpi, FSDP staged) vs 1 rank");
+
+  // One rank gathering every layer through its comm as N ranks do (--fsdp-force-gather; in a
+  // build with NCCL, auto picks NCCL: the FSDP-over-NCCL path one GPU can run, with the
+  // prefetch on the communication stream): the same bf16 weights and kernels, the same bits.
+  const std::string forced = dump(m, kind, "cuda", "", "--fsdp-force-gather --micro-batch 4", dir, "forced", &why);
+  ASSERT_FALSE(forced.empty()) << why;
+  expect_close_dumps(forced, one, 0, 0, "1 rank gathering through the comm (--fsdp-force-gather) vs 1 rank");
 
   // One rank over NCCL: the same computation; only the reductions go through NCCL.
   const std::string nccl = dump(m, kind, "cuda", "", "--comm nccl --micro-batch 4", dir, "one_rank_nccl", &why);

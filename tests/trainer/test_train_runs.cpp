@@ -50,6 +50,38 @@ TEST_F(TrainRuns, TwoRanksEqualOneRank) {
   }
 }
 
+// --fsdp-force-gather: one rank takes the FSDP provider and gathers every layer through its
+// comm, as N ranks do (on a GPU: what measures the overlap). The values are the same, so the run
+// is the plain one bit for bit; the log's counters show the gathers, and the run's config.toml
+// keeps the option (a plain run's does not mention it).
+TEST_F(TrainRuns, ForcedGatherEqualsThePlainRun) {
+  const std::string plain = dir_ / "plain", forced = dir_ / "forced";
+  Result r = train(train_args(data_, plain, "dbtrimkv", 3));
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ((r.out + r.err).find("fsdp: "), std::string::npos) << "one rank uses the checkpoint in place";
+  r = train(train_args(data_, forced, "dbtrimkv", 3) + " --fsdp-force-gather");
+  ASSERT_EQ(r.code, 0) << r.err;
+  expect_same_gates(plain, forced, 0);
+  expect_same_losses(plain, forced, 0);
+  const std::string log = r.out + r.err;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(
+      log, m, std::regex(R"(fsdp: (\d+) layer requests, (\d+) layer all-gathers \((\d+) prefetched and used, )"
+                         R"(\d+ prefetched and discarded, \d+ waited for\), (\d+) embedding/lm_head all-gathers)")))
+      << log;
+  // Each of the 3 steps' 4 micro-batches: the teacher, the student and the backward ask for
+  // both layers of the fixture model, and the loss for the embedding and the lm_head. (Two
+  // layers fit the two layer buffers, so after the first two gathers every request finds its
+  // layer there: a deeper model gathers all along.)
+  const int layers = 2, micro_batches = 3 * 4;
+  EXPECT_GE(std::stoi(m[1]), micro_batches * 3 * layers) << log;
+  EXPECT_GE(std::stoi(m[2]), layers) << log;
+  EXPECT_GT(std::stoi(m[3]), 0) << log;
+  EXPECT_GE(std::stoi(m[4]), micro_batches) << log;
+  EXPECT_NE(slurp(forced + "/config.toml").find("fsdp_force_gather = true"), std::string::npos);
+  EXPECT_EQ(slurp(plain + "/config.toml").find("fsdp_force_gather"), std::string::npos);
+}
+
 TEST_F(TrainRuns, ResumeAfterStopAfterIsExact) {
   const std::string full = dir_ / "full", parts = dir_ / "parts", parts2 = dir_ / "parts2";
   Result r = train(train_args(data_, full, "trimkv", 6) + " --save-every 2");

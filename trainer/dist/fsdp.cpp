@@ -5,7 +5,10 @@
 #include <iterator>
 #include <utility>
 
+#include <fmt/format.h>
+
 #include "kernels/base/error.h"
+#include "kernels/base/nvtx.h"
 
 namespace retain::dist {
 
@@ -109,8 +112,15 @@ FsdpWeightProvider::FsdpWeightProvider(std::shared_ptr<const Qwen3Checkpoint> ck
 }
 
 FsdpWeightProvider::~FsdpWeightProvider() {
+  end_layer_range();
   // A Request's destructor waits for its collective (which the other ranks take part in).
   for (Slot& s : slots_) s.pending.reset();
+}
+
+void FsdpWeightProvider::end_layer_range() {
+#ifdef RETAIN_NVTX
+  if (layer_range_ != 0) nvtxRangeEnd(std::exchange(layer_range_, 0));
+#endif
 }
 
 void FsdpWeightProvider::check_same_model_everywhere() const {
@@ -160,10 +170,11 @@ FsdpWeightProvider::Unit FsdpWeightProvider::make_unit(std::vector<TensorSpec> t
 
 std::unique_ptr<Request> FsdpWeightProvider::start_gather(const Unit& unit, Tensor& buffer,
                                                           bool blocking) {
-  if (comm_.size() == 1) {  // the shard is the whole vector
+  if (!gathers()) {  // one rank: the shard is the whole vector
     buffer = unit.shard;
     return nullptr;
   }
+  const NvtxRange range("all-gather");
   const int64_t full = unit.shard_len * comm_.size();
   if (buffer.numel() != full || buffer.device() != options_.device)
     buffer = Tensor::empty({full}, DType::U8, options_.device);
@@ -207,6 +218,9 @@ const LayerWeights& FsdpWeightProvider::layer(int64_t l) {
     fail("{}: layer {} requested from a {}-layer model", ckpt_->dir(), l, layers);
   release_global();  // documented: the globals live until the next layer() call
   ++stats_.layer_requests;
+#ifdef RETAIN_NVTX
+  layer_range_ = nvtxRangeStartA(fmt::format("layer {}", l).c_str());
+#endif
 
   if (current_ >= 0 && slots_[static_cast<size_t>(current_)].layer == l) {
     ++stats_.reused;
@@ -240,6 +254,7 @@ const LayerWeights& FsdpWeightProvider::layer(int64_t l) {
 }
 
 const Tensor& FsdpWeightProvider::gathered_global(const Unit& unit, Global& g) {
+  end_layer_range();  // the layers' part of a pass is over
   if (g.full.numel() == 0) {
     start_gather(unit, g.buffer, /*blocking=*/true);
     g.full = view_of(g.buffer, unit.pieces.front());
@@ -255,6 +270,7 @@ const Tensor& FsdpWeightProvider::lm_head() {
 }
 
 void FsdpWeightProvider::release_global() {
+  end_layer_range();
   embed_full_ = Global{};
   head_full_ = Global{};
 }
@@ -268,7 +284,7 @@ int64_t FsdpWeightProvider::shard_bytes() const {
 
 int64_t FsdpWeightProvider::resident_bytes() const {
   int64_t bytes = shard_bytes();
-  if (comm_.size() == 1) return bytes;  // every buffer is a view of a shard
+  if (!gathers()) return bytes;  // every buffer is a view of a shard
   for (const Slot& s : slots_) bytes += static_cast<int64_t>(s.buffer.nbytes());
   return bytes + static_cast<int64_t>(embed_full_.buffer.nbytes() + head_full_.buffer.nbytes());
 }

@@ -16,12 +16,17 @@
 // on 64-byte boundaries, so never inside an element). The embedding and the lm_head are
 // sharded the same way, as one vector each. The final norm ([D]) is small and kept whole on
 // every rank. With N = 1 nothing is copied: the "gathered" buffers are views of the shards,
-// so a one-rank run holds the model once.
+// so a one-rank run holds the model once; unless FsdpOptions::force_gather, which makes one
+// rank gather through `comm` exactly as N ranks do (its one shard is the whole vector).
 //
 // On a GPU with the NCCL comm, a prefetch runs on the communication stream after the compute
 // already queued (the buffer it overwrites held the layer before last, whose kernels may still
 // be running) and is waited for by compute, not by the host: layer l+1's gather overlaps layer
 // l's kernels. With the MPI comm, device buffers are staged through the host (comm.h).
+// NVTX (kernels/base/nvtx.h): "all-gather" spans the host side of each gather (queueing it on
+// NCCL; the whole copy on host backends) and "layer l" runs from layer(l) to the next call
+// that replaces or leaves it (layer(), embedding(), lm_head(), release_global(), the
+// destructor): on the timeline, layer l's kernels under it and layer l+1's gather beside it.
 //
 // Collectives. Every call that may gather (layer, embedding, lm_head, release_global, the
 // constructor and the destructor) is a collective over `comm`: every rank must make the same
@@ -101,6 +106,13 @@ struct FsdpStats {
 struct FsdpOptions {
   Device device = Device::CPU;
   DType matmul_dtype = DType::F32;  // F32 or BF16 (BF16 on CPU too: tests the GPU layout there)
+  // Gather through `comm` in a one-rank world too, instead of serving views of the shards:
+  // one GPU then runs the N-rank path (two reused layer buffers, the prefetch on NCCL's
+  // communication stream, events, the comm's device timers), which is how exposed
+  // communication is measured without a second GPU (retain-train --fsdp-force-gather,
+  // docs/training.md). Costs two layer buffers and a copy of every layer used. No effect
+  // with more than one rank, where every rank gathers anyway.
+  bool force_gather = false;
 };
 
 class FsdpWeightProvider : public WeightProvider {
@@ -126,6 +138,9 @@ class FsdpWeightProvider : public WeightProvider {
   // The part of resident_bytes() that never changes: shards and final norm.
   int64_t shard_bytes() const;
   const FsdpStats& stats() const { return stats_; }
+  // True when layers are gathered through the comm (several ranks, or force_gather), false
+  // when they are views of this rank's shards.
+  bool gathers() const { return comm_.size() > 1 || options_.force_gather; }
 
  private:
   // One sharded flat byte vector: its tensors' names, shapes, dtypes and byte offsets, and
@@ -168,6 +183,7 @@ class FsdpWeightProvider : public WeightProvider {
   void settle(Slot& slot);  // waits for the slot's gather, if any
   Tensor view_of(const Tensor& buffer, const Piece& piece) const;
   const Tensor& gathered_global(const Unit& unit, Global& g);
+  void end_layer_range();  // closes the "layer l" NVTX range, if one is open
   void check_same_model_everywhere() const;
 
   std::shared_ptr<const Qwen3Checkpoint> ckpt_;
@@ -181,6 +197,7 @@ class FsdpWeightProvider : public WeightProvider {
   int current_ = -1;  // the slot handed out by the last layer() call
   LayerPrefetchPolicy policy_;
   FsdpStats stats_;
+  uint64_t layer_range_ = 0;  // the open "layer l" NVTX range's id (0: none)
 };
 
 }  // namespace retain::dist

@@ -48,10 +48,11 @@ constexpr const char* kUsage =
     "wins. Every run writes RUN_DIR/config.toml: `--config RUN_DIR/config.toml --out NEW` repeats it.";
 
 // An NCCL comm over the ranks of `host` when --comm asks for one (auto: on cuda with several
-// ranks), else null: the run uses `host` itself.
+// ranks, or with --fsdp-force-gather, whose point is NCCL's gather path on one GPU), else
+// null: the run uses `host` itself.
 std::unique_ptr<dist::Comm> nccl_comm_if_wanted(const trainer::TrainConfig& c, dist::Comm& host) {
-  const bool nccl = c.comm == "nccl" ||
-                    (c.comm == "auto" && c.device == Device::CUDA && host.size() > 1 && dist::nccl_built());
+  const bool nccl = c.comm == "nccl" || (c.comm == "auto" && c.device == Device::CUDA &&
+                                         (host.size() > 1 || c.fsdp_force_gather) && dist::nccl_built());
   if (!nccl) return nullptr;
   bind_local_gpu(dist::node_local_rank(host));  // NCCL's communicator belongs to the current device
   return dist::make_nccl_comm(host);
@@ -109,8 +110,14 @@ int run(int argc, char** argv, dist::Comm& host_comm, std::unique_ptr<dist::Comm
        "cpu or cuda (default: $RETAIN_DEVICE, else cuda when a GPU is visible, else cpu). On cuda each rank uses "
        "the GPU of its node-local rank; one rank holds the whole model in bf16, several shard it (FSDP)")
       ("comm", cli::po::value(&c.comm)->default_value("auto"),
-       "auto, mpi or nccl: the collectives' backend. auto: nccl on cuda with several ranks (when built with "
-       "NCCL), else mpi. mpi on cuda stages device buffers through the host (slow; lets ranks share a GPU)")
+       "auto, mpi or nccl: the collectives' backend. auto: nccl on cuda with several ranks or --fsdp-force-gather "
+       "(when built with NCCL), else mpi. mpi on cuda stages device buffers through the host (slow; lets ranks "
+       "share a GPU)")
+      ("fsdp-force-gather", cli::po::bool_switch(&c.fsdp_force_gather),
+       "shard the frozen weights (FSDP) and all-gather each layer through the comm even in a one-rank world, "
+       "where they are otherwise used in place: on one GPU this runs the multi-GPU path (layer buffers, the "
+       "prefetch on NCCL's stream, comm_ms/comm_exposed_ms in the metrics) to measure the overlap. Same values, "
+       "more memory and time")
       ("resume", cli::po::bool_switch(&c.resume), "continue the run in --out from its latest checkpoint")
       ("dump-grads", cli::po::value(&c.dump_grads), "write one step's gradients to FILE.safetensors and exit")
       ("config", cli::po::value<std::string>(), "read options from a TOML file (keys = option names; the command line wins)");
