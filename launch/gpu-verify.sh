@@ -270,6 +270,10 @@ if phase train; then
   # 128K is issue 12's target (peak <= 50 GB, step <= 60 s) and runs first.
   log=$L/train.log
   models=$work/models
+  # retain-bench train's table and JSON keys on a tiny model, and MFU a number on this card (the
+  # device is in trainer/flops.h's peak table), not n/a.
+  step "train: retain-bench train JSON keys, MFU known on this GPU" "$log" 120 python3 tests/cuda/bench_train_check.py \
+    --bin-dir "$bin" --device cuda --expect-mfu number
   [ "$dry" = 1 ] || mkdir -p "$models"
   for m in ${train_models//,/ }; do
     case "$m" in  # layers hidden heads kv-heads intermediate (head_dim 128, vocab 151936, YaRN x4)
