@@ -16,7 +16,7 @@ dest=${1:-.gpu}
 build=${BUILD_DIR:-build}
 bins=(test_cuda_emu test_gated_attention_cuda test_gated_attention_long test_capacity_cuda test_kvpop_cuda test_ops_cuda
       test_gemm_cuda test_loss_cuda test_gates_cuda test_step_cuda test_kvpop_step_cuda test_comm_cuda test_train_cuda
-      retain-bench retain-make-tiny retain-train retain-pack retain-forward)
+      retain-bench retain-make-tiny retain-train retain-pack retain-forward retain-eval)
 for b in "${bins[@]}"; do
   [ -x "$build/bin/$b" ] || { echo "gpu-bundle: $build/bin/$b is missing: run launch/build.sh first" >&2; exit 1; }
 done

@@ -302,6 +302,36 @@ if phase train; then
       [ "$dry" = 1 ] || sed -n '/^=== train: FSDP exposed all-gather estimate, Qwen3-'"$m"'/,/^=== .*after/p' "$log" |
         grep -E '^(FSDP|  T=)' | tee -a "$summary" >/dev/null
     fi
+    if [ "$m" = 4B ]; then
+      # Issue 13's overlap on this GPU: FSDP forced to gather through NCCL in a one-rank world
+      # (a device-to-device copy, not a transfer between GPUs): per-layer compute beside its
+      # gather, and what of the gather the step still waited for (comm_exposed_ms), at 32K.
+      ov=$work/overlap
+      [ "$dry" = 1 ] || mkdir -p "$ov"
+      step "train: overlap data: 4 recall tasks of 32K tokens" "$log" 120 "$bin/retain-eval" --model "$models/qwen3-$m" \
+        --task recall --context 32000 --pairs 8 --queries 4 --samples 4 --seed 1 --dump-task "$ov/t.jsonl"
+      step "train: overlap data: packed at 32K" "$log" 120 "$bin/retain-pack" --tokenizer "$models/qwen3-$m" \
+        --seq-len 32768 --packing bfd --seed 1 --quiet --out "$ov/t.h5" "$ov/t.jsonl"
+      step "train: retain-train --fsdp-force-gather Qwen3-4B 32K, 4 steps" "$log" 300 "$bin/retain-train" --device cuda \
+        --fsdp-force-gather --model "$models/qwen3-$m" --data "$ov/t.h5" --out "$ov/run" --steps 4 --global-batch 1 \
+        --save-every 1000 --log-every 1
+      if [ "$dry" = 0 ] && [ -f "$ov/run/metrics.jsonl" ]; then
+        python3 - "$ov/run/metrics.jsonl" <<'PY' | tee -a "$summary"
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])][1:]  # step 1 learns the prefetch order
+rows = [r for r in rows if r.get("comm_ms") is not None and r.get("comm_exposed_ms") is not None]
+if rows:
+    step = sum(1e3 * r["step_seconds"] for r in rows) / len(rows)
+    comm = sum(r["comm_ms"] for r in rows) / len(rows)
+    exposed = sum(r["comm_exposed_ms"] for r in rows) / len(rows)
+    print(f"overlap, Qwen3-4B 32K, 1 GPU forced gather: step {step:.1f} ms, gathers {comm:.1f} ms, "
+          f"exposed {exposed:.1f} ms = {100 * exposed / step:.2f}% of the step (steps 2-{1 + len(rows)})")
+else:
+    print("overlap: no step with comm_ms in metrics.jsonl")
+PY
+        grep -h 'fsdp: ' "$log" | tail -1 | tee -a "$summary"
+      fi
+    fi
     [ "$dry" = 1 ] || rm -rf "$models/qwen3-$m"
   done
   # The table of every row and the targets' verdicts, into the summary (a missed target is a
