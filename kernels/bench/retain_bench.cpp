@@ -515,6 +515,8 @@ constexpr const char* kTrainUsage =
     "recompute + backward (activation-only: projections and MLP once more, attention 2.5x its\n"
     "forward, the gate twice) + loss (2*D*V per loss position for the teacher logits, the\n"
     "student logits and the hidden-state gradient).\n\n"
+    "--json FILE: every row also carries its FLOPs by pass (flops: teacher, student, recompute,\n"
+    "backward, loss, count_pass, total), the count its TFLOP/s divides.\n"
     "--dump-batch FILE writes the batches (per T: ids and document ids) as JSON, for the\n"
     "reference script trainer/bench/bench_reference.py to time the same tokens.";
 
@@ -523,6 +525,7 @@ struct TrainRow {
   std::string gate;
   double step_ms = 0, teacher = 0, student = 0, capacity = 0, loss_ms = 0, backward = 0, optimizer = 0;
   double tokens_per_s = 0, tflops = 0;
+  trainer::StepFlops flops;  // the step's FLOPs by pass (trainer/flops.h), what tflops divides
   std::optional<double> mfu;
   double peak_gb = 0;
   double first_loss = 0, kl = 0, ntp = 0, cap = 0;
@@ -677,9 +680,11 @@ int train(int argc, char** argv) {
       std::vector<float> values(static_cast<size_t>(n)), grads(static_cast<size_t>(n));
       trainer::flatten_values(gates, values.data());
       trainer::AdamW adam(n, trainer::AdamWConfig{});
-      const double flops = trainer::step_flops(mc, dims, trainer::micro_batch_shapes(mbs)).total();
+      const trainer::StepFlops step_flops = trainer::step_flops(mc, dims, trainer::micro_batch_shapes(mbs));
+      const double flops = step_flops.total();
 
       TrainRow row;
+      row.flops = step_flops;
       row.seq = T;
       row.gate = std::string(gates::gate_kind_name(kind));
       std::vector<double> step_ms, ph[6];
@@ -761,6 +766,14 @@ int train(int argc, char** argv) {
                              {"optimizer", r.optimizer}}},
                            {"tokens_per_s", r.tokens_per_s},
                            {"tflops", r.tflops},
+                           {"flops",
+                            {{"teacher", r.flops.teacher},
+                             {"student", r.flops.student},
+                             {"recompute", r.flops.recompute},
+                             {"backward", r.flops.backward},
+                             {"loss", r.flops.loss},
+                             {"count_pass", r.flops.count_pass},
+                             {"total", r.flops.total()}}},
                            {"mfu", r.mfu ? nlohmann::json(*r.mfu) : nlohmann::json(nullptr)},
                            {"peak_gb", r.peak_gb},
                            {"first_loss", r.first_loss},

@@ -22,8 +22,9 @@ import subprocess
 import sys
 import tempfile
 
-ROW_KEYS = {"seq", "gate", "step_ms", "phase_ms", "tokens_per_s", "tflops", "mfu", "peak_gb", "first_loss",
-            "first_kl", "first_ntp", "first_cap"}
+ROW_KEYS = {"seq", "gate", "step_ms", "phase_ms", "tokens_per_s", "tflops", "flops", "mfu", "peak_gb",
+            "first_loss", "first_kl", "first_ntp", "first_cap"}
+FLOP_PASSES = {"teacher", "student", "recompute", "backward", "loss", "count_pass"}
 PHASES = {"teacher", "student", "capacity", "loss", "backward", "optimizer"}
 TOP_KEYS = {"tool", "date", "device", "model", "docs", "gate_hidden", "memory", "seed", "iters", "warmup",
             "peak_tflops", "flops", "rows"}
@@ -85,6 +86,17 @@ def main():
         for k, v in row["phase_ms"].items():
             if not (number(v) and v >= 0):
                 errors.append(f"{at}: phase_ms.{k} {v!r}")
+        flops = row["flops"]
+        if not isinstance(flops, dict) or set(flops) != FLOP_PASSES | {"total"}:
+            errors.append(f"{at}: flops {flops!r}, expected the passes {sorted(FLOP_PASSES)} and total")
+        else:
+            parts = sum(flops[k] for k in FLOP_PASSES)
+            if not (number(flops["total"]) and flops["total"] > 0 and abs(flops["total"] - parts) <= 1e-9 * parts):
+                errors.append(f"{at}: flops.total {flops['total']!r} is not the sum of the passes ({parts})")
+            elif number(row["tflops"]) and number(row["step_ms"]) and row["step_ms"] > 0:
+                want = flops["total"] / (row["step_ms"] * 1e-3) / 1e12
+                if abs(row["tflops"] - want) > 1e-6 * want:
+                    errors.append(f"{at}: tflops {row['tflops']!r}, expected flops.total / step time = {want}")
         for k in ("step_ms", "tokens_per_s", "tflops", "peak_gb"):
             if not (number(row[k]) and row[k] > 0):
                 errors.append(f"{at}: {k} {row[k]!r}, expected a number > 0")
