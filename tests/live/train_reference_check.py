@@ -5,9 +5,14 @@
    FlexAttention score_mod (t − i)·logβ_i) run the way bench_reference.py runs it on the CPU —
    PyTorch's eager FlexAttention with its CPU device check lifted — gives the forward and the
    gradients into q, k, v and logβ of plain attention in float64, on packed documents with GQA (groups of 1, 2, 3 and 4).
-2. compare_train.py on the committed tiny model (T 64 and 128, both gate kinds, M 24 so that
-   the capacity term is active): retain's first-step loss and the authors' agree within 1e-5
-   relative, row by row.
+2. compare_train.py on two tiny --define-shape models made by retain-make-tiny (GQA 2 with its
+   own lm_head; GQA 4, tied, YaRN x4), T 64 with both gate kinds, M 24 so that the capacity
+   term is active: retain's first-step loss and the authors' agree within 1e-5 relative, row
+   by row. Also: --time-budget 0 runs nothing and exits 75; T 262144 (beyond the models'
+   positions) makes retain-bench fail, recorded as error rows; a second call with both shapes
+   skips the first shape's rows (resume) and adds the other's; --loss-tol 1e-12 shows **FAIL**
+   and exits 1; --write-docs on a copy of docs/benchmarks.md replaces only the marked section
+   and copies the plot; the Qwen3 shape flags equal launch/gpu-verify.sh's.
 
 Part 1 runs inside the trimkv Python ($RETAIN_TRIMKV_PYTHON, default
 ~/.cache/retain/venvs/trimkv/bin/python); without it the check exits 77 (CTest: skipped).
@@ -99,7 +104,7 @@ def main():
                                                capture_output=True).returncode != 0:
         print("train_reference_check: skipped: torch, transformers or matplotlib missing")
         return SKIP
-    if not tools_present("train_reference_check", a.bin_dir, ["retain-bench"]):
+    if not tools_present("train_reference_check", a.bin_dir, ["retain-bench", "retain-make-tiny"]):
         return 1
 
     print("part 1: trimkv's retention_gated_attention_forward on eager CPU FlexAttention vs float64", flush=True)
@@ -109,36 +114,130 @@ def main():
         print(f"train_reference_check: FAIL: part 1 exited {r.returncode}: {r.stderr.strip()[-2000:]}")
         return 1
 
-    print("part 2: compare_train.py, first-step losses of retain and trimkv", flush=True)
-    with tempfile.TemporaryDirectory(prefix="retain-train-ref-") as out:
-        cmd = [sys.executable, os.path.join(REPO, "trainer", "bench", "compare_train.py"), "--model",
-               os.path.join(REPO, "tests", "fixtures", "trainer", "model"), "--device", "cpu", "--seq", "64,128",
-               "--gate-hidden", "16", "--memory", "24", "--docs", "2", "--iters", "1", "--warmup", "0",
-               "--bin-dir", a.bin_dir, "--python", a.trimkv_python, "--out", out]
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        if r.returncode != 0:
-            print(f"train_reference_check: FAIL: compare_train.py exited {r.returncode}: {r.stderr.strip()[-2000:]}")
-            return 1
-        retain = {(x["seq"], x["gate"]): x for x in json.load(open(os.path.join(out, "retain.json")))["rows"]}
-        ref = {(x["seq"], x["gate"]): x for x in json.load(open(os.path.join(out, "reference.json")))["rows"]}
-    bad = 0
-    for key in sorted(retain):
-        mine, theirs = retain[key], ref.get(key, {"error": "missing"})
-        if "error" in theirs or "first_loss" not in mine:
-            print(f"  T {key[0]} {key[1]}: FAIL: {theirs.get('error', 'no retain loss')}")
-            bad += 1
-            continue
-        rel = abs(mine["first_loss"] - theirs["first_loss"]) / abs(theirs["first_loss"])
-        ok = rel < 1e-5 and mine["first_cap"] > 0 and theirs["first_cap"] > 0
-        print(f"  T {key[0]} {key[1]}: loss retain {mine['first_loss']:.7f} trimkv {theirs['first_loss']:.7f} "
-              f"(relative {rel:.1e}), capacity {mine['first_cap']:.5f} / {theirs['first_cap']:.5f}"
-              f"{'' if ok else '  FAIL'}")
-        bad += not ok
-    if len(retain) != 4:
-        print(f"train_reference_check: FAIL: {len(retain)} retain rows, expected 4")
-        bad += 1
+    print("part 2: compare_train.py: first-step losses of retain and trimkv, resume, error rows, docs markers",
+          flush=True)
+    bad = compare_train_check(a)
     print("train_reference_check: " + ("FAIL" if bad else "ok"))
     return 1 if bad else 0
+
+
+# Two tiny shapes for compare_train.py's --shapes: GQA 2 with separate lm_head; GQA 4, tied, YaRN x4.
+TINY = {"tiny-a": "--layers 2 --hidden 32 --heads 4 --kv-heads 2 --head-dim 16 --intermediate 48 --vocab 300 "
+                  "--no-tie --seed 3",
+        "tiny-b": "--layers 2 --hidden 32 --heads 4 --kv-heads 1 --head-dim 16 --intermediate 48 --vocab 300 "
+                  "--tie --yarn-factor 4 --seed 4"}
+TOO_LONG = 262144  # > the models' max_position_embeddings (131072): retain-bench refuses it, an error row
+
+
+def compare_train_check(a):
+    """Part 2: compare_train.py on the tiny shapes. Returns the number of failed checks."""
+    import re
+    import shutil
+
+    bad = 0
+
+    def check(ok, what):
+        nonlocal bad
+        print(f"  {'ok  ' if ok else 'FAIL'} {what}", flush=True)
+        bad += not ok
+
+    script = os.path.join(REPO, "trainer", "bench", "compare_train.py")
+    docs = os.path.join(REPO, "docs", "benchmarks.md")
+    with tempfile.TemporaryDirectory(prefix="retain-train-ref-") as tmp:
+        out = os.path.join(tmp, "out")
+        base = [sys.executable, script, "--device", "cpu", "--seq", f"64,{TOO_LONG}", "--gate-hidden", "16",
+                "--memory", "24", "--docs", "2", "--iters", "1", "--warmup", "0", "--bin-dir", a.bin_dir,
+                "--python", a.trimkv_python, "--out", out] + [f"--define-shape={k}={v}" for k, v in TINY.items()]
+
+        def run(extra, what):
+            r = subprocess.run(base + extra, capture_output=True, text=True)
+            print(f"  compare_train.py {' '.join(extra)}: exit {r.returncode}", flush=True)
+            if r.returncode not in (0, 1, 75):
+                print(f"train_reference_check: compare_train.py ({what}) exited {r.returncode}: "
+                      f"{r.stderr.strip()[-2000:]}")
+            return r
+
+        def rows():
+            path = os.path.join(out, "compare.json")
+            return {(x["model"], x["seq"], x["gate"]): x for x in json.load(open(path))["rows"]} \
+                if os.path.exists(path) else {}
+
+        # A time budget already spent: no row runs, exit 75 (rows remain).
+        r = run(["--shapes", "tiny-a", "--time-budget", "0"], "budget")
+        check(r.returncode == 75 and not rows(), "--time-budget 0: exit 75 and no row run")
+
+        # One shape: two rows at T 64 and two error rows at T 262144.
+        r = run(["--shapes", "tiny-a"], "tiny-a")
+        first = rows()
+        check(r.returncode == 0 and len(first) == 4, f"tiny-a: exit 0, 4 rows ({len(first)})")
+        for g in ("trimkv", "dbtrimkv"):
+            e = first.get(("tiny-a", TOO_LONG, g), {})
+            check("max_position_embeddings" in e.get("retain", {}).get("error", "")
+                  and e.get("reference", {}).get("error", "").startswith("not run"),
+                  f"tiny-a T {TOO_LONG} {g}: an error row ({e.get('retain', {}).get('error')!r})")
+        check(len(re.findall(r"error: [^|]*max_position_embeddings",
+                             open(os.path.join(out, "compare.md")).read())) == 2,
+              "compare.md shows the two error rows")
+
+        # Resume: the tiny-a rows are skipped (unchanged), tiny-b's run.
+        r = run(["--shapes", "tiny-a,tiny-b"], "resume")
+        second = rows()
+        check(r.returncode == 0 and "4 row(s) already in" in r.stderr and len(second) == 8
+              and all(second[k] == v for k, v in first.items()),
+              f"resume: tiny-a's 4 rows skipped and unchanged, tiny-b's 4 added ({len(second)} rows)")
+
+        for k in sorted(k for k in second if k[1] == 64):
+            x = second[k]
+            mine, theirs = x["retain"], x["reference"]
+            if "error" in mine or "error" in theirs:
+                check(False, f"{k}: {mine.get('error') or theirs.get('error')}")
+                continue
+            rel = abs(mine["first_loss"] - theirs["first_loss"]) / abs(theirs["first_loss"])
+            check(rel < 1e-5 and mine["first_cap"] > 0 and theirs["first_cap"] > 0,
+                  f"{k[0]} T {k[1]} {k[2]}: loss retain {mine['first_loss']:.7f} trimkv {theirs['first_loss']:.7f} "
+                  f"(relative {rel:.1e}), capacity {mine['first_cap']:.5f} / {theirs['first_cap']:.5f}")
+        md = open(os.path.join(out, "compare.md")).read()
+        check(md.count("| ok |") == 4 and "| **FAIL** |" not in md,
+              "compare.md: 4 rows whose losses agree (ok), no FAIL")
+
+        # A tolerance no row meets: FAIL in the table, exit 1.
+        r = run(["--table-only", "--loss-tol", "1e-12"], "tolerance")
+        md = open(os.path.join(out, "compare.md")).read()
+        check(r.returncode == 1 and md.count("| **FAIL** |") == 4, "--loss-tol 1e-12: 4 rows FAIL, exit 1")
+
+        # --write-docs on a copy of docs/benchmarks.md: only the marked section changes.
+        copy = os.path.join(tmp, "docs", "benchmarks.md")
+        os.makedirs(os.path.dirname(copy))
+        shutil.copyfile(docs, copy)
+        begin, end = "<!-- train-vs-reference:begin -->", "<!-- train-vs-reference:end -->"
+        before = open(copy).read()
+        r = run(["--table-only", "--write-docs", "--docs-file", copy], "docs")
+        after = open(copy).read()
+        ok = r.returncode == 0 and before.count(begin) == 1 and after.count(begin) == 1 and after.count(end) == 1
+        if ok:
+            outside = (before[:before.index(begin)], before[before.index(end):])
+            inside = after[after.index(begin):after.index(end)]
+            ok = (after[:after.index(begin)], after[after.index(end):]) == outside and \
+                "| tiny-b | 64 | dbtrimkv |" in inside and "(images/train-vs-reference.png)" in inside and \
+                os.path.getsize(os.path.join(tmp, "docs", "images", "train-vs-reference.png")) > 0
+        r2 = run(["--table-only", "--write-docs", "--docs-file", copy], "docs again")
+        check(ok and r2.returncode == 0 and open(copy).read() == after,
+              "--write-docs replaces only the marked section of a copy of docs/benchmarks.md (twice: same text), "
+              "links the plot and copies it to images/train-vs-reference.png")
+
+    # The Qwen3 shapes: compare_train.py's table and launch/gpu-verify.sh's train phase agree.
+    sys.path.insert(0, os.path.join(REPO, "trainer", "bench"))
+    import compare_train
+
+    verify = open(os.path.join(REPO, "launch", "gpu-verify.sh")).read()
+    theirs = dict(re.findall(r'^\s*([0-9.]+B)\) shape=["(]([^")]+)[")]', verify, re.M))
+    if theirs:
+        check(theirs == compare_train.SHAPES and compare_train.SHAPE_COMMON in " ".join(verify.split()),
+              "the Qwen3 shapes of compare_train.py equal launch/gpu-verify.sh's")
+    else:
+        print("  (launch/gpu-verify.sh has no shape table of its own)")
+    return bad
+
 
 
 if __name__ == "__main__":
