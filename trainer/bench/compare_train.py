@@ -106,6 +106,9 @@ def run_side(cmd, timeout, env=None):
     finally:
         if timer:
             timer.cancel()
+        if _child.poll() is None:  # this process is ending (SIGTERM, an exception): so does the side
+            _child.kill()
+            _child.wait()
         _child = None
     return (None if timed_out else rc), tail
 
@@ -476,12 +479,15 @@ def main():
                 else:
                     made = tempfile.mkdtemp(prefix=f"retain-{label}-")
                     model_dir = os.path.join(made, label)
-                if not os.path.exists(os.path.join(model_dir, "config.json")):
-                    rc, tail = run_side([os.path.join(a.bin_dir, "retain-make-tiny"), "--out", model_dir]
+                if not os.path.isdir(model_dir):  # made under another name, renamed when complete
+                    partial = model_dir + ".partial"
+                    shutil.rmtree(partial, ignore_errors=True)
+                    rc, tail = run_side([os.path.join(a.bin_dir, "retain-make-tiny"), "--out", partial]
                                         + shlex.split(flags), None)
                     if rc != 0:
                         sys.exit(f"compare_train.py: retain-make-tiny for {label} failed: "
                                  f"{tail[-1] if tail else rc}")
+                    os.rename(partial, model_dir)
             for T, g in todo:
                 if over_budget():
                     out_of_time = True
@@ -532,8 +538,4 @@ def main():
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    finally:
-        if _child is not None and _child.poll() is None:
-            _child.kill()
+    sys.exit(main())
