@@ -18,11 +18,13 @@
 #                   call cut off at its time limit still returns what finished
 #   --work DIR      logs, JSON and the Qwen3-shaped models (default ${TMPDIR:-/tmp}/retain-gpu-verify)
 #   --only LIST     comma-separated phases, run in the order below (default: all of them):
-#                   emu kernels step train-tests comm sanitizers long train bench ncu
-#                   or one of three parts sized for a device lease (30 minutes, 10 per call):
+#                   emu kernels step train-tests comm sanitizers long train bench ncu reference
+#                   or one of the parts sized for a device lease (30 minutes, 10 per call):
 #                   part1 = emu,kernels,step,train-tests,comm,sanitizers   (correctness)
 #                   part2 = train                                          (issue 12's targets)
 #                   part3 = bench,long,ncu                                 (speed, long T)
+#                   part4 = reference: retain vs the TRIM-KV authors' trainer (issue 14; needs
+#                   the wheels of launch/gpu-wheels.sh carried as .whl/; resumes over calls)
 #   --deadline S    start no step after S seconds and cut the running one there (a device call
 #                   gets 600: give ~560); steps left are listed as NOT RUN
 #   --dry-run       print the steps (phase, name, time limit, command) and run nothing
@@ -47,16 +49,17 @@ while [ $# -gt 0 ]; do
       esac
       shift 2 ;;
     --dry-run) dry=1; shift ;;
-    -h|--help) sed -n 2,35p "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n 2,37p "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) usage_error "unknown argument '$1'" ;;
   esac
 done
-all_phases="emu,kernels,step,train-tests,comm,sanitizers,long,train,bench,ncu"
+all_phases="emu,kernels,step,train-tests,comm,sanitizers,long,train,bench,ncu,reference"
 case "$only" in
   all) only=$all_phases ;;
   part1) only="emu,kernels,step,train-tests,comm,sanitizers" ;;
   part2) only="train" ;;
   part3) only="bench,long,ncu" ;;
+  part4) only="reference" ;;
 esac
 for p in ${only//,/ }; do
   [[ ",$all_phases," == *",$p,"* ]] || usage_error "unknown phase '$p' in --only"
@@ -120,7 +123,7 @@ note() { if [ "$dry" = 1 ]; then echo "# $*"; else echo "$*" | tee -a "$summary"
 pack() {
   [ "$dry" = 1 ] && return 0
   cp "$summary" "$out/summary.txt.tmp" && mv "$out/summary.txt.tmp" "$out/summary.txt"
-  tar -C "$work" --exclude=./models -czf "$out/gpu-verify.tar.gz.tmp" . 2>/dev/null &&
+  tar -C "$work" --exclude=./models --exclude=./reference-site -czf "$out/gpu-verify.tar.gz.tmp" . 2>/dev/null &&
     mv "$out/gpu-verify.tar.gz.tmp" "$out/gpu-verify.tar.gz"
 }
 # Tests that skip on a machine with one GPU by design: StepCudaNoDevice checks the no-GPU error.
@@ -148,6 +151,7 @@ step() {
             grep -Ev "$expected_skips${SKIPS_OK:+|$SKIPS_OK}" || true)
   if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
     if [ "$cut" = 1 ]; then verdict="CUT(deadline)"; incomplete=1; else verdict="TIMEOUT(${limit}s)"; failed=1; fi
+  elif [ $rc -eq 75 ] && [ -n "${PARTIAL_OK:-}" ]; then verdict="PARTIAL(rc=75)"; incomplete=1
   elif [ $rc -ne 0 ]; then verdict="FAIL(rc=$rc)"; failed=1
   elif [ -n "$skipped" ]; then verdict="SKIPS($(wc -l <<<"$skipped"))"; failed=1; fi
   printf '%-66s %-14s %5ds\n' "$name" "$verdict" $((SECONDS - t0)) | tee -a "$summary"
@@ -282,7 +286,7 @@ if phase train; then
       4B) shape=(--layers 36 --hidden 2560 --heads 32 --kv-heads 8 --intermediate 9728 --tie) ;;
     esac
     step "train: make Qwen3-$m shapes" "$log" 300 "$bin/retain-make-tiny" --out "$models/qwen3-$m" "${shape[@]}" \
-      --head-dim 128 --vocab 151936 --yarn-factor 4 --seed 1
+      --head-dim 128 --vocab 151936 --yarn-factor 4 --seed 1 --max-gib 16
     for gate in trimkv dbtrimkv; do
       step "train: retain-bench train Qwen3-$m $gate 128K" "$log" 300 "$bin/retain-bench" train --device cuda \
         --model "$models/qwen3-$m" --seq 131072 --gate $gate --docs 1 --iters 1 --warmup 1 \
@@ -397,6 +401,45 @@ if phase ncu; then
         "${sections[@]}" \
         "$bin/retain-bench" attention --device cuda --seq 32768 --iters 1 --warmup 0
     done
+  fi
+fi
+
+if phase reference; then
+  # Issue 14: retain's training step against the TRIM-KV authors' trainer (trimkv 0.1.5, which
+  # pins transformers 4.57.1; this image has 5.x) on the same Qwen3 shapes and tokens. Their
+  # packages come as wheels (launch/gpu-wheels.sh, carried as .whl/) and are installed into a
+  # private folder that only the reference's Python sees. Rows accumulate in compare.json; a
+  # call that runs out of time exits 75 (PARTIAL) and the next call on a still-warm machine goes
+  # on from REFERENCE_DIR (or carry compare.json back in there). The table and plot are written
+  # into a copy of docs/benchmarks.md in the archive, for committing from there.
+  log=$L/reference.log
+  wheels=${WHEELS:-.whl}
+  site=$work/reference-site
+  keep=${REFERENCE_DIR:-${TMPDIR:-/tmp}/retain-reference}  # survives the next call's fresh --work
+  [ "$dry" = 1 ] || mkdir -p "$keep"
+  if [ "$dry" = 0 ] && ! compgen -G "$wheels/*.whl" >/dev/null; then
+    note "reference: NOT RUN: no wheels in $wheels (run launch/gpu-wheels.sh here and carry .whl)"; incomplete=1
+  else
+    step "reference: install trimkv 0.1.5 + transformers 4.57.1 (private)" "$log" 120 python3 -m pip install --quiet \
+      --no-index --no-deps --target "$site" "$wheels"/*.whl
+    if [ "$dry" = 0 ]; then
+      printf '#!/bin/sh\nPYTHONPATH="%s${PYTHONPATH:+:$PYTHONPATH}" exec python3 "$@"\n' "$site" >"$work/reference-python"
+      chmod +x "$work/reference-python"
+      [ -f "$keep/benchmarks.md" ] || cp docs/benchmarks.md "$keep/benchmarks.md"
+    fi
+    step "reference: its python sees transformers 4.57.1" "$log" 60 "$work/reference-python" -c \
+      'import transformers as t; assert t.__version__ == "4.57.1", t.__version__; print("transformers", t.__version__)'
+    budget=$((deadline > 0 ? deadline - SECONDS - 90 : 0))
+    PARTIAL_OK=1 step "reference: compare_train Qwen3-4B,1.7B,0.6B, 8K/32K/128K, trimkv/dbtrimkv" "$log" \
+      "${REFERENCE_TIMEOUT:-600}" python3 trainer/bench/compare_train.py --shapes 4B,1.7B,0.6B --device cuda \
+      --python "$work/reference-python" --bin-dir "$bin" --out "$keep/compare" --keep-models "$keep/models" \
+      $([ "$budget" -gt 0 ] && echo "--time-budget $budget") --write-docs --docs-file "$keep/benchmarks.md"
+    if [ "$dry" = 0 ]; then  # what comes back: the rows, the table, the plot and the docs copy
+      mkdir -p "$L/reference" && cp -r "$keep/compare" "$keep/benchmarks.md" "$L/reference/" 2>/dev/null
+      [ -d "$keep/images" ] && cp -r "$keep/images" "$L/reference/"
+      [ -f "$keep/compare/compare.md" ] && tee -a "$summary" <"$keep/compare/compare.md" >/dev/null
+      pack
+    fi
   fi
 fi
 

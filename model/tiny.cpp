@@ -154,11 +154,11 @@ void make_tiny_model(const std::string& dir, const TinyModelOptions& opt) {
   // A size guard: this tool makes test models; a typo (--hidden 65536) must not fill the disk.
   int64_t params = 0;
   for (const auto& [name, shape] : expected_tensors(c)) params += shape_numel(shape);
-  constexpr int64_t kMaxBytes = int64_t{1} << 30;
-  if (params * 2 > kMaxBytes)
+  const double gib = static_cast<double>(params) * 2 / static_cast<double>(int64_t{1} << 30);
+  if (gib > opt.max_gib)
     fail("{}: the model would hold {} parameters ({:.1f} GiB of BF16); retain-make-tiny makes test models of at "
-         "most 1 GiB",
-         dir, params, static_cast<double>(params) * 2 / static_cast<double>(kMaxBytes));
+         "most {:g} GiB (--max-gib raises it)",
+         dir, params, gib, opt.max_gib);
   // The output folder's parent must exist (as for every tool). A new folder is built beside it
   // and renamed into place, so an interrupted run leaves no half-made model under DIR; into an
   // existing folder each file is written atomically.

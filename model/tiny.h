@@ -24,6 +24,9 @@ struct TinyModelOptions {
   bool tie = true;
   double yarn_factor = 0;  // > 1: YaRN with original_max_position_embeddings = max_pos / factor
   uint64_t seed = 0;
+  // The size guard: a model of more BF16 bytes than this is refused (a typo such as --hidden
+  // 65536 must not fill the disk); Qwen3-shaped benchmark models raise it (--max-gib).
+  double max_gib = 1;
   // With a kind: also DIR/gates.safetensors, initialised as DESIGN §4 says (weights N(0, 0.02))
   // but with a small logit bias by default, so that the decay is visible (b = 18 is not).
   std::optional<gates::GateKind> gate_kind;

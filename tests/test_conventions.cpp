@@ -160,7 +160,12 @@ TEST(Conventions, MakeTinyRefusesNonsenseAndLeavesNothing) {
   expect_error(run(bin("retain-make-tiny") + " --out " + (dir / "m") + " --yarn-factor 0.5", dir), 2,
                "--yarn-factor must be 0 (no YaRN) or > 1", "--yarn-factor 0.5");
   expect_error(run(bin("retain-make-tiny") + " --out " + (dir / "m") + " --hidden 65536 --intermediate 65536 --layers 8", dir),
-               1, "retain-make-tiny makes test models of at most 1 GiB", "size guard");
+               1, "retain-make-tiny makes test models of at most 1 GiB (--max-gib raises it)", "size guard");
+  expect_error(run(bin("retain-make-tiny") + " --out " + (dir / "m") + " --hidden 65536 --intermediate 65536 --layers 8"
+                   " --max-gib 2.5", dir),
+               1, "(192.4 GiB of BF16); retain-make-tiny makes test models of at most 2.5 GiB", "raised guard");
+  expect_error(run(bin("retain-make-tiny") + " --out " + (dir / "m") + " --max-gib 0", dir), 2,
+               "--max-gib must be > 0", "--max-gib 0");
   expect_error(run(bin("retain-make-tiny") + " --out " + (dir / "no/m"), dir), 1, "does not exist", "missing parent");
   expect_only(dir, {});
   ASSERT_EQ(run(bin("retain-make-tiny") + " --out " + (dir / "m"), dir).code, 0);

@@ -13,7 +13,8 @@ namespace {
 
 constexpr const char* kUsage =
     "Usage: retain-make-tiny --out DIR [--layers N --hidden N --heads N --kv-heads N --head-dim N\n"
-    "                        --intermediate N --vocab N --tie|--no-tie --yarn-factor F --seed S]\n"
+    "                        --intermediate N --vocab N --tie|--no-tie --yarn-factor F --seed S\n"
+    "                        --max-gib 1]\n"
     "                        [--gates trimkv|dbtrimkv --gate-hidden G --bias-init B]\n\n"
     "Writes a random Qwen3 (config.json, model.safetensors in BF16, a byte-level\n"
     "tokenizer.json with Qwen3's pre-tokenizer regex and <|endoftext|>, <|im_start|>,\n"
@@ -38,6 +39,8 @@ int run(int argc, char** argv) {
       ("no-tie", "separate lm_head.weight")
       ("yarn-factor", cli::po::value(&o.yarn_factor)->default_value(0), "YaRN factor (> 1 enables YaRN)")
       ("seed", cli::po::value(&o.seed)->default_value(0), "random seed")
+      ("max-gib", cli::po::value(&o.max_gib)->default_value(1, "1"),
+       "refuse a model above this many GiB of BF16 (a size guard against typos; Qwen3-4B shapes need 8)")
       ("gates", cli::po::value(&gate_kind), "also write DIR/gates.safetensors: trimkv or dbtrimkv")
       ("gate-hidden", cli::po::value(&o.gate_hidden)->default_value(o.gate_hidden), "gate width G")
       ("bias-init", cli::po::value(&o.gate_bias_init)->default_value(o.gate_bias_init), "gate logit bias b");
@@ -46,6 +49,7 @@ int run(int argc, char** argv) {
   if (!(o.yarn_factor == 0 || o.yarn_factor > 1))
     throw cli::UsageError(fmt::format(
         "--yarn-factor must be 0 (no YaRN) or > 1 (it stretches the context by that factor), got {}", o.yarn_factor));
+  if (!(o.max_gib > 0)) throw cli::UsageError(fmt::format("--max-gib must be > 0, got {}", o.max_gib));
   if (vm.count("tie") && vm.count("no-tie")) throw cli::UsageError("--tie and --no-tie are exclusive");
   o.tie = !vm.count("no-tie");
   if (vm.count("gates")) {

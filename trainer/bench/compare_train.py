@@ -482,7 +482,8 @@ def main():
                 if not os.path.isdir(model_dir):  # made under another name, renamed when complete
                     partial = model_dir + ".partial"
                     shutil.rmtree(partial, ignore_errors=True)
-                    rc, tail = run_side([os.path.join(a.bin_dir, "retain-make-tiny"), "--out", partial]
+                    # --max-gib: the tool's size guard (1 GiB) is for typos; Qwen3-4B is 7.5 GiB.
+                    rc, tail = run_side([os.path.join(a.bin_dir, "retain-make-tiny"), "--out", partial, "--max-gib", "16"]
                                         + shlex.split(flags), None)
                     if rc != 0:
                         sys.exit(f"compare_train.py: retain-make-tiny for {label} failed: "
