@@ -143,7 +143,8 @@ step() {
     if [ "$left" -lt "$limit" ]; then limit=$left cut=1; fi
   fi
   local t0=$SECONDS rc start
-  start=$(($(wc -l <"$log" 2>/dev/null || echo 0) + 1))
+  start=1
+  if [ -f "$log" ]; then start=$(($(wc -l <"$log") + 1)); fi
   echo "=== $name: $*" >>"$log"
   timeout --kill-after=10 "$limit" "$@" >>"$log" 2>&1; rc=$?
   local verdict=PASS skipped
