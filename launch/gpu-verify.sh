@@ -435,10 +435,20 @@ if phase reference; then
       "${REFERENCE_TIMEOUT:-600}" python3 trainer/bench/compare_train.py --shapes 4B,1.7B,0.6B --device cuda \
       --python "$work/reference-python" --bin-dir "$bin" --out "$keep/compare" --keep-models "$keep/models" \
       $([ "$budget" -gt 0 ] && echo "--time-budget $budget") --write-docs --docs-file "$keep/benchmarks.md"
+    # The loss check with a visible decay: both sides' gates with output projection 0 and bias 2
+    # (logβ = logsigmoid(2) ≈ −0.127 for every token, whatever their random weights), so the
+    # first-step losses show the gated math; Qwen3-0.6B at 8K, rows of its own (not in the docs).
+    budget=$((deadline > 0 ? deadline - SECONDS - 90 : 0))
+    PARTIAL_OK=1 step "reference: compare_train Qwen3-0.6B 8K, --gate-init zero-output:2" "$log" \
+      "${REFERENCE_TIMEOUT:-600}" python3 trainer/bench/compare_train.py --shapes 0.6B --seq 8192 --device cuda \
+      --gate-init zero-output:2 --python "$work/reference-python" --bin-dir "$bin" --out "$keep/compare-visible" \
+      --keep-models "$keep/models" $([ "$budget" -gt 0 ] && echo "--time-budget $budget")
     if [ "$dry" = 0 ]; then  # what comes back: the rows, the table, the plot and the docs copy
       mkdir -p "$L/reference" && cp -r "$keep/compare" "$keep/benchmarks.md" "$L/reference/" 2>/dev/null
+      [ -d "$keep/compare-visible" ] && cp -r "$keep/compare-visible" "$L/reference/"
       [ -d "$keep/images" ] && cp -r "$keep/images" "$L/reference/"
       [ -f "$keep/compare/compare.md" ] && tee -a "$summary" <"$keep/compare/compare.md" >/dev/null
+      [ -f "$keep/compare-visible/compare.md" ] && tee -a "$summary" <"$keep/compare-visible/compare.md" >/dev/null
       pack
     fi
   fi

@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -495,11 +496,12 @@ int gemm(int argc, char** argv) {
 constexpr const char* kTrainUsage =
     "Usage: retain-bench train --model DIR [--device cpu|cuda] [--seq 8192,32768] [--gate trimkv,dbtrimkv]\n"
     "                          [--docs 1] [--iters 3] [--warmup 1] [--gate-hidden 512] [--memory 128]\n"
-    "                          [--seed 1] [--dump-batch FILE] [--json FILE]\n\n"
+    "                          [--seed 1] [--gate-init random|zero-output:B] [--dump-batch FILE]\n"
+    "                          [--json FILE]\n\n"
     "Times retain's training step (trainer::compute_gradients, then AdamW on the flat gate\n"
-    "parameters) on the model in DIR, for every (--seq, --gate): fresh gates (bias 18, weights\n"
-    "N(0, 0.02)), one micro-batch of T random token ids (seeded by --seed and T, the same for\n"
-    "every gate) split into --docs equal documents, every token a target; one rank. Weights:\n"
+    "parameters) on the model in DIR, for every (--seq, --gate): fresh gates (--gate-init), one\n"
+    "micro-batch of T random token ids (seeded by --seed and T, the same for every gate) split\n"
+    "into --docs equal documents, every token a target; one rank. Weights:\n"
     "the mapped checkpoint on the CPU, the whole model resident on the GPU (bf16 matmuls) on\n"
     "CUDA. Each step starts from zeroed gradients; the gates keep training across iterations.\n"
     "Reported: the median over --iters timed steps after --warmup steps of the step time and of\n"
@@ -515,6 +517,13 @@ constexpr const char* kTrainUsage =
     "recompute + backward (activation-only: projections and MLP once more, attention 2.5x its\n"
     "forward, the gate twice) + loss (2*D*V per loss position for the teacher logits, the\n"
     "student logits and the hidden-state gradient).\n\n"
+    "--gate-init random (default): bias 18, weights N(0, 0.02) (RetentionGates::init), so logβ ≈\n"
+    "−1.5e-8 and the gates barely touch the loss. zero-output:B: the same, then the gate's output\n"
+    "projection (trimkv: every layer's linear2.weight; dbtrimkv: the shared linear3.weight) set to\n"
+    "zero and the bias b to B, so logβ = logsigmoid(B) for every token, head and layer whatever\n"
+    "the other weights are (B = 2: logβ ≈ −0.127, a visible decay): a loss that any trainer with\n"
+    "the same init reproduces without sharing random weights (trainer/bench/bench_reference.py\n"
+    "--gate-init). The JSON's gate_init and the header say which.\n\n"
     "--json FILE: every row also carries its FLOPs by pass (flops: teacher, student, recompute,\n"
     "backward, loss, count_pass, total), the count its TFLOP/s divides.\n"
     "--dump-batch FILE writes the batches (per T: ids and document ids) as JSON, for the\n"
@@ -577,9 +586,56 @@ trainer::MicroBatch bench_batch(int64_t T, int64_t docs, int64_t vocab, uint64_t
   return mb;
 }
 
+// --gate-init: "random" (RetentionGates::init at bias 18) or "zero-output:B" (the output
+// projection zeroed, the bias b = B: logβ = logsigmoid(B) everywhere).
+struct GateInit {
+  bool zero_output = false;
+  double bias = 18.0;
+  std::string name() const { return zero_output ? fmt::format("zero-output:{}", bias) : "random"; }
+};
+
+GateInit parse_gate_init(const std::string& text) {
+  if (text == "random") return {};
+  const std::string prefix = "zero-output:";
+  if (text.rfind(prefix, 0) == 0) {
+    const std::string value = text.substr(prefix.size());
+    char* end = nullptr;
+    const double b = value.empty() || std::isspace(static_cast<unsigned char>(value[0]))
+                         ? std::nan("")
+                         : std::strtod(value.c_str(), &end);
+    if (end == value.c_str() + value.size() && std::isfinite(b)) return {true, b};
+  }
+  throw cli::UsageError(fmt::format(
+      "--gate-init: '{}' is not random or zero-output:B (B a finite number, e.g. zero-output:2)", text));
+}
+
+// Fresh gates as --gate-init says: init(bias), then for zero-output every output-projection
+// weight (trimkv: each layer's linear2.weight [K, G]; dbtrimkv: the one shared linear3.weight
+// [K, G]; DESIGN §4 names) set to zero.
+gates::RetentionGates fresh_gates(const gates::GateDims& dims, const GateInit& init, uint64_t seed) {
+  gates::RetentionGates g = gates::RetentionGates::init(dims, init.bias, seed);
+  if (!init.zero_output) return g;
+  const std::string suffix =
+      dims.kind == gates::GateKind::trimkv ? ".retention_gate.linear2.weight" : ".retention_gate.linear3.weight";
+  int64_t zeroed = 0;
+  for (Parameter& p : g.parameters()) {
+    const std::string& name = p.name();
+    if (name.size() < suffix.size() || name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0)
+      continue;
+    RETAIN_CHECK(p.value.ndim() == 2 && p.value.dim(0) == dims.kv_heads, "gate output weight {} has shape {}", name,
+                 shape_str(p.value.shape()));
+    std::fill_n(p.value.data<float>(), p.value.numel(), 0.0f);
+    ++zeroed;
+  }
+  const int64_t want = dims.kind == gates::GateKind::trimkv ? dims.layers : 1;
+  RETAIN_CHECK(zeroed == want, "--gate-init {}: zeroed {} output weights of {} gates, expected {}", init.name(),
+               zeroed, gates::gate_kind_name(dims.kind), want);
+  return g;
+}
+
 int train(int argc, char** argv) {
   cli::po::options_description opts("Options of retain-bench train");
-  std::string model_dir, device_arg, seq_text, gate_text, json_path, dump_path;
+  std::string model_dir, device_arg, seq_text, gate_text, json_path, dump_path, gate_init_text;
   int64_t docs = 0, gate_hidden = 0;
   double memory = 0;
   uint64_t seed = 0;
@@ -593,6 +649,8 @@ int train(int argc, char** argv) {
       ("gate-hidden", cli::po::value(&gate_hidden)->default_value(512), "the gates' hidden width G")
       ("memory", cli::po::value(&memory)->default_value(128), "memory M of the capacity loss (retain-train's default)")
       ("seed", cli::po::value(&seed)->default_value(1), "seed of the token ids and the gates")
+      ("gate-init", cli::po::value(&gate_init_text)->default_value("random"),
+       "random (bias 18, weights N(0, 0.02)) or zero-output:B (output weights 0, bias B; see above)")
       ("iters", cli::po::value(&iters)->default_value(3), "timed steps per row, median reported")
       ("warmup", cli::po::value(&warmup)->default_value(1), "untimed steps before them")
       ("dump-batch", cli::po::value(&dump_path), "write the batches (ids, document ids per T) as JSON to FILE")
@@ -607,6 +665,7 @@ int train(int argc, char** argv) {
   if (gate_hidden <= 0) throw cli::UsageError("--gate-hidden must be positive");
   if (!(memory > 0)) throw cli::UsageError("--memory must be positive");
   if (iters <= 0 || warmup < 0) throw cli::UsageError("--iters must be positive and --warmup not negative");
+  const GateInit gate_init = parse_gate_init(gate_init_text);
   std::vector<gates::GateKind> kinds;
   for (const std::string& g : split_list(gate_text)) {
     if (g != "trimkv" && g != "dbtrimkv")
@@ -660,9 +719,14 @@ int train(int argc, char** argv) {
   }
 
   std::cout << fmt::format(
-      "retain-bench train on {}: {} (L {} D {} H {} K {} d {} V {}), G {} docs {} M {}, median of {} after {} warm-up\n",
+      "retain-bench train on {}: {} (L {} D {} H {} K {} d {} V {}), G {} docs {} M {}, median of {} after {} warm-up\n"
+      "gates: --gate-init {} ({})\n",
       device_line, model_dir, mc.num_hidden_layers, mc.hidden_size, mc.num_attention_heads, mc.num_key_value_heads,
-      mc.head_dim, mc.vocab_size, gate_hidden, docs, memory, iters, warmup);
+      mc.head_dim, mc.vocab_size, gate_hidden, docs, memory, iters, warmup, gate_init.name(),
+      gate_init.zero_output
+          ? fmt::format("output weights 0, bias {}: logβ = {:.6g} for every token", gate_init.bias,
+                        static_cast<double>(gates::log_sigmoid(static_cast<float>(gate_init.bias))))
+          : std::string("bias 18, weights N(0, 0.02)"));
   const std::string header =
       fmt::format("{:>7} {:<8} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10} {:>8} {:>6} {:>8} {:>10}\n", "seq",
                   "gate", "step ms", "teacher", "student", "capacity", "loss", "backward", "optim", "tokens/s",
@@ -675,7 +739,7 @@ int train(int argc, char** argv) {
     const std::vector<trainer::MicroBatch> mbs = {batches[b]};
     for (gates::GateKind kind : kinds) {
       const gates::GateDims dims{kind, mc.num_hidden_layers, mc.hidden_size, gate_hidden, mc.num_key_value_heads};
-      gates::RetentionGates gates = gates::RetentionGates::init(dims, 18.0, seed);
+      gates::RetentionGates gates = fresh_gates(dims, gate_init, seed);
       const int64_t n = trainer::flat_size(gates);
       std::vector<float> values(static_cast<size_t>(n)), grads(static_cast<size_t>(n));
       trainer::flatten_values(gates, values.data());
@@ -748,6 +812,7 @@ int train(int argc, char** argv) {
     j["gate_hidden"] = gate_hidden;
     j["memory"] = memory;
     j["seed"] = seed;
+    j["gate_init"] = gate_init.name();
     j["iters"] = iters;
     j["warmup"] = warmup;
     j["peak_tflops"] = peak_tflops ? nlohmann::json(*peak_tflops) : nlohmann::json(nullptr);

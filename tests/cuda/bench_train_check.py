@@ -10,6 +10,9 @@ peak table, trainer/flops.h) and TFLOP/s over the peak otherwise; the table's MF
 exactly then. Prints "bench train json: ok" at the end (CTest's pass pattern) and exits 1 with
 the reasons otherwise. On the CUDA emulator (CTest bench.train_cuda_emu) the timings are the
 emulator's and mean nothing; the device is not in the table, so MFU must be n/a.
+--gate-init INIT is passed on; the JSON's gate_init and the header line "gates: --gate-init INIT"
+must say it (default "random"), and with zero-output:B (logβ = logsigmoid(B) for either kind)
+trimkv's and dbtrimkv's first-step losses must be equal (CTest bench.train_gate_init_cpu).
 
     bench_train_check.py --bin-dir build-emu/bin --device cuda [--expect-mfu na|number|any]
 """
@@ -26,8 +29,8 @@ ROW_KEYS = {"seq", "gate", "step_ms", "phase_ms", "tokens_per_s", "tflops", "flo
             "first_loss", "first_kl", "first_ntp", "first_cap"}
 FLOP_PASSES = {"teacher", "student", "recompute", "backward", "loss", "count_pass"}
 PHASES = {"teacher", "student", "capacity", "loss", "backward", "optimizer"}
-TOP_KEYS = {"tool", "date", "device", "model", "docs", "gate_hidden", "memory", "seed", "iters", "warmup",
-            "peak_tflops", "flops", "rows"}
+TOP_KEYS = {"tool", "date", "device", "model", "docs", "gate_hidden", "memory", "seed", "gate_init", "iters",
+            "warmup", "peak_tflops", "flops", "rows"}
 
 
 def number(v):
@@ -41,8 +44,10 @@ def main():
     ap.add_argument("--seq", type=int, default=64, help="T (default 64)")
     ap.add_argument("--expect-mfu", default="any", choices=["na", "number", "any"],
                     help="na: the device must not be in the peak table (the emulator); number: it must be")
+    ap.add_argument("--gate-init", default=None, help="passed to retain-bench train (default: not given: random)")
     args = ap.parse_args()
     errors = []
+    want_init = args.gate_init or "random"
 
     with tempfile.TemporaryDirectory(prefix="retain_bench_train_") as tmp:
         model = os.path.join(tmp, "model")
@@ -52,6 +57,8 @@ def main():
         out = os.path.join(tmp, "train.json")
         cmd = [os.path.join(args.bin_dir, "retain-bench"), "train", "--model", model, "--device", args.device,
                "--seq", str(args.seq), "--gate-hidden", "16", "--iters", "1", "--warmup", "0", "--json", out]
+        if args.gate_init:
+            cmd += ["--gate-init", args.gate_init]
         print("$ " + " ".join(cmd), flush=True)
         r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         sys.stdout.write(r.stdout)
@@ -73,6 +80,10 @@ def main():
         errors.append(f"device {j.get('device')!r} is not in the peak table")
     if j.get("tool") != "retain-bench train":
         errors.append(f"tool {j.get('tool')!r}")
+    if j.get("gate_init") != want_init:
+        errors.append(f"gate_init {j.get('gate_init')!r}, expected {want_init!r}")
+    if not re.search(rf"^gates: --gate-init {re.escape(want_init)} \(", r.stdout, re.M):
+        errors.append(f"no header line 'gates: --gate-init {want_init} (...)'")
     rows = j.get("rows", [])
     if sorted((r.get("seq"), r.get("gate")) for r in rows) != [(args.seq, "dbtrimkv"), (args.seq, "trimkv")]:
         errors.append(f"rows {[(r.get('seq'), r.get('gate')) for r in rows]}")
@@ -112,6 +123,11 @@ def main():
             if abs(row["tokens_per_s"] - want) > 1e-6 * want:
                 errors.append(f"{at}: tokens_per_s {row['tokens_per_s']} for {args.seq} tokens in {row['step_ms']} ms")
 
+    if want_init.startswith("zero-output:"):  # the same constant logβ for both kinds: the same loss
+        losses = {row.get("gate"): row.get("first_loss") for row in rows}
+        if len(set(losses.values())) != 1:
+            errors.append(f"zero-output init: the kinds' first-step losses differ: {losses}")
+
     # The printed table: one line per row, its MFU column "n/a" exactly when there is no peak.
     for gate in ("trimkv", "dbtrimkv"):
         line = re.search(rf"^ *{args.seq} {gate} .*$", r.stdout, re.M)
@@ -125,7 +141,7 @@ def main():
     if errors:
         return 1
     mfu = "n/a" if peak is None else "a number"
-    print(f"bench train json: ok ({len(rows)} rows on {j['device']}, MFU {mfu})")
+    print(f"bench train json: ok ({len(rows)} rows on {j['device']}, MFU {mfu}); gates {want_init}")
     return 0
 
 

@@ -13,6 +13,14 @@
    skips the first shape's rows (resume) and adds the other's; --loss-tol 1e-12 shows **FAIL**
    and exits 1; --write-docs on a copy of docs/benchmarks.md replaces only the marked section
    and copies the plot; the Qwen3 shape flags equal launch/gpu-verify.sh's.
+3. --gate-init zero-output:2 (both sides: the gates' output projection 0, bias 2, so logβ =
+   logsigmoid(2) ≈ −0.127 for every token whatever the random weights): in the same OUT, tiny-a's
+   T 64 rows run again as new rows (the random-init rows are not reused, and stay as they were);
+   the loss of each agrees with the reference within 1e-5 although the decay is visible (the KL
+   term is > 1e-3, against ~0 at bias 18, and the loss differs from the random-init row's by
+   > 1e-3 relative); trimkv's and dbtrimkv's losses are equal (the same constant logβ); the table
+   shows the gate init. Then tiny-b at M 4 in another OUT, where the capacity term is active
+   under that decay (the retention sum reaches ≈ 8.4 > M): the losses agree within 1e-5 too.
 
 Part 1 runs inside the trimkv Python ($RETAIN_TRIMKV_PYTHON, default
 ~/.cache/retain/venvs/trimkv/bin/python); without it the check exits 77 (CTest: skipped).
@@ -129,6 +137,39 @@ TINY = {"tiny-a": "--layers 2 --hidden 32 --heads 4 --kv-heads 2 --head-dim 16 -
 TOO_LONG = 262144  # > the models' max_position_embeddings (131072): retain-bench refuses it, an error row
 
 
+def check_visible(check, vis, random_rows, what, capacity=False):
+    """Part 3's rows (key -> row, --gate-init zero-output:2): both sides report that init, the
+    losses agree within 1e-5, the KL shows the decay, trimkv's and dbtrimkv's losses are equal,
+    and (with random_rows) the loss moved away from the random-init row's."""
+    for k in sorted(vis):
+        x = vis[k]
+        mine, theirs = x["retain"], x["reference"]
+        if "error" in mine or "error" in theirs:
+            check(False, f"{k} zero-output:2: {mine.get('error') or theirs.get('error')}")
+            continue
+        inits = (x.get("retain_run", {}).get("gate_init"), x.get("reference_run", {}).get("gate_init"))
+        rel = abs(mine["first_loss"] - theirs["first_loss"]) / abs(theirs["first_loss"])
+        moved = ""
+        ok = inits == ("zero-output:2", "zero-output:2") and rel < 1e-5 and mine["first_kl"] > 1e-3
+        if random_rows is not None:
+            base = random_rows[k]["retain"]["first_loss"]
+            shift = abs(mine["first_loss"] - base) / abs(base)
+            ok = ok and shift > 1e-3
+            moved = f", {shift:.1e} from the random-init loss {base:.7f}"
+        if capacity:
+            ok = ok and mine["first_cap"] > 1e-3 and theirs["first_cap"] > 1e-3
+        check(ok, f"{k[0]} T {k[1]} {k[2]} zero-output:2 ({what}): inits {inits}, loss retain {mine['first_loss']:.7f} "
+                  f"trimkv {theirs['first_loss']:.7f} (relative {rel:.1e}{moved}), KL {mine['first_kl']:.4f}, "
+                  f"capacity {mine['first_cap']:.5f} / {theirs['first_cap']:.5f}")
+    losses = {k[2]: v["retain"].get("first_loss") for k, v in vis.items()}
+    ref = {k[2]: v["reference"].get("first_loss") for k, v in vis.items()}
+    same = None not in (losses.get("trimkv"), losses.get("dbtrimkv"), ref.get("trimkv"), ref.get("dbtrimkv"))
+    check(same and abs(losses["trimkv"] - losses["dbtrimkv"]) <= 1e-6 * abs(losses["trimkv"])
+          and abs(ref["trimkv"] - ref["dbtrimkv"]) <= 1e-6 * abs(ref["trimkv"]),
+          f"zero-output:2 ({what}): trimkv's and dbtrimkv's losses are equal on each side (the same logβ): "
+          f"retain {losses}, trimkv {ref}")
+
+
 def compare_train_check(a):
     """Part 2: compare_train.py on the tiny shapes. Returns the number of failed checks."""
     import re
@@ -149,18 +190,18 @@ def compare_train_check(a):
                 "--memory", "24", "--docs", "2", "--iters", "1", "--warmup", "0", "--bin-dir", a.bin_dir,
                 "--python", a.trimkv_python, "--out", out] + [f"--define-shape={k}={v}" for k, v in TINY.items()]
 
-        def run(extra, what):
+        def run(extra, what, expect=(0, 1, 75)):
             r = subprocess.run(base + extra, capture_output=True, text=True)
             print(f"  compare_train.py {' '.join(extra)}: exit {r.returncode}", flush=True)
-            if r.returncode not in (0, 1, 75):
+            if r.returncode not in expect:
                 print(f"train_reference_check: compare_train.py ({what}) exited {r.returncode}: "
                       f"{r.stderr.strip()[-2000:]}")
             return r
 
-        def rows():
-            path = os.path.join(out, "compare.json")
-            return {(x["model"], x["seq"], x["gate"]): x for x in json.load(open(path))["rows"]} \
-                if os.path.exists(path) else {}
+        def rows(where=None, init="random"):
+            path = os.path.join(where or out, "compare.json")
+            return {(x["model"], x["seq"], x["gate"]): x for x in json.load(open(path))["rows"]
+                    if x.get("gate_init", "random") == init} if os.path.exists(path) else {}
 
         # A time budget already spent: no row runs, exit 75 (rows remain).
         r = run(["--shapes", "tiny-a", "--time-budget", "0"], "budget")
@@ -218,12 +259,36 @@ def compare_train_check(a):
             outside = (before[:before.index(begin)], before[before.index(end):])
             inside = after[after.index(begin):after.index(end)]
             ok = (after[:after.index(begin)], after[after.index(end):]) == outside and \
-                "| tiny-b | 64 | dbtrimkv |" in inside and "(images/train-vs-reference.png)" in inside and \
+                "| tiny-b | 64 | dbtrimkv | random |" in inside and "(images/train-vs-reference.png)" in inside and \
                 os.path.getsize(os.path.join(tmp, "docs", "images", "train-vs-reference.png")) > 0
         r2 = run(["--table-only", "--write-docs", "--docs-file", copy], "docs again")
         check(ok and r2.returncode == 0 and open(copy).read() == after,
               "--write-docs replaces only the marked section of a copy of docs/benchmarks.md (twice: same text), "
               "links the plot and copies it to images/train-vs-reference.png")
+
+        # Part 3: the visible-gate init. Same OUT: new rows, the random-init ones untouched.
+        before_rows = rows()
+        r = run(["--shapes", "tiny-a", "--seq", "64", "--gate-init", "zero-output:2"], "zero-output")
+        vis = rows(init="zero-output:2")
+        check(r.returncode == 0 and "already in" not in r.stderr and len(vis) == 2 and rows() == before_rows,
+              f"--gate-init zero-output:2 in the same OUT: 2 new rows ({len(vis)}), none reused, the 8 random-init "
+              f"rows unchanged")
+        check_visible(check, vis, second, "M 24")
+        md = open(os.path.join(out, "compare.md")).read()
+        check(md.count("| zero-output:2 |") == 2 and md.count("| random |") == 8,
+              "compare.md shows the gate init of every row (2 zero-output:2, 8 random)")
+
+        # The capacity term under the visible decay: tiny-b at M 4 (retention sums up to ≈ 8.4).
+        out4 = os.path.join(tmp, "out-m4")
+        r = run(["--shapes", "tiny-b", "--seq", "64", "--memory", "4", "--gate-init", "zero-output:2", "--out", out4],
+                "zero-output M 4")
+        vis4 = rows(out4, "zero-output:2")
+        check(r.returncode == 0 and len(vis4) == 2, f"--gate-init zero-output:2 --memory 4: 2 rows ({len(vis4)})")
+        check_visible(check, vis4, None, "M 4", capacity=True)
+
+        # A bad value is a usage error before anything runs.
+        r = run(["--shapes", "tiny-a", "--gate-init", "zero-output:inf"], "bad init", expect=(2,))
+        check(r.returncode == 2 and "zero-output:B" in r.stderr, "--gate-init zero-output:inf: usage error (exit 2)")
 
     # The Qwen3 shapes: compare_train.py's table and launch/gpu-verify.sh's train phase agree.
     sys.path.insert(0, os.path.join(REPO, "trainer", "bench"))

@@ -3,7 +3,7 @@
 `retain-bench train --dump-batch FILE` wrote, for comparison with retain (a benchmark, not a test).
 
 Per (T, gate) — trimkv = the package's `rg` gate, dbtrimkv = `rg10` (gates tied over layers):
-fresh gates (bias init 18, G = --gate-hidden), every other parameter frozen; one step is
+fresh gates (G = --gate-hidden; --gate-init, below), every other parameter frozen; one step is
   teacher    logits of the frozen model under no_grad (vanilla_forward=True, plain attention)
   student    the gated forward (model.train(), FlexAttention with the retention score_mod,
              gradient checkpointing, logit_block_size 8192) with labels and base_logits
@@ -20,6 +20,14 @@ score_mod and block mask through PyTorch's dense math, with autograd — slow, s
 loss, not the speed. Reported per row: median step ms and per phase over --iters
 steps after --warmup, tokens/s, peak memory (torch.cuda.max_memory_allocated, or ru_maxrss on
 the CPU), the first step's loss. An out-of-memory or any other failure is a row {"error": "..."}.
+
+--gate-init random (default): the package's reset_parameters() at bias init 18 (weights
+N(0, 0.02) from torch's RNG, seeded by --seed), so logβ ≈ −1.5e-8. zero-output:B: the same, then
+the gate's output projection set to zero (RetentionGate.linear2.weight for trimkv,
+RetentionGate10.linear3.weight for dbtrimkv, shared over the layers) and its bias to B: logβ =
+logsigmoid(B) for every token, head and layer whatever the other weights are — what
+`retain-bench train --gate-init zero-output:B` does, so the first-step losses of both must agree
+although their random weights differ. The JSON's gate_init says which.
 
 Every row, whether it succeeds or fails, releases what it allocated before the next one starts:
 the model, the optimizer, the teacher logits (at 128K with a 151936-token vocabulary ~40 GB of
@@ -52,7 +60,9 @@ import datetime
 import gc
 import importlib.machinery
 import json
+import math
 import os
+import re
 import resource
 import statistics
 import sys
@@ -109,6 +119,49 @@ def eager_flex_on_cpu():
 
     fa._validate_device = lambda *args, **kwargs: None
     flex_attn.flex_attention_compiled = fa.flex_attention
+
+
+GATE_INIT_NUMBER = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+
+
+def parse_gate_init(text):
+    """--gate-init: None for "random", B for "zero-output:B" (a finite decimal number); ValueError
+    otherwise. compare_train.py uses it too."""
+    if text == "random":
+        return None
+    prefix = "zero-output:"
+    if text.startswith(prefix) and GATE_INIT_NUMBER.fullmatch(text[len(prefix):]):
+        b = float(text[len(prefix):])
+        if math.isfinite(b):
+            return b
+    raise ValueError(f"--gate-init: {text!r} is not random or zero-output:B (B a finite number, e.g. zero-output:2)")
+
+
+def gate_init_name(bias):
+    """The canonical --gate-init of parse_gate_init's result: "random" or "zero-output:B" with B
+    as retain-bench writes it (shortest round trip, no trailing ".0")."""
+    if bias is None:
+        return "random"
+    r = repr(float(bias))
+    return "zero-output:" + (r[:-2] if r.endswith(".0") else r)
+
+
+def init_gates(model, mq, zero_output_bias):
+    """Fresh gates (the checkpoint has none): reset_parameters() at the config's bias init; for
+    zero-output:B also the output projection (rg: linear2.weight, rg10: linear3.weight) to zero
+    and the bias to B. Returns the number of gate modules."""
+    n = 0
+    for m in model.modules():
+        if isinstance(m, (mq.RetentionGate, mq.RetentionGate10)):
+            m.reset_parameters()
+            if zero_output_bias is not None:
+                out = m.linear2 if isinstance(m, mq.RetentionGate) else m.linear3
+                out.weight.data.zero_()
+                m.bias.data.fill_(zero_output_bias)
+            n += 1
+    if not n:
+        raise RuntimeError("the model has no retention gate modules")
+    return n
 
 
 def peak_gb(device):
@@ -178,7 +231,7 @@ def run_row(a, mq, TrimKVQwen3Config, b, g, kind, device, dtype, state, fail_pha
     cfg = TrimKVQwen3Config.from_pretrained(a.model)
     cfg.retention_gate = kind
     cfg.retention_gate_intermediate_size = a.gate_hidden
-    cfg.retention_gate_bias_init = 18.0
+    cfg.retention_gate_bias_init = 18.0 if a.zero_output_bias is None else a.zero_output_bias
     cfg.retention_weight = 1.0
     cfg.memory_size = a.memory
     cfg.global_capacity = False  # retain's default capacity (local, per layer and KV head)
@@ -191,9 +244,7 @@ def run_row(a, mq, TrimKVQwen3Config, b, g, kind, device, dtype, state, fail_pha
     model = mq.TrimKVQwen3ForCausalLM.from_pretrained(a.model, config=cfg, load_trimkv_weights=False,
                                                       dtype=dtype).to(device)
     model.config._attn_implementation = "flex_attention"
-    for m in model.modules():  # the gates are missing from the checkpoint: fresh, bias 18
-        if isinstance(m, (mq.RetentionGate, mq.RetentionGate10)):
-            m.reset_parameters()
+    init_gates(model, mq, a.zero_output_bias)  # the gates are missing from the checkpoint: fresh
     params = []
     for name, p in model.named_parameters():
         p.requires_grad_("retention_gate" in name)
@@ -306,8 +357,15 @@ def main():
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--gate-init", default="random",
+                    help="random (bias 18, weights N(0, 0.02)) or zero-output:B (output weights 0, bias B)")
     ap.add_argument("--json", help="write the results as JSON to FILE")
     a = ap.parse_args()
+    try:
+        a.zero_output_bias = parse_gate_init(a.gate_init)
+    except ValueError as e:
+        ap.error(str(e))
+    a.gate_init = gate_init_name(a.zero_output_bias)
 
     stub_flash_attn()
     import torch
@@ -333,6 +391,13 @@ def main():
     print(f"reference (trimkv {getattr(trimkv, '__version__', '0.1.5')}, torch {torch.__version__}, "
           f"transformers {transformers.__version__}) on {device_line}, {a.model}, G {a.gate_hidden} M {a.memory:g}, "
           f"median of {a.iters} after {a.warmup} warm-up", flush=True)
+    if a.zero_output_bias is None:
+        print("gates: --gate-init random (bias 18, weights N(0, 0.02))", flush=True)
+    else:
+        b = a.zero_output_bias
+        ls = min(b, 0.0) - math.log1p(math.exp(-abs(b)))  # logsigmoid(B)
+        print(f"gates: --gate-init {a.gate_init} (output weights 0, bias {a.zero_output_bias:g}: logβ = {ls:.6g} "
+              f"for every token)", flush=True)
     header = f"{'seq':>7} {'gate':<8} {'step ms':>10} {'teacher':>9} {'student':>9} {'backward':>9} {'optim':>9} " \
              f"{'tokens/s':>10} {'peak GB':>8} {'loss@1':>10}"
     print(header, flush=True)
@@ -374,7 +439,7 @@ def main():
                   "versions": {"trimkv": "0.1.5", "torch": torch.__version__,
                                "transformers": transformers.__version__},
                   "dtype": str(dtype).replace("torch.", ""), "gate_hidden": a.gate_hidden, "memory": a.memory,
-                  "iters": a.iters, "warmup": a.warmup, "rows": rows}
+                  "gate_init": a.gate_init, "iters": a.iters, "warmup": a.warmup, "rows": rows}
         if report_alive:
             result["alive_tensor_mb_before_rows"] = alive_before
         folder = os.path.dirname(os.path.abspath(a.json))

@@ -20,22 +20,34 @@ launch/gpu-verify.sh's train phase):
 each with --head-dim 128 --vocab 151936 --yarn-factor 4 --seed 1. --define-shape 'NAME=FLAGS'
 adds a shape with retain-make-tiny FLAGS of its own (the live check uses tiny ones).
 
+Gates: --gate-init random (default) is both sides' own fresh init, bias 18 with N(0, 0.02) weights
+from different RNGs: logβ ≈ −1.5e-8, so the gates barely touch the loss and the loss check shows
+little of the gated math. --gate-init zero-output:B (e.g. zero-output:2) zeroes the gates' output
+projection on both sides (trimkv: linear2.weight, dbtrimkv: the shared linear3.weight) and sets
+their bias to B: logβ = logsigmoid(B) (≈ −0.127 for B = 2) for every token whatever the random
+weights are, so the first-step losses (KL, NTP, capacity) must agree with a clearly visible decay
+(and trimkv's and dbtrimkv's are then equal: the same logβ). Each side's JSON must report the init
+it was asked for, else that side is an error row and a **FAIL**.
+
 Resume: rows accumulate in OUT/compare.json, written after every row; a re-run with the same
 settings (--gate-hidden, --memory, --docs, --iters, --warmup, --seed, --device) skips the rows it
-holds (--retry-errors runs error rows again), so a long run can be split over several calls of
-a device limited to 10 minutes each (--time-budget S: start no row after S seconds; exit 75
-while rows remain). Writes, from all the rows held:
-  OUT/compare.md    a markdown table per model, T and gate: tokens/s of each and their ratio, peak
-                    GB of each and their ratio, the first step's loss of each, their relative
-                    difference and a verdict against --loss-tol (default 1e-2 where the reference
-                    ran in bf16, i.e. on a GPU; 1e-5 in float32 on the CPU): "ok" or "**FAIL**"
-  OUT/compare.png   tokens/s and peak memory against T, both trainers, one line per gate
+holds for the same model, T, gate and --gate-init (--retry-errors runs error rows again), so a
+long run can be split over several calls of a device limited to 10 minutes each (--time-budget S:
+start no row after S seconds; exit 75 while rows remain). Writes, from all the rows held:
+  OUT/compare.md    a markdown table per model, T, gate and gate init: tokens/s of each and
+                    their ratio, peak GB of each and their ratio, the first step's loss of
+                    each, their relative difference and a verdict against --loss-tol (default
+                    1e-2 where the reference ran in bf16, i.e. on a GPU; 1e-5 in float32 on the
+                    CPU): "ok" or "**FAIL**"
+  OUT/compare.png   tokens/s and peak memory against T, both trainers, one line per gate (and
+                    gate init, where the rows have more than one)
   OUT/compare.json  the rows (each side's JSON row, device, versions, date, the command)
 --write-docs replaces what lies between `<!-- train-vs-reference:begin -->` and
 `<!-- train-vs-reference:end -->` in --docs-file (default docs/benchmarks.md) with the table and
 a link to the plot, copied to images/train-vs-reference.png beside that file. --table-only
 renders from OUT/compare.json without running anything. Exit status: 0; 1 when a row's losses
-disagree beyond the tolerance (after writing everything); 75 when --time-budget left rows undone.
+disagree beyond the tolerance or a side ran other gates than --gate-init (after writing
+everything); 75 when --time-budget left rows undone.
 
 On the CPU (tiny model; the timings mean nothing there, the losses do):
     python3 trainer/bench/compare_train.py --model tests/fixtures/trainer/model --device cpu \\
@@ -55,6 +67,8 @@ import threading
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_reference import gate_init_name, parse_gate_init  # noqa: E402 (stdlib-only at import)
 BEGIN, END = "<!-- train-vs-reference:begin -->", "<!-- train-vs-reference:end -->"
 DOCS_IMAGE = os.path.join("images", "train-vs-reference.png")
 # retain-make-tiny flags of the Qwen3 shapes (launch/gpu-verify.sh's train phase has the same).
@@ -137,15 +151,16 @@ def run_retain(a, model_dir, T, gate, batch, tmp):
             os.remove(p)
     cmd = [os.path.join(a.bin_dir, "retain-bench"), "train", "--model", model_dir, "--seq", str(T), "--gate", gate,
            "--docs", str(a.docs), "--gate-hidden", str(a.gate_hidden), "--memory", f"{a.memory:g}", "--iters",
-           str(a.iters), "--warmup", str(a.warmup), "--seed", str(a.seed), "--dump-batch", batch, "--json", out]
+           str(a.iters), "--warmup", str(a.warmup), "--seed", str(a.seed), "--gate-init", a.gate_init,
+           "--dump-batch", batch, "--json", out]
     if a.device:
         cmd += ["--device", a.device]
     rc, tail = run_side(cmd, a.row_timeout)
     if rc != 0 or not os.path.exists(out):
         return {"seq": T, "gate": gate, "error": failure("retain-bench", rc, tail, a.row_timeout)}, {}
     j = json.load(open(out))
-    info = {k: j.get(k) for k in ("device", "date", "peak_tflops", "flops")}
-    return j["rows"][0], info
+    info = {k: j.get(k) for k in ("device", "date", "peak_tflops", "flops", "gate_init")}
+    return init_applied(a, "retain-bench", j, j["rows"][0]), info
 
 
 def run_reference(a, model_dir, T, gate, batch, device, tmp):
@@ -157,15 +172,31 @@ def run_reference(a, model_dir, T, gate, batch, device, tmp):
         os.remove(out)
     cmd = [a.python, os.path.join(REPO, "trainer", "bench", "bench_reference.py"), "--model", model_dir, "--batch",
            batch, "--gate", gate, "--gate-hidden", str(a.gate_hidden), "--memory", f"{a.memory:g}", "--iters",
-           str(a.iters), "--warmup", str(a.warmup), "--seed", str(a.seed), "--json", out]
+           str(a.iters), "--warmup", str(a.warmup), "--seed", str(a.seed), "--gate-init", a.gate_init,
+           "--json", out]
     if device:
         cmd += ["--device", device]
     rc, tail = run_side(cmd, a.row_timeout, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     if rc != 0 or not os.path.exists(out):
         return {"seq": T, "gate": gate, "error": failure("bench_reference.py", rc, tail, a.row_timeout)}, {}
     j = json.load(open(out))
-    info = {k: j.get(k) for k in ("device", "date", "versions", "dtype")}
-    return j["rows"][0], info
+    info = {k: j.get(k) for k in ("device", "date", "versions", "dtype", "gate_init")}
+    return init_applied(a, "bench_reference.py", j, j["rows"][0]), info
+
+
+def init_applied(a, tool, j, row):
+    """The side's row, or an error row marked init_mismatch (a **FAIL**, exit 1) when its JSON does
+    not report the --gate-init it was given (a tool that ignored or predates the option timed other
+    gates)."""
+    said = j.get("gate_init")
+    try:
+        same = said is not None and parse_gate_init(said) == parse_gate_init(a.gate_init)
+    except ValueError:
+        same = False
+    if same or "error" in row:
+        return row
+    return {"seq": row.get("seq"), "gate": row.get("gate"), "init_mismatch": True,
+            "error": f"{tool} ran gates {said!r}, not --gate-init {a.gate_init}"}
 
 
 def git_commit():
@@ -195,7 +226,8 @@ def save_store(path, store):
 
 
 def key(r):
-    return (r["model"], r["seq"], r["gate"])
+    """A row's identity: rows made before --gate-init existed used the random init."""
+    return (r["model"], r["seq"], r["gate"], r.get("gate_init", "random"))
 
 
 def has_error(r):
@@ -218,6 +250,8 @@ def tolerance(a, store):
 def verdict(r, tol):
     """(relative difference, verdict) of a row's first-step losses."""
     mine, theirs = r["retain"].get("first_loss"), r["reference"].get("first_loss")
+    if r["retain"].get("init_mismatch") or r["reference"].get("init_mismatch"):
+        return None, "**FAIL**"
     if has_error(r) or mine is None or theirs is None:
         return None, "—"
     rel = abs(mine - theirs) / max(abs(theirs), 1e-30)
@@ -229,14 +263,18 @@ def ordered(store, wanted=None):
     (missing ones become placeholders)."""
     rows = {key(r): r for r in store["rows"]}
     for k in wanted or []:
-        rows.setdefault(k, {"model": k[0], "seq": k[1], "gate": k[2], "missing": True})
+        rows.setdefault(k, {"model": k[0], "seq": k[1], "gate": k[2], "gate_init": k[3], "missing": True})
     models = []
     for k in list(rows):
         if k[0] not in models:
             models.append(k[0])
     gates = {"trimkv": 0, "dbtrimkv": 1}
-    return sorted(rows.values(), key=lambda r: (models.index(r["model"]), r["seq"], gates.get(r["gate"], 9),
-                                                r["gate"]))
+    def init_order(r):
+        init = r.get("gate_init", "random")
+        return (init != "random", parse_gate_init(init) or 0.0, init)
+
+    return sorted(rows.values(), key=lambda r: (models.index(r["model"]), init_order(r), r["seq"],
+                                                gates.get(r["gate"], 9), r["gate"]))
 
 
 def describe_runs(store):
@@ -272,15 +310,19 @@ def table(store, tol, wanted=None):
     lines = describe_runs(store) + [
         "",
         f"Loss check: the first step's losses must agree within {tol:g} relative (bf16 on a GPU: 1e-2; "
-        f"float32 on the CPU: 1e-5); **FAIL** marks a row where they do not.",
+        f"float32 on the CPU: 1e-5); **FAIL** marks a row where they do not. Gate init: random = each "
+        f"side's own fresh gates (bias 18, N(0, 0.02) weights: logβ ≈ −1.5e-8, the gates barely touch the "
+        f"loss); zero-output:B = output projection 0 and bias B on both sides (logβ = logsigmoid(B) for "
+        f"every token: the same visible decay, so trimkv's and dbtrimkv's losses are equal too).",
         "",
-        "| model | T | gate | retain tokens/s | reference tokens/s | ratio | retain peak GB | reference peak GB | "
+        "| model | T | gate | gate init | retain tokens/s | reference tokens/s | ratio | retain peak GB | "
+        "reference peak GB | "
         "peak ratio | retain loss@1 | reference loss@1 | rel. diff | losses agree |",
-        "|:---|---:|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---|",
+        "|:---|---:|:---|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---|",
     ]
     fails = 0
     for r in ordered(store, wanted):
-        head = f"| {r['model']} | {r['seq']} | {r['gate']} |"
+        head = f"| {r['model']} | {r['seq']} | {r['gate']} | {r.get('gate_init', 'random')} |"
         if r.get("missing"):
             lines.append(head + " not run yet | | | | | | | | | |")
             continue
@@ -314,18 +356,24 @@ def plot(store, path):
     for r in ordered(store):
         if r["model"] not in models:
             models.append(r["model"])
+    inits = []
+    for r in ordered(store):
+        if r.get("gate_init", "random") not in inits:
+            inits.append(r.get("gate_init", "random"))
     fig, axes = plt.subplots(len(models), 2, figsize=(10, 3.6 * len(models)), squeeze=False)
     for m, (ax1, ax2) in zip(models, axes):
         for side, style in (("retain", "-o"), ("reference", "--s")):
-            for gate, color in (("trimkv", "C0"), ("dbtrimkv", "C1")):
-                ok = sorted((r for r in rows if r["model"] == m and r["gate"] == gate and "error" not in r[side]),
+            for n, (init, gate) in enumerate((i, g) for i in inits for g in ("trimkv", "dbtrimkv")):
+                ok = sorted((r for r in rows if r["model"] == m and r["gate"] == gate
+                             and r.get("gate_init", "random") == init and "error" not in r[side]),
                             key=lambda r: r["seq"])
                 if not ok:
                     continue
-                ax1.plot([r["seq"] for r in ok], [r[side]["tokens_per_s"] for r in ok], style, color=color,
-                         label=f"{side} {gate}")
-                ax2.plot([r["seq"] for r in ok], [r[side]["peak_gb"] for r in ok], style, color=color,
-                         label=f"{side} {gate}")
+                label = f"{side} {gate}" + (f" {init}" if len(inits) > 1 else "")
+                ax1.plot([r["seq"] for r in ok], [r[side]["tokens_per_s"] for r in ok], style, color=f"C{n}",
+                         label=label)
+                ax2.plot([r["seq"] for r in ok], [r[side]["peak_gb"] for r in ok], style, color=f"C{n}",
+                         label=label)
         for ax, ylabel in ((ax1, "tokens/s"), (ax2, "peak memory (GB)")):
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
@@ -381,6 +429,9 @@ def parse_args():
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--gate-init", default="random",
+                    help="random (each side's fresh gates, bias 18) or zero-output:B (both sides: output weights 0, "
+                         "bias B: logβ = logsigmoid(B) everywhere); part of each row's identity")
     ap.add_argument("--bin-dir", default=os.path.join(REPO, "build", "bin"))
     ap.add_argument("--python", default=os.environ.get("RETAIN_TRIMKV_PYTHON", os.path.expanduser(
         "~/.cache/retain/venvs/trimkv/bin/python")), help="a Python with trimkv 0.1.5 (default: "
@@ -419,6 +470,10 @@ def parse_args():
         a.seq_list = [int(x) for x in seq.split(",")]
     except ValueError:
         ap.error(f"--seq: {seq!r} is not a comma-separated list of integers")
+    try:
+        a.gate_init = gate_init_name(parse_gate_init(a.gate_init))
+    except ValueError as e:
+        ap.error(str(e))
     a.gates = a.gate.split(",")
     for g in a.gates:
         if g not in ("trimkv", "dbtrimkv"):
@@ -446,12 +501,13 @@ def main():
         models = [(a.label or os.path.basename(os.path.normpath(a.model)), a.model, None)]
     else:
         models = [(label, None, flags) for label, flags in a.shape_flags.values()]
-    wanted = [(m[0], T, g) for m in models for T in a.seq_list for g in a.gates]
+    wanted = [(m[0], T, g, a.gate_init) for m in models for T in a.seq_list for g in a.gates]
     done = {key(r): r for r in store["rows"]}
 
     def pending(label):
         return [(T, g) for T in a.seq_list for g in a.gates
-                if (label, T, g) not in done or (a.retry_errors and has_error(done[(label, T, g)]))]
+                if (label, T, g, a.gate_init) not in done
+                or (a.retry_errors and has_error(done[(label, T, g, a.gate_init)]))]
 
     start = time.monotonic()
     skipped = sum(1 for k in wanted if k in done) - sum(
@@ -493,14 +549,15 @@ def main():
                 if over_budget():
                     out_of_time = True
                     break
-                log(f"compare_train.py: {label} T={T} {g}")
+                log(f"compare_train.py: {label} T={T} {g} --gate-init {a.gate_init}")
                 with tempfile.TemporaryDirectory(prefix="retain-compare-") as tmp:
                     batch = os.path.join(tmp, "batch.json")
                     mine, mine_run = run_retain(a, model_dir, T, g, batch, tmp)
                     ref_device = a.device or ({"cpu": "cpu"}.get(mine_run.get("device"), "cuda")
                                               if mine_run else None)
                     theirs, theirs_run = run_reference(a, model_dir, T, g, batch, ref_device, tmp)
-                row = {"model": label, "seq": T, "gate": g, "retain": mine, "reference": theirs,
+                row = {"model": label, "seq": T, "gate": g, "gate_init": a.gate_init, "retain": mine,
+                       "reference": theirs,
                        "retain_run": mine_run, "reference_run": theirs_run, "commit": commit,
                        "command": command, "make_tiny": flags}
                 store["rows"] = [r for r in store["rows"] if key(r) != key(row)] + [row]
@@ -528,7 +585,8 @@ def main():
         print(f"replaced the train-vs-reference section of {a.docs_file}; the plot is {image}")
     remaining = [k for k in wanted if k not in done]
     if fails:
-        print(f"compare_train.py: the first-step losses disagree beyond {tol:g} in {fails} row(s) (FAIL above)",
+        print(f"compare_train.py: the first-step losses disagree beyond {tol:g}, or a side ran other gates than "
+              f"--gate-init, in {fails} row(s) (FAIL above)",
               file=sys.stderr)
         return 1
     if remaining:
