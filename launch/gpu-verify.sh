@@ -430,7 +430,7 @@ if phase reference; then
     fi
     step "reference: its python sees transformers 4.57.1" "$log" 60 "$work/reference-python" -c \
       'import transformers as t; assert t.__version__ == "4.57.1", t.__version__; print("transformers", t.__version__)'
-    budget=$((deadline > 0 ? deadline - SECONDS - 90 : 0))
+    budget=$((deadline > 0 ? (deadline - SECONDS - 90 > 1 ? deadline - SECONDS - 90 : 1) : 0))  # 1: start no row
     PARTIAL_OK=1 step "reference: compare_train Qwen3-4B,1.7B,0.6B, 8K/32K/128K, trimkv/dbtrimkv" "$log" \
       "${REFERENCE_TIMEOUT:-600}" python3 trainer/bench/compare_train.py --shapes 4B,1.7B,0.6B --device cuda \
       --python "$work/reference-python" --bin-dir "$bin" --out "$keep/compare" --keep-models "$keep/models" \
@@ -438,7 +438,7 @@ if phase reference; then
     # The loss check with a visible decay: both sides' gates with output projection 0 and bias 2
     # (logβ = logsigmoid(2) ≈ −0.127 for every token, whatever their random weights), so the
     # first-step losses show the gated math; Qwen3-0.6B at 8K, rows of its own (not in the docs).
-    budget=$((deadline > 0 ? deadline - SECONDS - 90 : 0))
+    budget=$((deadline > 0 ? (deadline - SECONDS - 90 > 1 ? deadline - SECONDS - 90 : 1) : 0))  # 1: start no row
     PARTIAL_OK=1 step "reference: compare_train Qwen3-0.6B 8K, --gate-init zero-output:2" "$log" \
       "${REFERENCE_TIMEOUT:-600}" python3 trainer/bench/compare_train.py --shapes 0.6B --seq 8192 --device cuda \
       --gate-init zero-output:2 --python "$work/reference-python" --bin-dir "$bin" --out "$keep/compare-visible" \
