@@ -524,7 +524,10 @@ constexpr const char* kTrainUsage =
     "the other weights are (B = 2: logβ ≈ −0.127, a visible decay): a loss that any trainer with\n"
     "the same init reproduces without sharing random weights (trainer/bench/bench_reference.py\n"
     "--gate-init). The JSON's gate_init and the header say which.\n\n"
-    "--json FILE: every row also carries its FLOPs by pass (flops: teacher, student, recompute,\n"
+    "--json FILE: on CUDA every row also carries reserved_peak_gb (the most the pool held from the\n"
+    "driver over the timed steps) and device_used_gb (the card's total minus free memory after them:\n"
+    "the CUDA context and libraries' memory outside the pool included); both null on the CPU.\n"
+    "Every row also carries its FLOPs by pass (flops: teacher, student, recompute,\n"
     "backward, loss, count_pass, total), the count its TFLOP/s divides.\n"
     "--dump-batch FILE writes the batches (per T: ids and document ids) as JSON, for the\n"
     "reference script trainer/bench/bench_reference.py to time the same tokens.";
@@ -537,6 +540,7 @@ struct TrainRow {
   trainer::StepFlops flops;  // the step's FLOPs by pass (trainer/flops.h), what tflops divides
   std::optional<double> mfu;
   double peak_gb = 0;
+  std::optional<double> reserved_peak_gb, device_used_gb;  // CUDA only: the pool's and the card's
   double first_loss = 0, kl = 0, ntp = 0, cap = 0;
 };
 
@@ -789,7 +793,14 @@ int train(int argc, char** argv) {
       row.tokens_per_s = static_cast<double>(T) / (row.step_ms * 1e-3);
       row.tflops = flops / (row.step_ms * 1e-3) / 1e12;
       if (peak_tflops) row.mfu = row.tflops / *peak_tflops;
-      row.peak_gb = on_gpu ? static_cast<double>(cuda::device_memory_stats().peak) / 1e9 : peak_rss_gb();
+      if (on_gpu) {
+        const cuda::DeviceMemoryStats mem = cuda::device_memory_stats();
+        row.peak_gb = static_cast<double>(mem.peak) / 1e9;
+        row.reserved_peak_gb = static_cast<double>(mem.reserved_peak) / 1e9;
+        row.device_used_gb = static_cast<double>(mem.device_used) / 1e9;
+      } else {
+        row.peak_gb = peak_rss_gb();
+      }
       std::cout << fmt::format(
                        "{:>7} {:<8} {:>10.2f} {:>9.2f} {:>9.2f} {:>9.2f} {:>9.2f} {:>9.2f} {:>9.2f} {:>10.1f} {:>8.4g} "
                        "{:>6} {:>8.3f} {:>10.5f}\n",
@@ -841,6 +852,10 @@ int train(int argc, char** argv) {
                              {"total", r.flops.total()}}},
                            {"mfu", r.mfu ? nlohmann::json(*r.mfu) : nlohmann::json(nullptr)},
                            {"peak_gb", r.peak_gb},
+                           {"reserved_peak_gb", r.reserved_peak_gb ? nlohmann::json(*r.reserved_peak_gb)
+                                                                   : nlohmann::json(nullptr)},
+                           {"device_used_gb", r.device_used_gb ? nlohmann::json(*r.device_used_gb)
+                                                               : nlohmann::json(nullptr)},
                            {"first_loss", r.first_loss},
                            {"first_kl", r.kl},
                            {"first_ntp", r.ntp},

@@ -95,16 +95,22 @@ std::string device_name() {
 
 DeviceMemoryStats device_memory_stats() {
   cudaMemPool_t pool = default_pool();
-  uint64_t used = 0, high = 0, reserved = 0;
+  uint64_t used = 0, high = 0, reserved = 0, reserved_high = 0;
   CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemCurrent, &used));
   CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &high));
   CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemCurrent, &reserved));
-  return {static_cast<size_t>(used), static_cast<size_t>(high), static_cast<size_t>(reserved)};
+  CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemHigh, &reserved_high));
+  size_t free_bytes = 0, total = 0;
+  CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total));
+  return {static_cast<size_t>(used), static_cast<size_t>(high), static_cast<size_t>(reserved),
+          static_cast<size_t>(reserved_high), total - free_bytes};
 }
 
 void reset_device_memory_peak() {
   uint64_t zero = 0;  // the only value the driver accepts: the high-water mark restarts from now
   CUDA_CHECK(cudaMemPoolSetAttribute(default_pool(), cudaMemPoolAttrUsedMemHigh, &zero));
+  zero = 0;
+  CUDA_CHECK(cudaMemPoolSetAttribute(default_pool(), cudaMemPoolAttrReservedMemHigh, &zero));
 }
 
 }  // namespace retain::cuda

@@ -29,11 +29,15 @@ std::string device_name();
 // The device's default stream-ordered memory pool (cudaMallocAsync), which device_alloc uses:
 // bytes handed out now, the most handed out at once since the last reset, and bytes the pool
 // holds from the driver (it keeps freed memory for reuse instead of returning it, so tensors
-// allocated and freed every layer cost no cudaMalloc/cudaFree synchronization).
+// allocated and freed every layer cost no cudaMalloc/cudaFree synchronization), and the most it
+// has held since the last reset; device_used: the whole device's memory in use now (total − free
+// from cudaMemGetInfo), which also counts the CUDA context, library workspaces outside the pool
+// and other processes: what "fits on the card" means when the card is shared.
 struct DeviceMemoryStats {
-  size_t in_use = 0, peak = 0, reserved = 0;
+  size_t in_use = 0, peak = 0, reserved = 0, reserved_peak = 0, device_used = 0;
 };
 DeviceMemoryStats device_memory_stats();
+// Restarts both high-water marks (in use and reserved) from now.
 void reset_device_memory_peak();
 
 }  // namespace retain::cuda

@@ -26,6 +26,7 @@ import sys
 import tempfile
 
 ROW_KEYS = {"seq", "gate", "step_ms", "phase_ms", "tokens_per_s", "tflops", "flops", "mfu", "peak_gb",
+            "reserved_peak_gb", "device_used_gb",
             "first_loss", "first_kl", "first_ntp", "first_cap"}
 FLOP_PASSES = {"teacher", "student", "recompute", "backward", "loss", "count_pass"}
 PHASES = {"teacher", "student", "capacity", "loss", "backward", "optimizer"}
@@ -108,6 +109,14 @@ def main():
                 want = flops["total"] / (row["step_ms"] * 1e-3) / 1e12
                 if abs(row["tflops"] - want) > 1e-6 * want:
                     errors.append(f"{at}: tflops {row['tflops']!r}, expected flops.total / step time = {want}")
+        if args.device == "cuda":  # the pool holds at least what it handed out; the card has the model
+            if not (number(row["reserved_peak_gb"]) and number(row["peak_gb"])
+                    and row["reserved_peak_gb"] >= row["peak_gb"] - 1e-9):
+                errors.append(f"{at}: reserved_peak_gb {row['reserved_peak_gb']!r} below peak_gb {row['peak_gb']!r}")
+            if not (number(row["device_used_gb"]) and row["device_used_gb"] > 0):
+                errors.append(f"{at}: device_used_gb {row['device_used_gb']!r}, expected a number > 0")
+        elif row["reserved_peak_gb"] is not None or row["device_used_gb"] is not None:
+            errors.append(f"{at}: reserved_peak_gb / device_used_gb on the CPU, expected null")
         for k in ("step_ms", "tokens_per_s", "tflops", "peak_gb"):
             if not (number(row[k]) and row[k] > 0):
                 errors.append(f"{at}: {k} {row[k]!r}, expected a number > 0")
