@@ -1,5 +1,7 @@
 #include "model/device_weights.h"
 
+#include <fmt/format.h>
+
 #include "kernels/base/error.h"
 
 namespace retain {
@@ -40,6 +42,7 @@ DeviceWeightProvider::DeviceWeightProvider(std::shared_ptr<const Qwen3Checkpoint
 const LayerWeights& DeviceWeightProvider::layer(int64_t l) {
   RETAIN_CHECK(0 <= l && l < config().num_hidden_layers, "DeviceWeightProvider: layer {} of {}", l,
                config().num_hidden_layers);
+  layer_range_.start(fmt::format("layer {}", l).c_str());
   return layers_[static_cast<size_t>(l)];
 }
 

@@ -5,6 +5,7 @@
 #include <memory>
 #include <vector>
 
+#include "kernels/base/nvtx.h"
 #include "model/weights.h"
 
 namespace retain {
@@ -19,10 +20,18 @@ class DeviceWeightProvider : public WeightProvider {
   explicit DeviceWeightProvider(std::shared_ptr<const Qwen3Checkpoint> ckpt, DType matmul_dtype = DType::BF16);
   const Qwen3Config& config() const override { return ckpt_->config(); }
   Device device() const override { return Device::CUDA; }
+  // layer(l) opens the NVTX range "layer l" until the next layer(), embedding() or lm_head() call,
+  // as FsdpWeightProvider does: the layers on an Nsight timeline, whichever provider serves them.
   const LayerWeights& layer(int64_t l) override;
-  const Tensor& embedding() override { return embedding_; }
+  const Tensor& embedding() override {
+    layer_range_.end();
+    return embedding_;
+  }
   const Tensor& final_norm() override { return final_norm_; }
-  const Tensor& lm_head() override { return lm_head_; }
+  const Tensor& lm_head() override {
+    layer_range_.end();
+    return lm_head_;
+  }
   // Bytes of device memory the weights hold.
   size_t bytes() const { return bytes_; }
 
@@ -33,6 +42,7 @@ class DeviceWeightProvider : public WeightProvider {
   std::vector<LayerWeights> layers_;
   Tensor embedding_, final_norm_, lm_head_;
   size_t bytes_ = 0;
+  NvtxSpan layer_range_;
 };
 
 }  // namespace retain

@@ -3,6 +3,7 @@
 // header-only and costs a few nanoseconds when no profiler is attached; builds without the
 // CUDA toolkit (RETAIN_NVTX undefined) compile the ranges away.
 #pragma once
+#include <cstdint>
 
 #ifdef RETAIN_NVTX
 #include <nvtx3/nvToolsExt.h>
@@ -24,6 +25,32 @@ class NvtxRange {
   }
   NvtxRange(const NvtxRange&) = delete;
   NvtxRange& operator=(const NvtxRange&) = delete;
+};
+
+// A range opened and closed by different calls (nvtxRangeStart/End: process-wide, so it need not
+// nest with the caller's push/pop scopes): a weight provider's "layer l", from layer(l) to the
+// next request. start() closes the open one first; the destructor closes it too.
+class NvtxSpan {
+ public:
+  NvtxSpan() = default;
+  NvtxSpan(const NvtxSpan&) = delete;
+  NvtxSpan& operator=(const NvtxSpan&) = delete;
+  ~NvtxSpan() { end(); }
+  void start([[maybe_unused]] const char* name) {
+    end();
+#ifdef RETAIN_NVTX
+    id_ = nvtxRangeStartA(name);
+#endif
+  }
+  void end() {
+#ifdef RETAIN_NVTX
+    if (id_ != 0) nvtxRangeEnd(id_);
+#endif
+    id_ = 0;
+  }
+
+ private:
+  uint64_t id_ = 0;  // nvtxRangeId_t; 0: none open
 };
 
 }  // namespace retain

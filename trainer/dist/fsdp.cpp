@@ -112,15 +112,9 @@ FsdpWeightProvider::FsdpWeightProvider(std::shared_ptr<const Qwen3Checkpoint> ck
 }
 
 FsdpWeightProvider::~FsdpWeightProvider() {
-  end_layer_range();
+  layer_range_.end();
   // A Request's destructor waits for its collective (which the other ranks take part in).
   for (Slot& s : slots_) s.pending.reset();
-}
-
-void FsdpWeightProvider::end_layer_range() {
-#ifdef RETAIN_NVTX
-  if (layer_range_ != 0) nvtxRangeEnd(std::exchange(layer_range_, 0));
-#endif
 }
 
 void FsdpWeightProvider::check_same_model_everywhere() const {
@@ -218,9 +212,7 @@ const LayerWeights& FsdpWeightProvider::layer(int64_t l) {
     fail("{}: layer {} requested from a {}-layer model", ckpt_->dir(), l, layers);
   release_global();  // documented: the globals live until the next layer() call
   ++stats_.layer_requests;
-#ifdef RETAIN_NVTX
-  layer_range_ = nvtxRangeStartA(fmt::format("layer {}", l).c_str());
-#endif
+  layer_range_.start(fmt::format("layer {}", l).c_str());
 
   if (current_ >= 0 && slots_[static_cast<size_t>(current_)].layer == l) {
     ++stats_.reused;
@@ -254,7 +246,7 @@ const LayerWeights& FsdpWeightProvider::layer(int64_t l) {
 }
 
 const Tensor& FsdpWeightProvider::gathered_global(const Unit& unit, Global& g) {
-  end_layer_range();  // the layers' part of a pass is over
+  layer_range_.end();  // the layers' part of a pass is over
   if (g.full.numel() == 0) {
     start_gather(unit, g.buffer, /*blocking=*/true);
     g.full = view_of(g.buffer, unit.pieces.front());
@@ -270,7 +262,7 @@ const Tensor& FsdpWeightProvider::lm_head() {
 }
 
 void FsdpWeightProvider::release_global() {
-  end_layer_range();
+  layer_range_.end();
   embed_full_ = Global{};
   head_full_ = Global{};
 }

@@ -65,6 +65,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/base/nvtx.h"
 #include "model/weights.h"
 #include "trainer/dist/comm.h"
 
@@ -183,7 +184,6 @@ class FsdpWeightProvider : public WeightProvider {
   void settle(Slot& slot);  // waits for the slot's gather, if any
   Tensor view_of(const Tensor& buffer, const Piece& piece) const;
   const Tensor& gathered_global(const Unit& unit, Global& g);
-  void end_layer_range();  // closes the "layer l" NVTX range, if one is open
   void check_same_model_everywhere() const;
 
   std::shared_ptr<const Qwen3Checkpoint> ckpt_;
@@ -197,7 +197,7 @@ class FsdpWeightProvider : public WeightProvider {
   int current_ = -1;  // the slot handed out by the last layer() call
   LayerPrefetchPolicy policy_;
   FsdpStats stats_;
-  uint64_t layer_range_ = 0;  // the open "layer l" NVTX range's id (0: none)
+  NvtxSpan layer_range_;  // "layer l", from layer(l) to the next request
 };
 
 }  // namespace retain::dist
