@@ -4,7 +4,8 @@
 # step, retain-train on the GPU (1,000-step loss curves), the communicator and FSDP on device
 # buffers, compute-sanitizer on small shapes, 32K/128K attention against float64, the training
 # step at Qwen3 shapes (retain-bench train, with the issue's 50 GB / 60 s verdicts), the
-# attention benchmark against FlexAttention and cuDNN/flash SDPA, and Nsight Compute metrics.
+# attention benchmark against FlexAttention and cuDNN/flash SDPA, Nsight Compute metrics, and
+# the training step against the TRIM-KV authors' trainer on the same shapes and tokens.
 #
 # usage: launch/gpu-verify.sh [--bundle DIR] [--out DIR] [--work DIR] [--only PHASES]
 #                             [--deadline SECONDS] [--dry-run] [--seq LIST] [--iters N]
