@@ -623,10 +623,8 @@ gates::RetentionGates fresh_gates(const gates::GateDims& dims, const GateInit& i
       dims.kind == gates::GateKind::trimkv ? ".retention_gate.linear2.weight" : ".retention_gate.linear3.weight";
   int64_t zeroed = 0;
   for (Parameter& p : g.parameters()) {
-    const std::string& name = p.name();
-    if (name.size() < suffix.size() || name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0)
-      continue;
-    RETAIN_CHECK(p.value.ndim() == 2 && p.value.dim(0) == dims.kv_heads, "gate output weight {} has shape {}", name,
+    if (!p.name().ends_with(suffix)) continue;
+    RETAIN_CHECK(p.value.ndim() == 2 && p.value.dim(0) == dims.kv_heads, "gate output weight {} has shape {}", p.name(),
                  shape_str(p.value.shape()));
     std::fill_n(p.value.data<float>(), p.value.numel(), 0.0f);
     ++zeroed;

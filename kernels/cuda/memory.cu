@@ -109,7 +109,6 @@ DeviceMemoryStats device_memory_stats() {
 void reset_device_memory_peak() {
   uint64_t zero = 0;  // the only value the driver accepts: the high-water mark restarts from now
   CUDA_CHECK(cudaMemPoolSetAttribute(default_pool(), cudaMemPoolAttrUsedMemHigh, &zero));
-  zero = 0;
   CUDA_CHECK(cudaMemPoolSetAttribute(default_pool(), cudaMemPoolAttrReservedMemHigh, &zero));
 }
 
