@@ -23,22 +23,32 @@ while [ $# -gt 0 ]; do
   esac
 done
 
-cuobjdump=$(command -v cuobjdump || true)
-[ -n "$cuobjdump" ] || { [ -x /usr/local/cuda/bin/cuobjdump ] && cuobjdump=/usr/local/cuda/bin/cuobjdump; } || true
-if [ -z "$cuobjdump" ]; then
-  tools="$BUILD_DIR/tools"
-  if [ ! -x "$tools/cuobjdump" ]; then
-    echo "sass-report: no cuobjdump here; fetching the nvidia-cuda-cuobjdump wheel into $tools" >&2
-    mkdir -p "$tools/wheel"
-    python3 -m pip download --quiet --no-deps --dest "$tools/wheel" nvidia-cuda-cuobjdump >&2 ||
-      { echo "sass-report: pip could not download nvidia-cuda-cuobjdump (install CUDA's cuobjdump instead)" >&2; exit 1; }
-    wheel=$(ls "$tools"/wheel/nvidia_cuda_cuobjdump-*.whl | head -n 1)
-    python3 -c "import sys, zipfile; z = zipfile.ZipFile(sys.argv[1]); n = [f for f in z.namelist() if f.endswith('/bin/cuobjdump')][0]; open(sys.argv[2], 'wb').write(z.read(n))" \
-      "$wheel" "$tools/cuobjdump.tmp"
-    chmod +x "$tools/cuobjdump.tmp" && mv "$tools/cuobjdump.tmp" "$tools/cuobjdump"
+# A CUDA tool from PATH or /usr/local/cuda/bin, else from NVIDIA's PyPI wheel into build/tools
+# (once): cuobjdump, and nvdisasm, which cuobjdump -sass runs (from PATH) to disassemble.
+tools="$BUILD_DIR/tools"
+find_tool() {  # name wheel → the executable's path on stdout
+  local name=$1 wheel=$2 found
+  found=$(command -v "$name" || true)
+  [ -n "$found" ] || { [ -x "/usr/local/cuda/bin/$name" ] && found=/usr/local/cuda/bin/$name; } || true
+  if [ -z "$found" ]; then
+    found="$tools/$name"
+    if [ ! -x "$found" ]; then
+      echo "sass-report: no $name here; fetching the $wheel wheel into $tools" >&2
+      mkdir -p "$tools/wheel"
+      python3 -m pip download --quiet --no-deps --dest "$tools/wheel" "$wheel" >&2 ||
+        { echo "sass-report: pip could not download $wheel (install CUDA's $name instead)" >&2; exit 1; }
+      local file
+      file=$(ls "$tools"/wheel/"${wheel//-/_}"-*.whl | head -n 1)
+      python3 -c "import sys, zipfile; z = zipfile.ZipFile(sys.argv[1]); n = [f for f in z.namelist() if f.endswith('/bin/' + sys.argv[3])][0]; open(sys.argv[2], 'wb').write(z.read(n))" \
+        "$file" "$found.tmp" "$name"
+      chmod +x "$found.tmp" && mv "$found.tmp" "$found"
+    fi
   fi
-  cuobjdump="$tools/cuobjdump"
-fi
+  echo "$found"
+}
+cuobjdump=$(find_tool cuobjdump nvidia-cuda-cuobjdump)
+nvdisasm=$(find_tool nvdisasm nvidia-cuda-nvdisasm)
+export PATH="$(dirname "$nvdisasm"):$PATH"
 
 [ -f "$BUILD_DIR/build.ninja" ] || ./launch/build.sh >&2
 grep -q '^RETAIN_CUDA_EMU:BOOL=ON' "$BUILD_DIR/CMakeCache.txt" 2>/dev/null &&

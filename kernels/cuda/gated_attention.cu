@@ -260,15 +260,11 @@ constexpr size_t tile_bytes() {
 }
 // The CTA's walk (attention_tiles.h): visit and full bits of nb blocks.
 inline size_t walk_bytes(int64_t nb) { return 2 * sizeof(uint32_t) * static_cast<size_t>(walk_words(nb)); }
-// forward / dq: [Q][dO (dq only)][K × 2][V × 2][lb2 × 2][−c·lb2 × 2][doc of keys × 2][walk]
+// StagedSmem's bytes (below): `held` tiles, two tiles in two stages, two float rows and the
+// documents in two stages, the walk.
 template <int D>
-size_t query_side_smem(bool with_dout, int64_t nb) {
-  return tile_bytes<D>() * (with_dout ? 6 : 5) + 2 * kBlock * (2 * sizeof(float) + sizeof(int32_t)) + walk_bytes(nb);
-}
-// dk/dv: [K][V][Q × 2][dO × 2][lse·log2e × 2][D × 2][doc of queries × 2][walk]
-template <int D>
-size_t key_side_smem(int64_t nb) {
-  return tile_bytes<D>() * 6 + 2 * kBlock * (2 * sizeof(float) + sizeof(int32_t)) + walk_bytes(nb);
+size_t staged_smem(int held, int64_t nb) {
+  return tile_bytes<D>() * (held + 4) + 2 * kBlock * (2 * sizeof(float) + sizeof(int32_t)) + walk_bytes(nb);
 }
 
 // Sets the walk bits of blocks [r.lo, r.hi) in shared memory: warp w takes words w, w + kWarps,
@@ -436,25 +432,41 @@ __device__ __forceinline__ void softmax_tile(float (&s)[kBlock / 8][4], const Fo
   }
 }
 
-// A forward CTA's shared memory from `base`: [Q][K × 2][V × 2][lb2 × 2][−c·lb2 × 2][doc of
-// keys × 2][walk] (query_side_smem), the key stages as KeyStages.
 template <int D>
-struct ForwardSmem {
-  bf16 *q, *k, *v;
-  float *lb2, *ncl;
-  int32_t* doc;
+struct QueryStages;
+
+// A CTA's shared memory from `base`, in the order the bytes lie (staged_smem counts them):
+//   kHeld tiles kept for the CTA's life   forward: Q;  dq: Q, dO;  dk/dv: K, V
+//   two tiles streamed in two stages      forward, dq: K, V (KeyStages);  dk/dv: Q, dO (QueryStages)
+//   two float rows per stage              forward, dq: lb2, −c·lb2;  dk/dv: lse·log2e, D
+//   the streamed rows' documents per stage, then the walk's visit and full bits.
+// One layout for the three kernels: the backward twins differ only in which side stays put.
+template <int D, int kHeld>
+struct StagedSmem {
+  bf16* held;              // [kHeld][kBlock × D]
+  bf16 *tile0, *tile1;     // [2][kBlock × D] each
+  float *row0, *row1;      // [2][kBlock] each
+  int32_t* doc;            // [2][kBlock]
   uint32_t *visit, *full;  // [walk_words(nb)] each
-  __device__ __forceinline__ ForwardSmem(unsigned char* base, int64_t nb)
-      : q(reinterpret_cast<bf16*>(base)),
-        k(q + kBlock * D),
-        v(k + 2 * kBlock * D),
-        lb2(reinterpret_cast<float*>(v + 2 * kBlock * D)),
-        ncl(lb2 + 2 * kBlock),
-        doc(reinterpret_cast<int32_t*>(ncl + 2 * kBlock)),
+  __device__ __forceinline__ StagedSmem(unsigned char* base, int64_t nb)
+      : held(reinterpret_cast<bf16*>(base)),
+        tile0(held + kHeld * kBlock * D),
+        tile1(tile0 + 2 * kBlock * D),
+        row0(reinterpret_cast<float*>(tile1 + 2 * kBlock * D)),
+        row1(row0 + 2 * kBlock),
+        doc(reinterpret_cast<int32_t*>(row1 + 2 * kBlock)),
         visit(reinterpret_cast<uint32_t*>(doc + 2 * kBlock)),
         full(visit + walk_words(nb)) {}
-  __device__ __forceinline__ KeyStages<D> keys() const { return {k, v, lb2, ncl, doc}; }
+  __device__ __forceinline__ bf16* kept(int i) const { return held + i * kBlock * D; }
+  __device__ __forceinline__ KeyStages<D> keys() const { return {tile0, tile1, row0, row1, doc}; }
+  __device__ __forceinline__ QueryStages<D> queries() const { return {tile0, tile1, row0, row1, doc}; }
 };
+template <int D>
+using ForwardSmem = StagedSmem<D, 1>;  // kept(0): Q
+template <int D>
+using DqSmem = StagedSmem<D, 2>;  // kept(0): Q, kept(1): dO
+template <int D>
+using DkdvSmem = StagedSmem<D, 2>;  // kept(0): K, kept(1): V
 
 template <int D>
 __global__ void __launch_bounds__(kThreads) forward_kernel(const Params p) {
@@ -474,7 +486,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const Params p) {
   const TileFilter tiles = tile_filter(p, kv);
   const WalkRange walk = key_walk_range(tiles, qb);
   fill_walk(sm.visit, sm.full, walk, [&](int64_t kb) { return walk_bits(tiles, qb, kb); });
-  copy_tile(sm.q, p.q + int64_t{h} * D, int64_t{p.H} * D, q0, nq);
+  copy_tile(sm.kept(0), p.q + int64_t{h} * D, int64_t{p.H} * D, q0, nq);
   __syncthreads();  // the walk bits
   // Key blocks from the diagonal down: the nearest keys, whose weights decay least, usually
   // hold a row's maximum, so later tiles rarely raise it and the rescale of the output
@@ -488,7 +500,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const Params p) {
   uint32_t qf[D / 16][4];
 #pragma unroll
   for (int ks = 0; ks < D / 16; ++ks)
-    ldmatrix_x4_at(qf[ks], smem_base(sm.q), ldsm.a.at(warp * kRowsPerWarp, ks));
+    ldmatrix_x4_at(qf[ks], smem_base(sm.kept(0)), ldsm.a.at(warp * kRowsPerWarp, ks));
 
   float o_acc[D / 8][4] = {};
   float m[2] = {kNegInf, kNegInf};  // running row max (base-2 units); -inf: nothing seen yet
@@ -503,8 +515,8 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const Params p) {
     cp_async_wait<1>();  // everything but the group just committed: this stage has landed
     __syncthreads();     // ... for every thread, and the plain stores of the staged key rows too
 
-    const bf16* k_s = sm.k + stage * kBlock * D;
-    const bf16* v_s = sm.v + stage * kBlock * D;
+    const bf16* k_s = keys.k + stage * kBlock * D;
+    const bf16* v_s = keys.v + stage * kBlock * D;
 
     float s[kBlock / 8][4] = {};
     frags_times_rows_t<D, kBlock / 8>(s, qf, smem_base(k_s), 0, ldsm);
@@ -781,27 +793,6 @@ struct DqRows : ForwardRows {
   }
 };
 
-// A dq CTA's shared memory from `base`: [Q][dO][K × 2][V × 2][lb2 × 2][−c·lb2 × 2][doc of keys
-// × 2][walk] (query_side_smem with dO).
-template <int D>
-struct DqSmem {
-  bf16 *q, *dout, *k, *v;
-  float *lb2, *ncl;
-  int32_t* doc;
-  uint32_t *visit, *full;
-  __device__ __forceinline__ DqSmem(unsigned char* base, int64_t nb)
-      : q(reinterpret_cast<bf16*>(base)),
-        dout(q + kBlock * D),
-        k(dout + kBlock * D),
-        v(k + 2 * kBlock * D),
-        lb2(reinterpret_cast<float*>(v + 2 * kBlock * D)),
-        ncl(lb2 + 2 * kBlock),
-        doc(reinterpret_cast<int32_t*>(ncl + 2 * kBlock)),
-        visit(reinterpret_cast<uint32_t*>(doc + 2 * kBlock)),
-        full(visit + walk_words(nb)) {}
-  __device__ __forceinline__ KeyStages<D> keys() const { return {k, v, lb2, ncl, doc}; }
-};
-
 // The start of a dq CTA: the walk over key blocks, Q and dO copied (one commit group), the first
 // key block's copies issued and committed (the next); returns the first key block to visit
 // (walk.hi: none).
@@ -812,8 +803,8 @@ __device__ __forceinline__ int64_t start_dq(const Params& p, const DqSmem<D>& sm
   const int64_t q0 = block_begin(qb);
   const int nq = static_cast<int>(block_size(p.T, qb));
   fill_walk(sm.visit, sm.full, walk, [&](int64_t kb) { return walk_bits(tiles, qb, kb); });
-  copy_tile(sm.q, p.q + int64_t{h} * D, int64_t{p.H} * D, q0, nq);
-  copy_tile(sm.dout, p.dout + int64_t{h} * D, int64_t{p.H} * D, q0, nq);
+  copy_tile(sm.kept(0), p.q + int64_t{h} * D, int64_t{p.H} * D, q0, nq);
+  copy_tile(sm.kept(1), p.dout + int64_t{h} * D, int64_t{p.H} * D, q0, nq);
   cp_async_commit();  // Q and dO alone: dq_wgmma_kernel reads them into registers first
   __syncthreads();    // the walk bits
   const int64_t kb = next_walk_bit(sm.visit, walk.lo, walk.hi);
@@ -862,12 +853,12 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const Params p) {
     cp_async_wait<1>();
     __syncthreads();
 
-    const bf16* k_s = sm.k + stage * kBlock * D;
-    const bf16* v_s = sm.v + stage * kBlock * D;
+    const bf16* k_s = keys.k + stage * kBlock * D;
+    const bf16* v_s = keys.v + stage * kBlock * D;
     float s[kBlock / 8][4] = {};
     float dp[kBlock / 8][4] = {};
-    rows_times_rows_t<D, kBlock / 8>(s, smem_base(sm.q), warp * kRowsPerWarp, smem_base(k_s), 0, ldsm);     // Q·Kᵀ
-    rows_times_rows_t<D, kBlock / 8>(dp, smem_base(sm.dout), warp * kRowsPerWarp, smem_base(v_s), 0, ldsm);  // dO·Vᵀ
+    rows_times_rows_t<D, kBlock / 8>(s, smem_base(sm.kept(0)), warp * kRowsPerWarp, smem_base(k_s), 0, ldsm);     // Q·Kᵀ
+    rows_times_rows_t<D, kBlock / 8>(dp, smem_base(sm.kept(1)), warp * kRowsPerWarp, smem_base(v_s), 0, ldsm);  // dO·Vᵀ
     query_row_dscores(s, dp, lane, rows.t, rows.doc_t, block_begin(kb), keys.lb2 + stage * kBlock,
                       keys.ncl + stage * kBlock, keys.doc + stage * kBlock, walk_bit(sm.full, kb), p.scale2,
                       rows.lse2, rows.delta);  // s = dS
@@ -904,8 +895,8 @@ __global__ void __launch_bounds__(kThreads) dq_wgmma_kernel(const Params p) {
   cp_async_wait<1>();  // Q and dO
   __syncthreads();
   uint32_t qf[D / 16][4], dof[D / 16][4];  // held by the warpgroup: S and dP read only K and V
-  panel_rows_to_a<D>(sm.q, warp, lane, qf);
-  panel_rows_to_a<D>(sm.dout, warp, lane, dof);
+  panel_rows_to_a<D>(sm.kept(0), warp, lane, qf);
+  panel_rows_to_a<D>(sm.kept(1), warp, lane, dof);
 
   float dq_acc[D / 8][4] = {};
   int stage = 0;
@@ -1008,27 +999,6 @@ struct QueryStages {
   }
 };
 
-// A dk/dv CTA's shared memory from `base`: [K][V][Q × 2][dO × 2][lse·log2e × 2][D × 2][doc of
-// queries × 2][walk] (key_side_smem).
-template <int D>
-struct DkdvSmem {
-  bf16 *k, *v, *q, *dout;
-  float *lse2, *delta;
-  int32_t* doc;
-  uint32_t *visit, *full;
-  __device__ __forceinline__ DkdvSmem(unsigned char* base, int64_t nb)
-      : k(reinterpret_cast<bf16*>(base)),
-        v(k + kBlock * D),
-        q(v + kBlock * D),
-        dout(q + 2 * kBlock * D),
-        lse2(reinterpret_cast<float*>(dout + 2 * kBlock * D)),
-        delta(lse2 + 2 * kBlock),
-        doc(reinterpret_cast<int32_t*>(delta + 2 * kBlock)),
-        visit(reinterpret_cast<uint32_t*>(doc + 2 * kBlock)),
-        full(visit + walk_words(nb)) {}
-  __device__ __forceinline__ QueryStages<D> queries() const { return {q, dout, lse2, delta, doc}; }
-};
-
 // The start of a dk/dv CTA: K and V copied, the walk over query blocks, the first (query
 // head, query block) pair's copies issued and committed. The pairs to visit: heads of the
 // group in order, and for each the query blocks qb ≥ kb that share a document with kb (the
@@ -1038,8 +1008,8 @@ __device__ __forceinline__ HeadBlock start_dkdv(const Params& p, const DkdvSmem<
                                                 const TileFilter& tiles, const WalkRange& walk, int64_t kb, int kv) {
   const int64_t i0 = block_begin(kb);
   const int nk = static_cast<int>(block_size(p.T, kb));
-  copy_tile(sm.k, p.k + int64_t{kv} * D, int64_t{p.K} * D, i0, nk);
-  copy_tile(sm.v, p.v + int64_t{kv} * D, int64_t{p.K} * D, i0, nk);
+  copy_tile(sm.kept(0), p.k + int64_t{kv} * D, int64_t{p.K} * D, i0, nk);
+  copy_tile(sm.kept(1), p.v + int64_t{kv} * D, int64_t{p.K} * D, i0, nk);
   fill_walk(sm.visit, sm.full, walk, [&](int64_t qb) { return walk_bits(tiles, qb, kb); });
   __syncthreads();  // the walk bits
   const int64_t first_qb = next_walk_bit(sm.visit, walk.lo, walk.hi);
@@ -1106,8 +1076,8 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(const Params p) {
     cp_async_wait<1>();
     __syncthreads();
 
-    const bf16* q_s = sm.q + stage * kBlock * D;
-    const bf16* do_s = sm.dout + stage * kBlock * D;
+    const bf16* q_s = queries.q + stage * kBlock * D;
+    const bf16* do_s = queries.dout + stage * kBlock * D;
     const bool all_allowed = walk_bit(sm.full, qb);
 
     float dlb_tile[2] = {0.0f, 0.0f};
@@ -1116,8 +1086,8 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(const Params p) {
       const int c0 = sub * kSub;  // query columns c0 .. c0 + kSub of the tile
       float s[kSubTiles][4] = {};
       float dp[kSubTiles][4] = {};
-      rows_times_rows_t<D, kSubTiles>(s, smem_base(sm.k), warp * kRowsPerWarp, smem_base(q_s), c0, ldsm);    // K·Qᵀ
-      rows_times_rows_t<D, kSubTiles>(dp, smem_base(sm.v), warp * kRowsPerWarp, smem_base(do_s), c0, ldsm);  // V·dOᵀ
+      rows_times_rows_t<D, kSubTiles>(s, smem_base(sm.kept(0)), warp * kRowsPerWarp, smem_base(q_s), c0, ldsm);    // K·Qᵀ
+      rows_times_rows_t<D, kSubTiles>(dp, smem_base(sm.kept(1)), warp * kRowsPerWarp, smem_base(do_s), c0, ldsm);  // V·dOᵀ
       key_row_grads(s, dp, lane, rows.i, rows.doc_i, rows.lb2, block_begin(qb), c0, queries.lse2 + stage * kBlock,
                     queries.delta + stage * kBlock, queries.doc + stage * kBlock, all_allowed, p.scale2, dlb_tile);
       weights_times_rows<D, kSubTiles>(dv_acc, s, smem_base(do_s), c0, ldsm);  // Pᵀ·dO
@@ -1349,7 +1319,7 @@ void forward(const Params& p) {
     launch(forward_wgmma_kernel<D>, static_cast<unsigned>((p.nb + kForwardGroups - 1) / kForwardGroups),
            static_cast<unsigned>(p.H), wgmma_forward_smem<D>(p.nb), p, kForwardThreads);
   else
-    launch(forward_kernel<D>, static_cast<unsigned>(p.nb), static_cast<unsigned>(p.H), query_side_smem<D>(false, p.nb),
+    launch(forward_kernel<D>, static_cast<unsigned>(p.nb), static_cast<unsigned>(p.H), staged_smem<D>(1, p.nb),
            p);
 }
 
@@ -1363,12 +1333,12 @@ void backward(const Params& p) {
   CUDA_CHECK(cudaGetLastError());
   const auto nb = static_cast<unsigned>(p.nb);
   if (wgmma) {
-    launch(dq_wgmma_kernel<D>, nb, static_cast<unsigned>(p.H), query_side_smem<D>(true, p.nb) + kWgmmaSmemPad, p);
-    launch(dkdv_wgmma_kernel<D>, nb, static_cast<unsigned>(p.K), key_side_smem<D>(p.nb) + kWgmmaSmemPad, p);
+    launch(dq_wgmma_kernel<D>, nb, static_cast<unsigned>(p.H), staged_smem<D>(2, p.nb) + kWgmmaSmemPad, p);
+    launch(dkdv_wgmma_kernel<D>, nb, static_cast<unsigned>(p.K), staged_smem<D>(2, p.nb) + kWgmmaSmemPad, p);
     return;
   }
-  launch(dq_kernel<D>, nb, static_cast<unsigned>(p.H), query_side_smem<D>(true, p.nb), p);
-  launch(dkdv_kernel<D>, nb, static_cast<unsigned>(p.K), key_side_smem<D>(p.nb), p);
+  launch(dq_kernel<D>, nb, static_cast<unsigned>(p.H), staged_smem<D>(2, p.nb), p);
+  launch(dkdv_kernel<D>, nb, static_cast<unsigned>(p.K), staged_smem<D>(2, p.nb), p);
 }
 
 }  // namespace
