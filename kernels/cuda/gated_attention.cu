@@ -440,7 +440,8 @@ struct QueryStages;
 //   two tiles streamed in two stages      forward, dq: K, V (KeyStages);  dk/dv: Q, dO (QueryStages)
 //   two float rows per stage              forward, dq: lb2, −c·lb2;  dk/dv: lse·log2e, D
 //   the streamed rows' documents per stage, then the walk's visit and full bits.
-// One layout for the three kernels: the backward twins differ only in which side stays put.
+// One layout for every attention CTA (the 128-row wgmma forward grows it): the backward twins
+// differ only in which side stays put.
 template <int D, int kHeld>
 struct StagedSmem {
   bf16* held;              // [kHeld][kBlock × D]
@@ -627,33 +628,21 @@ constexpr int kForwardGroups = 2;
 constexpr int kForwardThreads = kForwardGroups * kThreads;
 constexpr int kForwardWarps = kForwardGroups * kWarps;
 
-// Its shared memory: [Q × 2][K × 2][V × 2][lb2 × 2][−c·lb2 × 2][doc of keys × 2] and the walk
-// bits: visit and full per warpgroup, then their union (visit).
+// Its shared memory: StagedSmem with a Q tile per warpgroup (kept(g)), the walk bits grown from
+// its visit and full to [visit 0][full 0][visit 1][full 1][any] (the union's visit bits).
 template <int D>
 size_t wgmma_forward_smem(int64_t nb) {
-  return tile_bytes<D>() * (kForwardGroups + 4) + 2 * kBlock * (2 * sizeof(float) + sizeof(int32_t)) +
-         sizeof(uint32_t) * static_cast<size_t>((2 * kForwardGroups + 1) * walk_words(nb)) + kWgmmaSmemPad;
+  return staged_smem<D>(kForwardGroups, nb) +
+         sizeof(uint32_t) * static_cast<size_t>((2 * kForwardGroups - 1) * walk_words(nb)) + kWgmmaSmemPad;
 }
 template <int D>
-struct WgmmaForwardSmem {
-  bf16 *q, *k, *v;  // q: one tile per warpgroup
-  float *lb2, *ncl;
-  int32_t* doc;
-  uint32_t* bits;  // [visit 0][full 0][visit 1][full 1][any], walk_words(nb) words each
-  int64_t words;
+struct WgmmaForwardSmem : StagedSmem<D, kForwardGroups> {
+  int64_t words;  // walk_words(nb)
   __device__ __forceinline__ WgmmaForwardSmem(unsigned char* base, int64_t nb)
-      : q(reinterpret_cast<bf16*>(base)),
-        k(q + kForwardGroups * kBlock * D),
-        v(k + 2 * kBlock * D),
-        lb2(reinterpret_cast<float*>(v + 2 * kBlock * D)),
-        ncl(lb2 + 2 * kBlock),
-        doc(reinterpret_cast<int32_t*>(ncl + 2 * kBlock)),
-        bits(reinterpret_cast<uint32_t*>(doc + 2 * kBlock)),
-        words(walk_words(nb)) {}
-  __device__ __forceinline__ KeyStages<D> keys() const { return {k, v, lb2, ncl, doc}; }
-  __device__ __forceinline__ uint32_t* visit(int g) const { return bits + 2 * g * words; }
-  __device__ __forceinline__ uint32_t* full(int g) const { return bits + (2 * g + 1) * words; }
-  __device__ __forceinline__ uint32_t* any() const { return bits + 2 * kForwardGroups * words; }
+      : StagedSmem<D, kForwardGroups>(base, nb), words(walk_words(nb)) {}
+  __device__ __forceinline__ uint32_t* group_visit(int g) const { return this->visit + 2 * g * words; }
+  __device__ __forceinline__ uint32_t* group_full(int g) const { return this->visit + (2 * g + 1) * words; }
+  __device__ __forceinline__ uint32_t* any() const { return this->visit + 2 * kForwardGroups * words; }
 };
 
 // Sets both warpgroups' walk bits over the union range `all` and the union's visit bits (as
@@ -674,8 +663,8 @@ __device__ __forceinline__ void fill_forward_walks(const WgmmaForwardSmem<D>& sm
       const uint32_t v = __ballot_sync(0xffffffffu, x.visit), a = __ballot_sync(0xffffffffu, x.full);
       any |= v;
       if (lane == 0) {
-        sm.visit(g)[w] = v;
-        sm.full(g)[w] = a;
+        sm.group_visit(g)[w] = v;
+        sm.group_full(g)[w] = a;
       }
     }
     if (lane == 0) sm.any()[w] = any;
@@ -713,15 +702,15 @@ __global__ void __launch_bounds__(kForwardThreads) forward_wgmma_kernel(const Pa
   const int64_t q0 = block_begin(qb);
   const int nq = qb < p.nb ? static_cast<int>(block_size(p.T, qb)) : 0;
   const ForwardRows rows(p, q0, nq, warp, lane);
-  const uint32_t* visit = sm.visit(group);
-  const uint32_t* full = sm.full(group);
+  const uint32_t* visit = sm.group_visit(group);
+  const uint32_t* full = sm.group_full(group);
 
   const KeyStages<D> keys = sm.keys();
   fill_forward_walks(sm, tiles, all, own, qbs);
 #pragma unroll
   for (int g = 0; g < kForwardGroups; ++g)
     if (qbs[g] < p.nb)
-      copy_tile(sm.q + g * kBlock * D, p.q + int64_t{h} * D, int64_t{p.H} * D, block_begin(qbs[g]),
+      copy_tile(sm.kept(g), p.q + int64_t{h} * D, int64_t{p.H} * D, block_begin(qbs[g]),
                 static_cast<int>(block_size(p.T, qbs[g])));
   cp_async_commit();  // Q alone, so that its fragments can be read while the first key tile lands
   __syncthreads();    // the walk bits
@@ -731,7 +720,7 @@ __global__ void __launch_bounds__(kForwardThreads) forward_wgmma_kernel(const Pa
   cp_async_wait<1>();  // Q
   __syncthreads();
   uint32_t qf[D / 16][4];  // the warpgroup holds its Q: S = Q·Kᵀ reads only K from shared memory
-  panel_rows_to_a<D>(sm.q + group * kBlock * D, warp, lane, qf);
+  panel_rows_to_a<D>(sm.kept(group), warp, lane, qf);
 
   float o_acc[D / 8][4] = {};
   float m[2] = {kNegInf, kNegInf};
