@@ -22,6 +22,9 @@ for b in "${bins[@]}"; do
 done
 rm -rf "$dest.tmp" && mkdir -p "$dest.tmp/bin" "$dest.tmp/lib"
 for b in "${bins[@]}"; do cp "$build/bin/$b" "$dest.tmp/bin/"; done
+# The NVTX injection library TrainCuda.NvtxRangesCoverEveryPhase loads (gpu-verify.sh points
+# RETAIN_NVTX_RECORDER at it); a build without the CUDA toolkit has none, and no ranges.
+[ ! -f "$build/lib/libretain_nvtx_recorder.so" ] || cp "$build/lib/libretain_nvtx_recorder.so" "$dest.tmp/lib/"
 # The kernels' static instruction counts per loop (launch/sass-report.sh: needs cuobjdump, or
 # pip to fetch it); gpu-verify.sh puts them beside ncu's executed-instruction counts.
 if BUILD_DIR=$build launch/sass-report.sh >"$dest.tmp/sass-report.txt" 2>/dev/null; then

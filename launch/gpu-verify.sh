@@ -218,6 +218,7 @@ if phase train-tests; then
   step "test_train_cuda (retain-train on the GPU vs the CPU, loss curves)" "$L/tests.log" 540 \
     env RETAIN_BIN_DIR="$(cd "$bin" 2>/dev/null && pwd || echo "$bin")" \
     RETAIN_FIXTURES_DIR="$PWD/tests/fixtures" RETAIN_MPIEXEC="$(command -v mpirun || echo mpirun)" \
+    RETAIN_NVTX_RECORDER="$(cd "$bin/../lib" 2>/dev/null && pwd || echo "$bin/../lib")/libretain_nvtx_recorder.so" \
     "$bin/test_train_cuda" "${gtest[@]}"
 fi
 

@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <map>
 #include <numeric>
 #include <optional>
 #include <sstream>
@@ -20,6 +21,7 @@
 #include "kernels/cuda/memory.h"
 #include "kernels/tensor.h"
 #include "model/safetensors.h"
+#include "tests/trainer/nvtx_log.h"
 #include "tests/trainer/train_helpers.h"
 #include "trainer/dist/comm.h"
 #include "trainer/flops.h"
@@ -170,6 +172,37 @@ TEST(ForwardCuda, LogitsInRowChunksMatchTheCpu) {
     ASSERT_EQ(logits[1].shape(), (Shape{1100, 300}));
     EXPECT_LE(rel_diff(logits[1], logits[0]), 2e-2) << (gates.empty() ? "teacher" : "student");
   }
+}
+
+// The NVTX ranges of a GPU run (as TrainRuns.NvtxRangesCoverEveryPhase on the CPU), read back
+// through the injection library (RETAIN_NVTX_RECORDER overrides its built-in path, as for a
+// bundle): each step's phases, and the one-GPU weight provider's "layer l" spans, the same number
+// for each layer (the teacher, the student and the backward ask for every layer), all closed.
+TEST(TrainCuda, NvtxRangesCoverEveryPhase) {
+  SKIP_WITHOUT_GPU();
+#ifndef RETAIN_NVTX_RECORDER
+  GTEST_SKIP() << "built without NVTX (no CUDA toolkit at configure time): no ranges to record";
+#else
+  TempDir dir;
+  const GpuModel m = make_gpu_model(dir, "trimkv");
+  const Result r = run("env NVTX_INJECTION64_PATH=" + path_setting("RETAIN_NVTX_RECORDER", RETAIN_NVTX_RECORDER) +
+                           " RETAIN_NVTX_LOG=" + (dir / "nvtx") + " " + bin("retain-train") + " --device cuda" +
+                           " --model " + m.model + " --data " + m.data + " --gate trimkv --init-gates " + m.gates +
+                           " --memory 4 --global-batch 4 --micro-batch 4 --seed 3 --steps 2 --out " + (dir / "run"),
+                       dir);
+  ASSERT_EQ(r.code, 0) << r.err;
+  const std::string file = nvtx_log_file(dir.path(), "nvtx");
+  ASSERT_FALSE(file.empty()) << "one process, one log";
+  const NvtxLog nvtx = read_nvtx_log(file);
+  EXPECT_TRUE(nvtx.problems.empty()) << nvtx.problems.front();
+  const std::map<std::string, int> want = {{"teacher", 1}, {"student", 1}, {"capacity", 2}, {"loss", 1},
+                                           {"backward", 1}, {"reduce", 1}, {"optimizer", 1}};  // one micro-batch
+  ASSERT_EQ(nvtx.steps.size(), 2u);
+  for (const auto& counted : nvtx.steps) EXPECT_EQ(counted, want);
+  ASSERT_EQ(nvtx.spans.size(), 2u) << "2 layers";
+  EXPECT_GE(nvtx.spans.at("layer 0"), 3 * 2) << "teacher, student, backward × 2 steps";
+  EXPECT_EQ(nvtx.spans.at("layer 1"), nvtx.spans.at("layer 0"));
+#endif
 }
 
 // A model whose head_dim has no CUDA kernel (the fixture model's 16) is refused in one line

@@ -7,7 +7,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <filesystem>
 #include <map>
 #include <regex>
 #include <sstream>
@@ -17,6 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include "model/safetensors.h"
+#include "tests/trainer/nvtx_log.h"
 #include "tests/trainer/train_helpers.h"
 
 namespace retain::trainer::test {
@@ -94,80 +94,33 @@ TEST_F(TrainRuns, NvtxRangesCoverEveryPhase) {
 #ifndef RETAIN_NVTX_RECORDER
   GTEST_SKIP() << "built without NVTX (no CUDA toolkit at configure time): no ranges to record";
 #else
-  const std::string prefix = dir_ / "nvtx";
-  const Result r = run("env NVTX_INJECTION64_PATH=" + std::string(RETAIN_NVTX_RECORDER) + " RETAIN_NVTX_LOG=" + prefix +
-                           " timeout 120 " + bin("retain-train") + train_args(data_, dir_ / "run", "trimkv", 3) +
-                           " --micro-batch 2 --fsdp-force-gather",
+  const Result r = run("env NVTX_INJECTION64_PATH=" + std::string(RETAIN_NVTX_RECORDER) + " RETAIN_NVTX_LOG=" +
+                           (dir_ / "nvtx") + " timeout 120 " + bin("retain-train") +
+                           train_args(data_, dir_ / "run", "trimkv", 3) + " --micro-batch 2 --fsdp-force-gather",
                        dir_);
   ASSERT_EQ(r.code, 0) << r.err;
-  std::vector<std::string> files;
-  for (const auto& e : std::filesystem::directory_iterator(dir_.path()))
-    if (e.path().filename().string().rfind("nvtx.", 0) == 0) files.push_back(e.path().string());
-  ASSERT_EQ(files.size(), 1u) << "one process, one log";
-
-  std::map<std::string, std::vector<std::string>> stacks;  // thread → open push ranges
-  std::vector<std::map<std::string, int>> steps;           // each step's child ranges, counted
-  std::vector<std::string> last_children;                  // of the step being read, in order
-  std::map<std::string, std::string> spans;                // open start/end ranges: id → name
-  std::map<std::string, int> span_names, pushes;
-  int spans_started = 0;
-  std::istringstream in(slurp(files[0]));
-  for (std::string line; std::getline(in, line);) {
-    std::istringstream words(line);
-    std::string thread, event, rest;
-    words >> thread >> event;
-    std::getline(words >> std::ws, rest);
-    std::vector<std::string>& stack = stacks[thread];
-    if (event == "push") {
-      if (stack.size() == 1 && stack[0] == "step") last_children.push_back(rest);
-      if (rest == "step") {
-        ASSERT_TRUE(stack.empty()) << "a step inside " << stack.back();
-        last_children.clear();
-      }
-      stack.push_back(rest);
-      ++pushes[rest];
-    } else if (event == "pop") {
-      ASSERT_FALSE(stack.empty()) << "a pop with no range open on thread " << thread;
-      if (stack.back() == "step") {
-        std::map<std::string, int> counted;
-        for (const std::string& c : last_children) ++counted[c];
-        steps.push_back(counted);
-        ASSERT_GE(last_children.size(), 2u);
-        EXPECT_EQ(last_children[last_children.size() - 2], "reduce");
-        EXPECT_EQ(last_children.back(), "optimizer");
-      }
-      stack.pop_back();
-    } else if (event == "start") {
-      const auto space = rest.find(' ');
-      ASSERT_NE(space, std::string::npos) << line;
-      ASSERT_TRUE(spans.emplace(rest.substr(0, space), rest.substr(space + 1)).second) << "id reused: " << line;
-      ++span_names[rest.substr(space + 1)];
-      ++spans_started;
-    } else if (event == "end") {
-      ASSERT_EQ(spans.erase(rest), 1u) << "an end of a range never started: " << line;
-    } else {
-      FAIL() << "unknown event: " << line;
-    }
-  }
-  for (const auto& [thread, stack] : stacks) EXPECT_TRUE(stack.empty()) << stack.size() << " ranges left open";
-  EXPECT_TRUE(spans.empty()) << spans.size() << " layer spans left open";
+  const std::string file = nvtx_log_file(dir_.path(), "nvtx");
+  ASSERT_FALSE(file.empty()) << "one process, one log";
+  const NvtxLog nvtx = read_nvtx_log(file);
+  EXPECT_TRUE(nvtx.problems.empty()) << nvtx.problems.front();
 
   const int micro_batches = 2;  // --global-batch 4, --micro-batch 2, one rank
   const std::map<std::string, int> want = {{"count pass", micro_batches}, {"teacher", micro_batches},
                                            {"student", micro_batches},    {"capacity", 2 * micro_batches},
                                            {"loss", micro_batches},       {"backward", micro_batches},
                                            {"reduce", 1},                 {"optimizer", 1}};
-  ASSERT_EQ(steps.size(), 3u);
-  for (const auto& counted : steps) EXPECT_EQ(counted, want);
+  ASSERT_EQ(nvtx.steps.size(), 3u);
+  for (const auto& counted : nvtx.steps) EXPECT_EQ(counted, want);
 
   std::smatch m;
   const std::string log = r.out + r.err;
   ASSERT_TRUE(std::regex_search(log, m, std::regex(R"(fsdp: (\d+) layer requests, (\d+) layer all-gathers .*, )"
                                                    R"((\d+) embedding/lm_head all-gathers)")))
       << log;
-  EXPECT_EQ(spans_started, std::stoi(m[1]));
-  EXPECT_EQ(span_names, (std::map<std::string, int>{{"layer 0", spans_started / 2}, {"layer 1", spans_started / 2}}));
-  EXPECT_EQ(pushes["all-gather"], std::stoi(m[2]) + std::stoi(m[3]));
+  const int requests = std::stoi(m[1]);
+  EXPECT_EQ(nvtx.spans_started, requests);
+  EXPECT_EQ(nvtx.spans, (std::map<std::string, int>{{"layer 0", requests / 2}, {"layer 1", requests / 2}}));
+  EXPECT_EQ(nvtx.pushes.at("all-gather"), std::stoi(m[2]) + std::stoi(m[3]));
 #endif
 }
 
