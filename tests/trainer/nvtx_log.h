@@ -78,4 +78,17 @@ inline NvtxLog read_nvtx_log(const std::string& file) {
   return log;
 }
 
+// Runs `command` with the recorder `library` injected (NVTX_INJECTION64_PATH) and reads back
+// the log it wrote under `dir`; the run's exit status and output in *result. A run that wrote no
+// log, or several, has that among the problems.
+inline NvtxLog run_recorded(const std::string& library, const std::string& command, const TempDir& dir,
+                            Result* result) {
+  *result = run("env NVTX_INJECTION64_PATH=" + library + " RETAIN_NVTX_LOG=" + (dir / "nvtx") + " " + command, dir);
+  const std::string file = nvtx_log_file(dir.path(), "nvtx");
+  if (!file.empty()) return read_nvtx_log(file);
+  NvtxLog none;
+  none.problems.push_back("no NVTX log, or several, under " + dir.path().string() + " (was " + library + " loaded?)");
+  return none;
+}
+
 }  // namespace retain::trainer::test

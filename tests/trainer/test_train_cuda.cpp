@@ -91,18 +91,26 @@ void expect_close_dumps(const std::string& got_path, const std::string& want_pat
   EXPECT_GE(grads, 4) << what;
 }
 
-class DumpGradsCuda : public ::testing::TestWithParam<const char*> {};
+// The tiny model of the parameter's gate kind, and its one-rank cuda dump that every other
+// dump is compared with.
+class DumpGradsCuda : public ::testing::TestWithParam<const char*> {
+ protected:
+  void model_and_one_rank_dump() {
+    kind = GetParam();
+    m = make_gpu_model(dir, kind);
+    one = dump(m, kind, "cuda", "", "--micro-batch 4", dir, "one_rank", &why);
+    ASSERT_FALSE(one.empty()) << why;
+  }
+  TempDir dir;
+  std::string kind, one, why;
+  GpuModel m;
+};
 
 TEST_P(DumpGradsCuda, RanksAndGatherPathsAgree) {
   SKIP_WITHOUT_GPU();
-  const std::string kind = GetParam();
-  TempDir dir;
-  const GpuModel m = make_gpu_model(dir, kind);
-  std::string why;
+  ASSERT_NO_FATAL_FAILURE(model_and_one_rank_dump());
   const std::string cpu = dump(m, kind, "cpu", "", "--micro-batch 4", dir, "cpu", &why);
   ASSERT_FALSE(cpu.empty()) << why;
-  const std::string one = dump(m, kind, "cuda", "", "--micro-batch 4", dir, "one_rank", &why);
-  ASSERT_FALSE(one.empty()) << why;
   // bf16 weights and activations against the float32 CPU step: the tolerances, as
   // tests/cuda/test_step_cuda.cpp's: losses 1e-3 relative, gate gradients 2e-2 relative L2 norm
   // (measured on the CUDA emulator: total, NTP and capacity ≤ 1.5e-4, gradients ≤ 1.2e-2).
@@ -135,12 +143,7 @@ TEST_P(DumpGradsCuda, RanksAndGatherPathsAgree) {
 TEST_P(DumpGradsCuda, OneRankOverNcclEqualsOneRank) {
   SKIP_WITHOUT_GPU();
   if (!dist::nccl_built()) GTEST_SKIP() << "built without NCCL";
-  const std::string kind = GetParam();
-  TempDir dir;
-  const GpuModel m = make_gpu_model(dir, kind);
-  std::string why;
-  const std::string one = dump(m, kind, "cuda", "", "--micro-batch 4", dir, "one_rank", &why);
-  ASSERT_FALSE(one.empty()) << why;
+  ASSERT_NO_FATAL_FAILURE(model_and_one_rank_dump());
   const std::string nccl = dump(m, kind, "cuda", "", "--comm nccl --micro-batch 4", dir, "one_rank_nccl", &why);
   ASSERT_FALSE(nccl.empty()) << why;
   expect_close_dumps(nccl, one, 0, 0, "1 rank over nccl vs 1 rank");
@@ -185,16 +188,15 @@ TEST(TrainCuda, NvtxRangesCoverEveryPhase) {
 #else
   TempDir dir;
   const GpuModel m = make_gpu_model(dir, "trimkv");
-  const Result r = run("env NVTX_INJECTION64_PATH=" + path_setting("RETAIN_NVTX_RECORDER", RETAIN_NVTX_RECORDER) +
-                           " RETAIN_NVTX_LOG=" + (dir / "nvtx") + " " + bin("retain-train") + " --device cuda" +
-                           " --model " + m.model + " --data " + m.data + " --gate trimkv --init-gates " + m.gates +
-                           " --memory 4 --global-batch 4 --micro-batch 4 --seed 3 --steps 2 --out " + (dir / "run"),
-                       dir);
+  Result r;
+  const NvtxLog nvtx = run_recorded(path_setting("RETAIN_NVTX_RECORDER", RETAIN_NVTX_RECORDER),
+                                    bin("retain-train") + " --device cuda --model " + m.model + " --data " + m.data +
+                                        " --gate trimkv --init-gates " + m.gates +
+                                        " --memory 4 --global-batch 4 --micro-batch 4 --seed 3 --steps 2 --out " +
+                                        (dir / "run"),
+                                    dir, &r);
   ASSERT_EQ(r.code, 0) << r.err;
-  const std::string file = nvtx_log_file(dir.path(), "nvtx");
-  ASSERT_FALSE(file.empty()) << "one process, one log";
-  const NvtxLog nvtx = read_nvtx_log(file);
-  EXPECT_TRUE(nvtx.problems.empty()) << nvtx.problems.front();
+  ASSERT_TRUE(nvtx.problems.empty()) << nvtx.problems.front();
   const std::map<std::string, int> want = {{"teacher", 1}, {"student", 1}, {"capacity", 2}, {"loss", 1},
                                            {"backward", 1}, {"reduce", 1}, {"optimizer", 1}};  // one micro-batch
   ASSERT_EQ(nvtx.steps.size(), 2u);

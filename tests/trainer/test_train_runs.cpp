@@ -94,15 +94,13 @@ TEST_F(TrainRuns, NvtxRangesCoverEveryPhase) {
 #ifndef RETAIN_NVTX_RECORDER
   GTEST_SKIP() << "built without NVTX (no CUDA toolkit at configure time): no ranges to record";
 #else
-  const Result r = run("env NVTX_INJECTION64_PATH=" + std::string(RETAIN_NVTX_RECORDER) + " RETAIN_NVTX_LOG=" +
-                           (dir_ / "nvtx") + " timeout 120 " + bin("retain-train") +
-                           train_args(data_, dir_ / "run", "trimkv", 3) + " --micro-batch 2 --fsdp-force-gather",
-                       dir_);
+  Result r;
+  const NvtxLog nvtx = run_recorded(RETAIN_NVTX_RECORDER,
+                                    "timeout 120 " + bin("retain-train") + train_args(data_, dir_ / "run", "trimkv", 3) +
+                                        " --micro-batch 2 --fsdp-force-gather",
+                                    dir_, &r);
   ASSERT_EQ(r.code, 0) << r.err;
-  const std::string file = nvtx_log_file(dir_.path(), "nvtx");
-  ASSERT_FALSE(file.empty()) << "one process, one log";
-  const NvtxLog nvtx = read_nvtx_log(file);
-  EXPECT_TRUE(nvtx.problems.empty()) << nvtx.problems.front();
+  ASSERT_TRUE(nvtx.problems.empty()) << nvtx.problems.front();
 
   const int micro_batches = 2;  // --global-batch 4, --micro-batch 2, one rank
   const std::map<std::string, int> want = {{"count pass", micro_batches}, {"teacher", micro_batches},
