@@ -4,7 +4,8 @@
 //   sharing the GPU over MPI (FSDP-sharded bf16 weights staged through the host), one rank
 //   gathering its weights through the comm (--fsdp-force-gather) and one rank over NCCL against
 //   the one-rank GPU dump;
-// - 1,000 optimizer steps on the GPU track the CPU run's loss curve.
+// - 1,000 optimizer steps on the GPU track the CPU run's loss curve;
+// - the NVTX ranges of a GPU run (through tests/trainer/nvtx_recorder.cpp).
 // The model is a tiny random Qwen3 with head_dim 64 (the CUDA attention kernels take 64 and
 // 128; the committed fixture model's 16 has none), and the fixture corpus packed by its
 // tokenizer. launch/gpu-verify.sh runs this binary from the GPU bundle.
