@@ -419,6 +419,13 @@ if phase reference; then
   wheels=${WHEELS:-.whl}
   site=$work/reference-site
   keep=${REFERENCE_DIR:-${TMPDIR:-/tmp}/retain-reference}  # survives the next call's fresh --work
+  # compare_train's --time-budget under --deadline: what is left then, less 90 s for the rest
+  # of the call (1: start no row); nothing without a deadline.
+  time_budget() {
+    [ "$deadline" -gt 0 ] || return 0
+    local left=$((deadline - SECONDS - 90))
+    echo "--time-budget $((left > 1 ? left : 1))"
+  }
   [ "$dry" = 1 ] || mkdir -p "$keep"
   if [ "$dry" = 0 ] && ! compgen -G "$wheels/*.whl" >/dev/null; then
     note "reference: NOT RUN: no wheels in $wheels (run launch/gpu-wheels.sh here and carry .whl)"; incomplete=1
@@ -432,19 +439,17 @@ if phase reference; then
     fi
     step "reference: its python sees transformers 4.57.1" "$log" 60 "$work/reference-python" -c \
       'import transformers as t; assert t.__version__ == "4.57.1", t.__version__; print("transformers", t.__version__)'
-    budget=$((deadline > 0 ? (deadline - SECONDS - 90 > 1 ? deadline - SECONDS - 90 : 1) : 0))  # 1: start no row
     PARTIAL_OK=1 step "reference: compare_train Qwen3-4B,1.7B,0.6B, 8K/32K/128K, trimkv/dbtrimkv" "$log" \
       "${REFERENCE_TIMEOUT:-600}" python3 trainer/bench/compare_train.py --shapes 4B,1.7B,0.6B --device cuda \
       --python "$work/reference-python" --bin-dir "$bin" --out "$keep/compare" --keep-models "$keep/models" \
-      $([ "$budget" -gt 0 ] && echo "--time-budget $budget") --write-docs --docs-file "$keep/benchmarks.md"
+      $(time_budget) --write-docs --docs-file "$keep/benchmarks.md"
     # The loss check with a visible decay: both sides' gates with output projection 0 and bias 2
     # (logβ = logsigmoid(2) ≈ −0.127 for every token, whatever their random weights), so the
     # first-step losses show the gated math; Qwen3-0.6B at 8K, rows of its own (not in the docs).
-    budget=$((deadline > 0 ? (deadline - SECONDS - 90 > 1 ? deadline - SECONDS - 90 : 1) : 0))  # 1: start no row
     PARTIAL_OK=1 step "reference: compare_train Qwen3-0.6B 8K, --gate-init zero-output:2" "$log" \
       "${REFERENCE_TIMEOUT:-600}" python3 trainer/bench/compare_train.py --shapes 0.6B --seq 8192 --device cuda \
       --gate-init zero-output:2 --python "$work/reference-python" --bin-dir "$bin" --out "$keep/compare-visible" \
-      --keep-models "$keep/models" $([ "$budget" -gt 0 ] && echo "--time-budget $budget")
+      --keep-models "$keep/models" $(time_budget)
     if [ "$dry" = 0 ]; then  # what comes back: the rows, the table, the plot and the docs copy
       mkdir -p "$L/reference" && cp -r "$keep/compare" "$keep/benchmarks.md" "$L/reference/" 2>/dev/null
       [ -d "$keep/compare-visible" ] && cp -r "$keep/compare-visible" "$L/reference/"

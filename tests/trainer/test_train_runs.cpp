@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <chrono>
 #include <map>
+#include <optional>
 #include <regex>
 #include <sstream>
 #include <thread>
@@ -35,6 +36,19 @@ class TrainRuns : public ::testing::Test {
   TempDir dir_;
   std::string data_;
 };
+
+// The counters of the run's "fsdp: ..." log line (trainer/train.cpp), or nothing without one.
+struct FsdpLine {
+  int layer_requests = 0, layer_gathers = 0, prefetch_hits = 0, global_gathers = 0;
+};
+std::optional<FsdpLine> fsdp_line(const std::string& log) {
+  std::smatch m;
+  if (!std::regex_search(log, m,
+                         std::regex(R"(fsdp: (\d+) layer requests, (\d+) layer all-gathers \((\d+) prefetched and used, )"
+                                    R"(\d+ prefetched and discarded, \d+ waited for\), (\d+) embedding/lm_head all-gathers)")))
+    return std::nullopt;
+  return FsdpLine{std::stoi(m[1]), std::stoi(m[2]), std::stoi(m[3]), std::stoi(m[4])};
+}
 
 TEST_F(TrainRuns, TwoRanksEqualOneRank) {
   for (const char* kind : {"trimkv", "dbtrimkv"}) {
@@ -66,20 +80,17 @@ TEST_F(TrainRuns, ForcedGatherEqualsThePlainRun) {
   expect_same_gates(plain, forced, 0);
   expect_same_losses(plain, forced, 0);
   const std::string log = r.out + r.err;
-  std::smatch m;
-  ASSERT_TRUE(std::regex_search(
-      log, m, std::regex(R"(fsdp: (\d+) layer requests, (\d+) layer all-gathers \((\d+) prefetched and used, )"
-                         R"(\d+ prefetched and discarded, \d+ waited for\), (\d+) embedding/lm_head all-gathers)")))
-      << log;
+  const std::optional<FsdpLine> fsdp = fsdp_line(log);
+  ASSERT_TRUE(fsdp) << log;
   // Each of the 3 steps' 4 micro-batches: the teacher, the student and the backward ask for
   // both layers of the fixture model, and the loss for the embedding and the lm_head. (Two
   // layers fit the two layer buffers, so after the first two gathers every request finds its
   // layer there: a deeper model gathers all along.)
   const int layers = 2, micro_batches = 3 * 4;
-  EXPECT_GE(std::stoi(m[1]), micro_batches * 3 * layers) << log;
-  EXPECT_GE(std::stoi(m[2]), layers) << log;
-  EXPECT_GT(std::stoi(m[3]), 0) << log;
-  EXPECT_GE(std::stoi(m[4]), micro_batches) << log;
+  EXPECT_GE(fsdp->layer_requests, micro_batches * 3 * layers) << log;
+  EXPECT_GE(fsdp->layer_gathers, layers) << log;
+  EXPECT_GT(fsdp->prefetch_hits, 0) << log;
+  EXPECT_GE(fsdp->global_gathers, micro_batches) << log;
   EXPECT_NE(slurp(forced + "/config.toml").find("fsdp_force_gather = true"), std::string::npos);
   EXPECT_EQ(slurp(plain + "/config.toml").find("fsdp_force_gather"), std::string::npos);
 }
@@ -110,15 +121,12 @@ TEST_F(TrainRuns, NvtxRangesCoverEveryPhase) {
   ASSERT_EQ(nvtx.steps.size(), 3u);
   for (const auto& counted : nvtx.steps) EXPECT_EQ(counted, want);
 
-  std::smatch m;
-  const std::string log = r.out + r.err;
-  ASSERT_TRUE(std::regex_search(log, m, std::regex(R"(fsdp: (\d+) layer requests, (\d+) layer all-gathers .*, )"
-                                                   R"((\d+) embedding/lm_head all-gathers)")))
-      << log;
-  const int requests = std::stoi(m[1]);
+  const std::optional<FsdpLine> fsdp = fsdp_line(r.out + r.err);
+  ASSERT_TRUE(fsdp) << r.out + r.err;
+  const int requests = fsdp->layer_requests;
   EXPECT_EQ(nvtx.spans_started, requests);
   EXPECT_EQ(nvtx.spans, (std::map<std::string, int>{{"layer 0", requests / 2}, {"layer 1", requests / 2}}));
-  EXPECT_EQ(nvtx.pushes.at("all-gather"), std::stoi(m[2]) + std::stoi(m[3]));
+  EXPECT_EQ(nvtx.pushes.at("all-gather"), fsdp->layer_gathers + fsdp->global_gathers);
 #endif
 }
 

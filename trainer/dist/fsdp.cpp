@@ -112,7 +112,6 @@ FsdpWeightProvider::FsdpWeightProvider(std::shared_ptr<const Qwen3Checkpoint> ck
 }
 
 FsdpWeightProvider::~FsdpWeightProvider() {
-  layer_range_.end();
   // A Request's destructor waits for its collective (which the other ranks take part in).
   for (Slot& s : slots_) s.pending.reset();
 }
