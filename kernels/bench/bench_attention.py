@@ -151,7 +151,7 @@ def is_power_of_two(n):
     return n > 0 and n & (n - 1) == 0
 
 
-def reference_flex(torch, flex, q, k, v, block_mask, lb, scale):
+def reference_flex(flex, q, k, v, block_mask, lb, scale):
     """trimkv 0.1.5's retention_gated_attention_forward minus its final transpose: the
     package's score_mod_wo_kv_pos (offset 0), kernel_options={}, enable_gqa only for a
     power-of-two group (else K/V repeated to H heads, inside the call as there). lb: float32
@@ -169,6 +169,11 @@ def reference_flex(torch, flex, q, k, v, block_mask, lb, scale):
                 kernel_options={})
 
 
+def error_line(e, n):
+    """An exception as one line: its type and the first line of its message, cut at n characters."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:n] if str(e) else ''}"
+
+
 def first_call(torch, device, dynamic, call):
     """Compiles FlexAttention (dynamic as asked) and makes the first call, call(flex). Returns
     (flex, result, how it is compiled). On the CPU, where Inductor's C++ FlexAttention template
@@ -183,8 +188,8 @@ def first_call(torch, device, dynamic, call):
         if device != "cpu" or not dynamic:
             raise
         flex = torch.compile(flex_attention, dynamic=False)
-        return flex, call(flex), (f"torch.compile dynamic=False (dynamic=True failed on the CPU: {type(e).__name__}: "
-                                  f"{str(e).splitlines()[0][:60] if str(e) else ''})")
+        return flex, call(flex), (f"torch.compile dynamic=False (dynamic=True failed on the CPU: "
+                                  f"{error_line(e, 60)})")
 
 
 def bench_flex(torch, timer, a, T, device, q, k, v, dout, logb, doc):
@@ -204,19 +209,19 @@ def bench_flex(torch, timer, a, T, device, q, k, v, dout, logb, doc):
     # Forward alone on inputs without gradients (FlexAttention on CPU has no backward). The first
     # call compiles.
     flex, _, compiled = first_call(torch, device, a.flex_dynamic,
-                                   lambda f: reference_flex(torch, f, q, k, v, block_mask, lb_const, scale))
-    fwd_only = timer.median(lambda: reference_flex(torch, flex, q, k, v, block_mask, lb_const, scale),
+                                   lambda f: reference_flex(f, q, k, v, block_mask, lb_const, scale))
+    fwd_only = timer.median(lambda: reference_flex(flex, q, k, v, block_mask, lb_const, scale),
                             a.warmup, a.iters)
     qq, kk, vv = (x.clone().requires_grad_(True) for x in (q, k, v))
 
     def run_fwd():
-        return reference_flex(torch, flex, qq, kk, vv, block_mask, lb, scale)
+        return reference_flex(flex, qq, kk, vv, block_mask, lb, scale)
 
     try:
         _, b, fb = time_fwd_bwd(timer, argparse.Namespace(warmup=max(1, a.warmup), iters=a.iters), run_fwd,
                                 [qq, kk, vv, lb], dout)
     except Exception as e:  # noqa: BLE001 - e.g. no backward on this device
-        return (fwd_only, None, None, f"backward unavailable: {type(e).__name__}: {str(e).splitlines()[0][:100]}",
+        return (fwd_only, None, None, f"backward unavailable: {error_line(e, 100)}",
                 compiled)
     return fwd_only, b, fb, "", compiled
 
@@ -241,7 +246,6 @@ def bench_sdpa(torch, timer, a, T, device, q, k, v, dout, backend):
 
     chosen = getattr(SDPBackend, SDPA_BACKENDS[backend])
     group = a.heads // a.kv_heads
-    reasons = []
     for gqa in (True, False):
         if gqa:
             qq, kk, vv = (x.clone().requires_grad_(True) for x in (q, k, v))
@@ -302,7 +306,7 @@ def bench_capacity(torch, timer, a, T, device, logb, doc, memory=1024.0):
     return timer.median(fwd_bwd, min(a.warmup, 1), max(1, min(a.iters, 3)))
 
 
-def eager_flex_with_gradients(torch):
+def eager_flex_with_gradients():
     """PyTorch's eager FlexAttention with its device check lifted (as bench_reference.py runs it
     on the CPU): a context manager, restoring the check afterwards."""
     import contextlib
@@ -362,22 +366,22 @@ def check_flex(torch, device, dynamic, T=300, H=4, K=2, d=64, docs=3):
     result = {}
     with torch.no_grad():
         flex, out, compiled = first_call(torch, device, dynamic, lambda f: reference_flex(
-            torch, f, *(x.detach() for x in ins[:3]), bm, ins[3].detach(), d ** -0.5))
+            f, *(x.detach() for x in ins[:3]), bm, ins[3].detach(), d ** -0.5))
     result["compiled"] = compiled
     result["out"] = rel(out[0], "out")
     try:
         if device == "cuda":
-            out = reference_flex(torch, flex, *ins[:3], bm, ins[3], d ** -0.5)
+            out = reference_flex(flex, *ins[:3], bm, ins[3], d ** -0.5)
             out.backward(dout.to(device))
         else:  # compiled FlexAttention has no CPU backward: the eager one, device check lifted
-            with eager_flex_with_gradients(torch) as eager:
-                out = reference_flex(torch, eager, *ins[:3], bm, ins[3], d ** -0.5)
+            with eager_flex_with_gradients() as eager:
+                out = reference_flex(eager, *ins[:3], bm, ins[3], d ** -0.5)
                 out.backward(dout.to(device))
         for name, x in zip(("dq", "dk", "dv", "dlogβ"), ins):
             result[name] = rel(x.grad[0], name)
     except Exception as e:  # noqa: BLE001 - no backward on this device and torch
         for name in ("dq", "dk", "dv", "dlogβ"):
-            result[name] = f"unavailable: {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}"
+            result[name] = f"unavailable: {error_line(e, 100)}"
     return result
 
 
@@ -440,7 +444,7 @@ def main():
         print(f"{T:>8}  {label:<11} {op:<22} {ms_text:>11} {tf:>9}  {note}", flush=True)
 
     def unavailable(e):
-        return f"unavailable: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+        return f"unavailable: {error_line(e, 300)}"
 
     print(f"{'seq':>8}  {'impl':<11} {'op':<22} {'ms':>11} {'TFLOP/s':>9}")
     for T in a.seq:

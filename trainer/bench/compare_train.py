@@ -54,7 +54,6 @@ On the CPU (tiny model; the timings mean nothing there, the losses do):
         --seq 128,256 --gate-hidden 16 --out build/compare-train
 """
 import argparse
-import datetime
 import json
 import os
 import shlex
@@ -87,10 +86,6 @@ _child = None  # the running side's process, ended when this one is
 
 def log(msg):
     print(msg, file=sys.stderr, flush=True)
-
-
-def utc_now():
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def run_side(cmd, timeout, env=None):
@@ -143,16 +138,17 @@ def failure(tool, rc, tail, timeout):
     return f"{kind}{tool} {how}: {said[:300]}"
 
 
+def side_args(a):
+    """The settings both sides take under the same names."""
+    return ["--gate-hidden", str(a.gate_hidden), "--memory", f"{a.memory:g}", "--iters", str(a.iters), "--warmup",
+            str(a.warmup), "--seed", str(a.seed), "--gate-init", a.gate_init]
+
+
 def run_retain(a, model_dir, T, gate, batch, tmp):
-    """retain's side of one row: (row, run info)."""
+    """retain's side of one row (tmp: the row's fresh folder): (row, run info)."""
     out = os.path.join(tmp, "retain.json")
-    for p in (out, batch):
-        if os.path.exists(p):
-            os.remove(p)
     cmd = [os.path.join(a.bin_dir, "retain-bench"), "train", "--model", model_dir, "--seq", str(T), "--gate", gate,
-           "--docs", str(a.docs), "--gate-hidden", str(a.gate_hidden), "--memory", f"{a.memory:g}", "--iters",
-           str(a.iters), "--warmup", str(a.warmup), "--seed", str(a.seed), "--gate-init", a.gate_init,
-           "--dump-batch", batch, "--json", out]
+           "--docs", str(a.docs)] + side_args(a) + ["--dump-batch", batch, "--json", out]
     if a.device:
         cmd += ["--device", a.device]
     rc, tail = run_side(cmd, a.row_timeout)
@@ -168,12 +164,8 @@ def run_reference(a, model_dir, T, gate, batch, device, tmp):
     if not os.path.exists(batch):
         return {"seq": T, "gate": gate, "error": "not run: retain-bench wrote no batch"}, {}
     out = os.path.join(tmp, "reference.json")
-    if os.path.exists(out):
-        os.remove(out)
     cmd = [a.python, os.path.join(REPO, "trainer", "bench", "bench_reference.py"), "--model", model_dir, "--batch",
-           batch, "--gate", gate, "--gate-hidden", str(a.gate_hidden), "--memory", f"{a.memory:g}", "--iters",
-           str(a.iters), "--warmup", str(a.warmup), "--seed", str(a.seed), "--gate-init", a.gate_init,
-           "--json", out]
+           batch, "--gate", gate] + side_args(a) + ["--json", out]
     if device:
         cmd += ["--device", device]
     rc, tail = run_side(cmd, a.row_timeout, env=dict(os.environ, PYTHONUNBUFFERED="1"))
@@ -278,7 +270,7 @@ def ordered(store, wanted=None):
 
 
 def describe_runs(store):
-    rows = [r for r in store["rows"] if not r.get("missing")]
+    rows = store["rows"]
     s = store["settings"]
 
     def uniq(vals):
@@ -331,7 +323,7 @@ def table(store, tol, wanted=None):
         def side(x, field, spec):
             return f"error: {x['error']}" if "error" in x else fmt(x.get(field), spec)
 
-        ok = "error" not in me and "error" not in th
+        ok = not has_error(r)
         ratio = fmt(me["tokens_per_s"] / th["tokens_per_s"], ".2f") + "×" if ok else "—"
         pratio = fmt(me["peak_gb"] / th["peak_gb"], ".2f") + "×" if ok and th.get("peak_gb") else "—"
         rel, v = verdict(r, tol)
@@ -351,13 +343,11 @@ def plot(store, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in store["rows"] if not r.get("missing")]
-    models = []
+    rows = store["rows"]
+    models, inits = [], []
     for r in ordered(store):
         if r["model"] not in models:
             models.append(r["model"])
-    inits = []
-    for r in ordered(store):
         if r.get("gate_init", "random") not in inits:
             inits.append(r.get("gate_init", "random"))
     fig, axes = plt.subplots(len(models), 2, figsize=(10, 3.6 * len(models)), squeeze=False)
@@ -486,8 +476,7 @@ def main():
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks (temporary models)
     os.makedirs(a.out, exist_ok=True)
     store_path = os.path.join(a.out, "compare.json")
-    settings = {"device": a.device, "gate_hidden": a.gate_hidden, "memory": a.memory, "docs": a.docs,
-                "iters": a.iters, "warmup": a.warmup, "seed": a.seed}
+    settings = {k: getattr(a, k) for k in SETTINGS}
     store = load_store(store_path, None if a.table_only else settings)
     if a.table_only and not store["rows"]:
         sys.exit(f"compare_train.py: --table-only: no rows in {store_path}")
@@ -504,14 +493,13 @@ def main():
     wanted = [(m[0], T, g, a.gate_init) for m in models for T in a.seq_list for g in a.gates]
     done = {key(r): r for r in store["rows"]}
 
+    to_run = [k for k in wanted if k not in done or (a.retry_errors and has_error(done[k]))]
+
     def pending(label):
-        return [(T, g) for T in a.seq_list for g in a.gates
-                if (label, T, g, a.gate_init) not in done
-                or (a.retry_errors and has_error(done[(label, T, g, a.gate_init)]))]
+        return [(T, g) for (m, T, g, _) in to_run if m == label]
 
     start = time.monotonic()
-    skipped = sum(1 for k in wanted if k in done) - sum(
-        1 for k in wanted if k in done and a.retry_errors and has_error(done[k]))
+    skipped = len(wanted) - len(to_run)
     if skipped:
         log(f"compare_train.py: {skipped} row(s) already in {store_path}: skipped")
     out_of_time = False
