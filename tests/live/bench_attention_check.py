@@ -22,7 +22,7 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
-from live_common import import_or_skip, tools_present  # noqa: E402
+from live_common import Checks, import_or_skip, tools_present  # noqa: E402
 
 SCRIPT = os.path.join(REPO, "kernels", "bench", "bench_attention.py")
 SHAPE = ["--device", "cpu", "--heads", "4", "--kv-heads", "2", "--head-dim", "32", "--iters", "1", "--warmup", "0"]
@@ -35,12 +35,7 @@ def main():
     import_or_skip("bench_attention_check", ["torch"])
     if not tools_present("bench_attention_check", a.bin_dir, ["retain-bench"]):
         return 1
-    bad = 0
-
-    def check(ok, what):
-        nonlocal bad
-        print(f"  {'ok  ' if ok else 'FAIL'} {what}", flush=True)
-        bad += not ok
+    check = Checks()
 
     with tempfile.TemporaryDirectory(prefix="retain-bench-attn-") as tmp:
         out = os.path.join(tmp, "peers.json")
@@ -77,8 +72,7 @@ def main():
         flex = [x for x in j["rows"] if x["impl"] == "flex" and x["op"] == "gated fwd"]
         check(r.returncode == 0 and len(flex) == 1 and flex[0]["note"] == "torch.compile dynamic=False",
               f"--no-flex-dynamic: dynamic=False ({flex[0]['note'] if flex else r.stderr.strip()[-300:]!r})")
-    print("bench_attention_check: " + ("FAIL" if bad else "ok"))
-    return 1 if bad else 0
+    return check.verdict("bench_attention_check")
 
 
 if __name__ == "__main__":

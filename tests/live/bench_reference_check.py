@@ -28,24 +28,16 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
-from live_common import SKIP  # noqa: E402
+from live_common import TRIMKV_PYTHON, Checks, trimkv_python_or_skip  # noqa: E402
 
 MODEL = os.path.join(REPO, "tests", "fixtures", "trainer", "model")
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--trimkv-python", default=os.environ.get(
-        "RETAIN_TRIMKV_PYTHON", os.path.expanduser("~/.cache/retain/venvs/trimkv/bin/python")))
+    p.add_argument("--trimkv-python", default=TRIMKV_PYTHON)
     a = p.parse_args()
-
-    if not os.access(a.trimkv_python, os.X_OK):
-        print(f"bench_reference_check: skipped: no trimkv Python at {a.trimkv_python} (set RETAIN_TRIMKV_PYTHON)")
-        return SKIP
-    probe = subprocess.run([a.trimkv_python, "-c", "import torch, transformers"], capture_output=True)
-    if probe.returncode != 0:
-        print(f"bench_reference_check: skipped: torch or transformers missing in {a.trimkv_python}")
-        return SKIP
+    trimkv_python_or_skip("bench_reference_check", a.trimkv_python, ["torch", "transformers"])
 
     cfg = json.load(open(os.path.join(MODEL, "config.json")))
     vocab, T = cfg["vocab_size"], 64
@@ -54,7 +46,6 @@ def main():
     rng = random.Random(7)
     batch = {"batches": [{"seq": T, "ids": [rng.randrange(vocab) for _ in range(T)],
                           "doc": [0] * (T // 2) + [1] * (T // 2)}]}
-    bad = 0
     with tempfile.TemporaryDirectory(prefix="retain-bench-ref-") as tmp:
         batch_path, out = os.path.join(tmp, "batch.json"), os.path.join(tmp, "reference.json")
         with open(batch_path, "w") as f:
@@ -72,10 +63,7 @@ def main():
         result = json.load(open(out))
         rows = result["rows"]
 
-    def check(ok, what):
-        nonlocal bad
-        print(f"  {'ok  ' if ok else 'FAIL'} {what}")
-        bad += not ok
+    check = Checks()
 
     check(len(rows) == 2, f"two rows written ({len(rows)})")
     if len(rows) != 2:
@@ -98,8 +86,7 @@ def main():
         check(left - before < limit, f"row {i} freed: {left:.3f} MB of tensors alive after its cleanup, {before:.3f} "
               f"MB before the first row (excess {left - before:+.3f} MB, limit {limit:.3f} MB: half of the smaller "
               f"of one row's teacher logits {logits_mb:.3f} MB and the model {weights_mb:.3f} MB)")
-    print("bench_reference_check: " + ("FAIL" if bad else "ok"))
-    return 1 if bad else 0
+    return check.verdict("bench_reference_check")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ import subprocess
 import sys
 
 SKIP = 77  # CTest SKIP_RETURN_CODE
+# The TRIM-KV authors' package lives in a venv of its own (it pins transformers 4.57.1).
+TRIMKV_PYTHON = os.environ.get("RETAIN_TRIMKV_PYTHON", os.path.expanduser("~/.cache/retain/venvs/trimkv/bin/python"))
 
 
 def import_or_skip(prog, modules):
@@ -19,6 +21,32 @@ def import_or_skip(prog, modules):
     if missing:
         print(f"{prog}: skipped: cannot import " + "; ".join(missing), flush=True)
         sys.exit(SKIP)
+
+
+def trimkv_python_or_skip(prog, python, modules):
+    """Exits SKIP, saying why, unless `python` is an executable that imports every module."""
+    if not os.access(python, os.X_OK):
+        print(f"{prog}: skipped: no trimkv Python at {python} (set RETAIN_TRIMKV_PYTHON)", flush=True)
+        sys.exit(SKIP)
+    if subprocess.run([python, "-c", "import " + ", ".join(modules)], capture_output=True).returncode != 0:
+        print(f"{prog}: skipped: {', '.join(modules)} not all importable in {python}", flush=True)
+        sys.exit(SKIP)
+
+
+class Checks:
+    """Named checks: each prints an "ok" or "FAIL" line; `bad` counts the failures."""
+
+    def __init__(self):
+        self.bad = 0
+
+    def __call__(self, ok, what):
+        print(f"  {'ok  ' if ok else 'FAIL'} {what}", flush=True)
+        self.bad += not ok
+
+    def verdict(self, prog):
+        """The last line, and the exit status: 1 when a check failed."""
+        print(f"{prog}: " + ("FAIL" if self.bad else "ok"))
+        return 1 if self.bad else 0
 
 
 def quiet_transformers():

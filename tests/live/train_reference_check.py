@@ -35,7 +35,7 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
-from live_common import SKIP, tools_present  # noqa: E402
+from live_common import TRIMKV_PYTHON, Checks, import_or_skip, tools_present, trimkv_python_or_skip  # noqa: E402
 
 
 def flex_check():
@@ -94,8 +94,7 @@ def flex_check():
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bin-dir", default=os.path.join(REPO, "build", "bin"))
-    p.add_argument("--trimkv-python", default=os.environ.get(
-        "RETAIN_TRIMKV_PYTHON", os.path.expanduser("~/.cache/retain/venvs/trimkv/bin/python")))
+    p.add_argument("--trimkv-python", default=TRIMKV_PYTHON)
     p.add_argument("--flex-only", action="store_true", help=argparse.SUPPRESS)  # part 1, in the trimkv Python
     a = p.parse_args()
 
@@ -104,14 +103,8 @@ def main():
         print(f"flex worst {worst:.3e}")
         return 0 if worst < 1e-5 else 1
 
-    if not os.access(a.trimkv_python, os.X_OK):
-        print(f"train_reference_check: skipped: no trimkv Python at {a.trimkv_python} (set RETAIN_TRIMKV_PYTHON)")
-        return SKIP
-    probe = subprocess.run([a.trimkv_python, "-c", "import torch, transformers, matplotlib"], capture_output=True)
-    if probe.returncode != 0 or subprocess.run([sys.executable, "-c", "import matplotlib"],
-                                               capture_output=True).returncode != 0:
-        print("train_reference_check: skipped: torch, transformers or matplotlib missing")
-        return SKIP
+    trimkv_python_or_skip("train_reference_check", a.trimkv_python, ["torch", "transformers", "matplotlib"])
+    import_or_skip("train_reference_check", ["matplotlib"])  # compare_train.py's plot, in this Python
     if not tools_present("train_reference_check", a.bin_dir, ["retain-bench", "retain-make-tiny"]):
         return 1
 
@@ -124,9 +117,7 @@ def main():
 
     print("part 2: compare_train.py: first-step losses of retain and trimkv, resume, error rows, docs markers",
           flush=True)
-    bad = compare_train_check(a)
-    print("train_reference_check: " + ("FAIL" if bad else "ok"))
-    return 1 if bad else 0
+    return compare_train_check(a).verdict("train_reference_check")
 
 
 # Two tiny shapes for compare_train.py's --shapes: GQA 2 with separate lm_head; GQA 4, tied, YaRN x4.
@@ -171,16 +162,11 @@ def check_visible(check, vis, random_rows, what, capacity=False):
 
 
 def compare_train_check(a):
-    """Part 2: compare_train.py on the tiny shapes. Returns the number of failed checks."""
+    """Part 2: compare_train.py on the tiny shapes. Returns its Checks."""
     import re
     import shutil
 
-    bad = 0
-
-    def check(ok, what):
-        nonlocal bad
-        print(f"  {'ok  ' if ok else 'FAIL'} {what}", flush=True)
-        bad += not ok
+    check = Checks()
 
     script = os.path.join(REPO, "trainer", "bench", "compare_train.py")
     docs = os.path.join(REPO, "docs", "benchmarks.md")
@@ -301,7 +287,7 @@ def compare_train_check(a):
               "the Qwen3 shapes of compare_train.py equal launch/gpu-verify.sh's")
     else:
         print("  (launch/gpu-verify.sh has no shape table of its own)")
-    return bad
+    return check
 
 
 
