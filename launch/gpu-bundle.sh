@@ -8,10 +8,12 @@
 # test_comm_cuda can run as two ranks on a GPU machine without MPI.
 # It also writes DIR.tar.xz (~20 MB; the folder is ~100 MB, mostly OpenBLAS): that archive is
 # what to carry to a device machine whose transfer limit the folder exceeds.
-# Then, on the GPU machine: launch/gpu-verify.sh --bundle DIR (or --bundle DIR.tar.xz)
+# It writes DIR/manifest.json: the commit and the SHA-256 of every ledger step's sources.
+# Then, on the GPU machine: launch/gpu-verify.sh --bundle DIR.tar.xz --next --deadline 500
+# (docs/benchmarks.md, "The GPU ledger": the whole device call).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-case "${1:-}" in -h|--help) sed -n 2,11p "$0" | sed 's/^# \{0,1\}//'; exit 0 ;; esac
+case "${1:-}" in -h|--help) sed -n 2,13p "$0" | sed 's/^# \{0,1\}//'; exit 0 ;; esac
 dest=${1:-.gpu}
 build=${BUILD_DIR:-build}
 bins=(test_cuda_emu test_gated_attention_cuda test_gated_attention_long test_capacity_cuda test_kvpop_cuda test_ops_cuda
@@ -46,6 +48,23 @@ copy_deps() {
     done
 }
 copy_deps "${bins[@]/#/$build/bin/}"
+# The manifest the ledger records runs under (docs/gpu-ledger.md): the commit and, per step, the
+# SHA-256 of the sources this build was made from; `launch/gpu-verify.sh --preflight` compares
+# it with the tree before a device call.
+nvcc_version=$( (nvcc --version || /usr/local/cuda/bin/nvcc --version) 2>/dev/null | sed -n 's/^Cuda compilation tools, //p')
+commit=$(git rev-parse --short=10 HEAD 2>/dev/null || echo unknown)
+[ -z "$(git status --porcelain --untracked-files=no 2>/dev/null)" ] || commit+="+dirty"
+python3 launch/gpu_ledger.py hashes >"$dest.tmp/hashes.json"
+python3 - "$dest.tmp" "$commit" "${nvcc_version:-no nvcc}" <<'PY'
+import datetime, json, os, sys
+d, commit, nvcc = sys.argv[1:]
+with open(os.path.join(d, "hashes.json")) as f:
+    hashes = json.load(f)
+os.remove(os.path.join(d, "hashes.json"))
+with open(os.path.join(d, "manifest.json"), "w") as f:
+    json.dump({"commit": commit, "built": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+               "nvcc": f"nvcc {nvcc}", "sources_sha256": hashes}, f, indent=2)
+PY
 
 # Open MPI for one node under $dest/mpi, laid out as its install tree below the prefix: Open MPI
 # puts OPAL_PREFIX (set by mpi/env.sh) for ${prefix} in its configured directories. The

@@ -34,6 +34,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <cmath>
 #include <cstdint>
@@ -740,21 +741,25 @@ __global__ void __launch_bounds__(kForwardThreads) forward_wgmma_kernel(const Pa
       const uint32_t k_s = aK + static_cast<uint32_t>(stage) * kTileBytes<D>;
       const uint32_t v_s = aV + static_cast<uint32_t>(stage) * kTileBytes<D>;
       float s[kBlock / 8][4];
+      wgmma::fence_operand(qf);
       wgmma::fence();
       wgmma_frags_times_rows_t<D>(s, qf, wgmma::k_major_desc(k_s, kBlock, 0, 0));  // Q·Kᵀ
       wgmma::commit_group();
       wgmma::wait_group<0>();
       wgmma::fence_operand(s);
+      wgmma::fence_operand(qf);
 
       softmax_tile(s, rows, lane, keys, stage, block_begin(kb), walk_bit(full, kb), p.scale2, m, l, o_acc);
       uint32_t pa[kBlock / 16][4];
       weights_to_a(s, pa);
+      wgmma::fence_operand(pa);
       wgmma::fence_operand(o_acc);
       wgmma::fence();
       wgmma_weights_times_rows(o_acc, pa, wgmma::mn_major_desc(v_s, kBlock, 0, 0));  // P·V
       wgmma::commit_group();
       wgmma::wait_group<0>();  // V's stage is read before the barrier below lets it be refilled
       wgmma::fence_operand(o_acc);
+      wgmma::fence_operand(pa);
     }
 
     if (prefetch) keys.store(next_row, stage ^ 1);
@@ -902,6 +907,8 @@ __global__ void __launch_bounds__(kThreads) dq_wgmma_kernel(const Params p) {
     const uint32_t k_s = aK + static_cast<uint32_t>(stage) * kTileBytes<D>;
     const uint32_t v_s = aV + static_cast<uint32_t>(stage) * kTileBytes<D>;
     float s[kBlock / 8][4], dp[kBlock / 8][4];
+    wgmma::fence_operand(qf);
+    wgmma::fence_operand(dof);
     wgmma::fence();
     wgmma_frags_times_rows_t<D>(s, qf, wgmma::k_major_desc(k_s, kBlock, 0, 0));    // Q·Kᵀ
     wgmma_frags_times_rows_t<D>(dp, dof, wgmma::k_major_desc(v_s, kBlock, 0, 0));  // dO·Vᵀ
@@ -909,18 +916,22 @@ __global__ void __launch_bounds__(kThreads) dq_wgmma_kernel(const Params p) {
     wgmma::wait_group<0>();
     wgmma::fence_operand(s);
     wgmma::fence_operand(dp);
+    wgmma::fence_operand(qf);
+    wgmma::fence_operand(dof);
 
     query_row_dscores(s, dp, lane, rows.t, rows.doc_t, block_begin(kb), keys.lb2 + stage * kBlock,
                       keys.ncl + stage * kBlock, keys.doc + stage * kBlock, walk_bit(sm.full, kb), p.scale2,
                       rows.lse2, rows.delta);  // s = dS
     uint32_t dsa[kBlock / 16][4];
     weights_to_a(s, dsa);
+    wgmma::fence_operand(dsa);
     wgmma::fence_operand(dq_acc);
     wgmma::fence();
     wgmma_weights_times_rows(dq_acc, dsa, wgmma::mn_major_desc(k_s, kBlock, 0, 0));  // dS·K
     wgmma::commit_group();
     wgmma::wait_group<0>();  // K's stage is read before the barrier below lets it be refilled
     wgmma::fence_operand(dq_acc);
+    wgmma::fence_operand(dsa);
 
     if (prefetch) keys.store(next_row, stage ^ 1);
     __syncthreads();
@@ -1153,6 +1164,8 @@ __global__ void __launch_bounds__(kThreads) dkdv_wgmma_kernel(const Params p) {
     uint32_t pa[kBlock / 16][4], dsa[kBlock / 16][4];
     weights_to_a(s, pa);
     weights_to_a(dp, dsa);
+    wgmma::fence_operand(pa);
+    wgmma::fence_operand(dsa);
     wgmma::fence_operand(dv_acc);
     wgmma::fence_operand(dk_acc);
     wgmma::fence();
@@ -1162,6 +1175,8 @@ __global__ void __launch_bounds__(kThreads) dkdv_wgmma_kernel(const Params p) {
     wgmma::wait_group<0>();  // Q's and dO's stage are read before the barrier lets them be refilled
     wgmma::fence_operand(dv_acc);
     wgmma::fence_operand(dk_acc);
+    wgmma::fence_operand(pa);
+    wgmma::fence_operand(dsa);
     dlb[0] += static_cast<double>(dlb_tile[0]);
     dlb[1] += static_cast<double>(dlb_tile[1]);
 
@@ -1297,8 +1312,8 @@ bool use_wgmma(const char* op, const char* variable) {
   const std::string v = e ? e : "mma";
   if (v == "mma") return false;
   if (v != "wgmma") fail("{}: {} must be mma or wgmma, not '{}'", op, variable, v);
-  if (!wgmma_supported())
-    fail("{}: {}=wgmma needs an sm_90 GPU (H100/H200); this device is not one", op, variable);
+  if (const std::string why = wgmma_unavailable_reason(); !why.empty())
+    fail("{}: {}=wgmma cannot run: {}", op, variable, why);
   return true;
 }
 
@@ -1332,15 +1347,57 @@ void backward(const Params& p) {
 
 }  // namespace
 
+namespace {
+
+// Writes 1 where the code the device loaded for this file has sm_90a's features (wgmma), 0
+// where it does not: a build for plain sm_90, or the compute_90 PTX the build also embeds for
+// newer GPUs JIT-compiled, turns every wgmma into a trap (wgmma.cuh's RETAIN_SM90A_ASM). The
+// probe lives in this file so that the device loads it from the same fatbinary entry as the
+// wgmma kernels.
+__global__ void sm90a_probe_kernel(int* has_sm90a) {
+#if defined(RETAIN_CUDA_EMU) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  *has_sm90a = 1;
+#else
+  *has_sm90a = 0;
+#endif
+}
+
+// The probe's answer for `device`, asked once per device and process (the launch and its copy
+// back synchronize; every later call reads the cache).
+bool sm90a_code_loaded(int device) {
+  static std::atomic<int> cache[64];  // 0 unknown, 1 no, 2 yes
+  if (device < 0 || device >= 64) return false;
+  if (const int known = cache[device].load(std::memory_order_acquire)) return known == 2;
+  int* flag = nullptr;
+  int has = 0;
+  CUDA_CHECK(cudaMalloc(&flag, sizeof(int)));
+  CUDA_CHECK(cudaMemset(flag, 0, sizeof(int)));
+  sm90a_probe_kernel<<<1, 1>>>(flag);
+  CUDA_CHECK(cudaGetLastError());
+  CUDA_CHECK(cudaMemcpy(&has, flag, sizeof(int), cudaMemcpyDeviceToHost));
+  CUDA_CHECK(cudaFree(flag));
+  cache[device].store(has == 1 ? 2 : 1, std::memory_order_release);
+  return has == 1;
+}
+
+}  // namespace
+
 // Two attribute reads, not cudaGetDeviceProperties: this runs on every attention call that asks
 // for wgmma, and the whole property struct costs far more than the two fields it needs.
-bool wgmma_supported() {
+std::string wgmma_unavailable_reason() {
   int device = 0, major = 0, minor = 0;
   CUDA_CHECK(cudaGetDevice(&device));
   CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
   CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-  return major == 9 && minor == 0;
+  if (major != 9 || minor != 0)
+    return fmt::format("it needs an sm_90 GPU (H100/H200); this device is sm_{}{}", major, minor);
+  if (!sm90a_code_loaded(device))
+    return "this build of retain has no sm_90a code for the attention kernels (configure with "
+           "CMAKE_CUDA_ARCHITECTURES including 90a; plain 90 compiles every wgmma to a trap)";
+  return {};
 }
+
+bool wgmma_supported() { return wgmma_unavailable_reason().empty(); }
 
 void gated_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& log_beta, const Tensor& doc,
                      float scale, Tensor& out, Tensor& lse, float skip_weight_below) {

@@ -4,6 +4,7 @@
 // kernels/retention.cpp includes this header and calls into it only under that definition.
 #pragma once
 #include <cstdint>
+#include <string>
 
 #include "kernels/deferred_checks.h"
 #include "kernels/retention.h"
@@ -31,11 +32,14 @@ void gated_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
                               Tensor& dq, Tensor& dk, Tensor& dv, Tensor& dlog_beta,
                               float skip_weight_below = 0.0f);
 
-// Whether this device runs the wgmma kernels (an sm_90 GPU: H100/H200). The environment
+// Whether this device runs the wgmma kernels: an sm_90 GPU (H100/H200) that loaded sm_90a code
+// for them (a probe kernel asks the device once; a build without 90a among its architectures
+// has only traps there). wgmma_unavailable_reason says why not, or is empty. The environment
 // variables RETAIN_ATTENTION_FORWARD and RETAIN_ATTENTION_BACKWARD pick each pass's kernels:
 // mma (default; mma.sync) or wgmma (Hopper's warpgroup products, not yet run on a GPU); any
-// other value is an error.
+// other value is an error, and wgmma where it cannot run is one too, naming the reason.
 bool wgmma_supported();
+std::string wgmma_unavailable_reason();
 
 // ---- end of retention-gated attention ----------------------------------------------------
 

@@ -75,6 +75,18 @@ __device__ __forceinline__ void fence_operand(float (&d)[NT][4]) {
 #pragma unroll
   for (int i = 0; i < NT; ++i) fence_operand(d[i]);
 }
+// The same for a register A operand (mma_rs): FlashAttention-3 fences its register-sourced A
+// fragments before the wgmma.fence and after the wait as it does the accumulators, so the
+// compiler neither rewrites them while the asynchronous product may still read them nor moves
+// their computation across the fence.
+__device__ __forceinline__ void fence_operand(uint32_t& r) { asm volatile("" : "+r"(r)::"memory"); }
+template <int KS>
+__device__ __forceinline__ void fence_operand(uint32_t (&a)[KS][4]) {
+#pragma unroll
+  for (int i = 0; i < KS; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) fence_operand(a[i][j]);
+}
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 // The accumulator operands of an m64nNk16 (N/2 fp32 registers, %0 .. %(N/2 − 1)) as the PTX

@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "kernels/cuda/mma.cuh"
@@ -173,31 +174,39 @@ TEST(CudaEmu, ShufflesVotesAndBlockReductionsFollowTheirDefinitions) {
 
 // ---- wgmma (sm_90a) -----------------------------------------------------------------------
 
-// D (64 × N, fp32) = A (64 × K) · B with one warpgroup, k16 step by step: A row-major, B either
-// N × K row-major (K-major, like K in Q·Kᵀ) or K × N row-major (MN-major, like V in P·V), both
-// copied into 128-byte-swizzled tiles (kernels/cuda/wgmma_layout.h) at a 1,024-aligned start;
-// A from shared memory (SS) or from registers in the mma.m16n8k16 fragment (RS). The
-// accumulators start as NaN: the first step's scale-d = 0 must ignore them. Operands are bf16
-// bit patterns (uint16_t), K a multiple of 64.
-template <int N, int K, bool kTransB, bool kARegisters>
+// D (64·G × N, fp32) = A (64·G × K) · B with G warpgroups sharing B, k16 step by step, as the
+// attention kernels issue them: A row-major, B either N × K row-major (K-major, like K in Q·Kᵀ)
+// or K × N row-major (MN-major, like V in P·V), copied into 128-byte-swizzled tiles
+// (kernels/cuda/wgmma_layout.h) at 1,024-aligned starts, warpgroup g's A rows in a 64-row tile
+// of its own; each k step's descriptor is the tile's plus the kernels' compile-time step
+// (k_major_step / mn_major_step). A comes from shared memory (SS) or from registers in the
+// mma.m16n8k16 fragment (RS), fenced as the kernels fence it. K = 64 is the kernels' 64-row
+// MN-major tile (P·V, dS·K, Pᵀ·dO, dSᵀ·Q: LBO 8 KB between its 64-column panels); G = 2 is the
+// forward's two-warpgroup CTA. The accumulators start as NaN: the first step's scale-d = 0 must
+// ignore them. Operands are bf16 bit patterns (uint16_t), K a multiple of 64.
+template <int N, int K, bool kTransB, bool kARegisters, int G>
 __global__ void wgmma_product_kernel(const uint16_t* a, const uint16_t* b, float* d) {
   namespace wg = retain::cuda::wgmma;
   extern __shared__ __align__(128) unsigned char smem[];
   const uint32_t raw = wg::smem_address(smem);
   const uint32_t pad = ((raw + 1023u) & ~1023u) - raw;
+  constexpr uint32_t kATile = 64u * K * 2u;  // a multiple of 1,024 bytes
   unsigned char* ta = smem + pad;
-  unsigned char* tb = ta + 64 * K * 2;  // a multiple of 1,024 bytes further
-  const uint32_t sa = raw + pad, sb = sa + 64u * static_cast<uint32_t>(K) * 2u;
+  unsigned char* tb = ta + G * kATile;
+  const uint32_t sa = raw + pad, sb = sa + G * kATile;
   const int t = threadIdx.x;
-  for (int x = t; x < 64 * K; x += 128)
-    *reinterpret_cast<uint16_t*>(ta + wg::tile_offset(64, x / K, x % K)) = a[x];
-  for (int x = t; x < N * K; x += 128) {
+  for (int x = t; x < 64 * G * K; x += 128 * G) {
+    const int row = x / K, col = x % K;
+    *reinterpret_cast<uint16_t*>(ta + (row / 64) * kATile + wg::tile_offset(64, row % 64, col)) = a[x];
+  }
+  for (int x = t; x < N * K; x += 128 * G) {
     const int row = kTransB ? x / N : x / K, col = kTransB ? x % N : x % K;
     *reinterpret_cast<uint16_t*>(tb + wg::tile_offset(kTransB ? K : N, row, col)) = b[x];
   }
   wg::fence_proxy_async();  // the stores above, visible to wgmma's reads
   __syncthreads();
-  const int warp = t / 32, g = (t % 32) / 4, c = t % 4;
+  const int group = t / 128, warp = (t % 128) / 32, g = (t % 32) / 4, c = t % 4;
+  const int row0 = 64 * group;
   // RS: every k step's A fragment loaded before the fence (wgmma reads registers written before it).
   uint32_t fa[K / 16][4];
   if constexpr (kARegisters) {
@@ -206,39 +215,43 @@ __global__ void wgmma_product_kernel(const uint16_t* a, const uint16_t* b, float
     for (int s = 0; s < K / 16; ++s)
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
-        const int at = (16 * warp + rows[r]) * K + 16 * s + cols[r];
+        const int at = (row0 + 16 * warp + rows[r]) * K + 16 * s + cols[r];
         fa[s][r] = static_cast<uint32_t>(a[at]) | (static_cast<uint32_t>(a[at + 1]) << 16);
       }
   }
+  const uint64_t desc_a = wg::k_major_desc(sa + static_cast<uint32_t>(group) * kATile, 64, 0, 0);
+  const uint64_t desc_b = kTransB ? wg::mn_major_desc(sb, K, 0, 0) : wg::k_major_desc(sb, N, 0, 0);
   float acc[N / 2];
   for (float& v : acc) v = __int_as_float(0x7fc00000);  // NaN
   wg::fence_operand(acc);
+  if constexpr (kARegisters) wg::fence_operand(fa);
   wg::fence();
 #pragma unroll
   for (int s = 0; s < K / 16; ++s) {
-    const uint64_t desc_b = kTransB ? wg::mn_major_desc(sb, K, 16 * s, 0) : wg::k_major_desc(sb, N, 0, 16 * s);
+    const uint64_t step_b = kTransB ? wg::mn_major_step(K, 16 * s, 0) : wg::k_major_step(N, 0, 16 * s);
     if constexpr (kARegisters)
-      wg::mma_rs<kTransB>(acc, fa[s], desc_b, s > 0);
+      wg::mma_rs<kTransB>(acc, fa[s], desc_b + step_b, s > 0);
     else
-      wg::mma_ss<kTransB>(acc, wg::k_major_desc(sa, 64, 0, 16 * s), desc_b, s > 0);
+      wg::mma_ss<kTransB>(acc, desc_a + wg::k_major_step(64, 0, 16 * s), desc_b + step_b, s > 0);
   }
   wg::commit_group();
   wg::wait_group<0>();
   wg::fence_operand(acc);
+  if constexpr (kARegisters) wg::fence_operand(fa);
   for (int i = 0; i < N / 2; ++i) {
-    const int row = 16 * warp + g + 8 * ((i % 4) / 2), col = 8 * (i / 4) + 2 * c + i % 2;
+    const int row = row0 + 16 * warp + g + 8 * ((i % 4) / 2), col = 8 * (i / 4) + 2 * c + i % 2;
     d[row * N + col] = acc[i];
   }
 }
 
-// Small integers (|x| ≤ 8) are exact in bf16 and every product and sum of K = 128 of them is
+// Small integers (|x| ≤ 8) are exact in bf16 and every product and sum of K ≤ 128 of them is
 // exact in fp32, so the result must equal the float64 product whatever order the hardware sums in.
-template <int N, bool kTransB, bool kARegisters>
+template <int N, int K, bool kTransB, bool kARegisters, int G = 1>
 void check_wgmma_product(const char* what) {
-  constexpr int K = 128;
-  std::mt19937 rng(N + 2 * kTransB + 4 * kARegisters);
+  constexpr int M = 64 * G;
+  std::mt19937 rng(N + 2 * kTransB + 4 * kARegisters + 8 * K + 16 * G);
   std::uniform_int_distribution<int> v(-8, 8);
-  std::vector<uint16_t> a(64 * K), b(static_cast<size_t>(N) * K);
+  std::vector<uint16_t> a(M * K), b(static_cast<size_t>(N) * K);
   std::vector<double> A(a.size()), B(b.size());
   auto draw = [&](std::vector<uint16_t>& bits, std::vector<double>& exact) {
     for (size_t i = 0; i < bits.size(); ++i) {
@@ -252,16 +265,16 @@ void check_wgmma_product(const char* what) {
   draw(b, B);
   uint16_t *da = device_copy(a), *db = device_copy(b);
   float* dd = nullptr;
-  ASSERT_EQ(cudaMalloc(&dd, 64 * N * sizeof(float)), cudaSuccess);
-  const int smem = (64 + N) * K * 2 + 1024;
-  auto kernel = wgmma_product_kernel<N, K, kTransB, kARegisters>;
+  ASSERT_EQ(cudaMalloc(&dd, M * N * sizeof(float)), cudaSuccess);
+  const int smem = (M + N) * K * 2 + 1024;
+  auto kernel = wgmma_product_kernel<N, K, kTransB, kARegisters, G>;
   ASSERT_EQ(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem), cudaSuccess);
-  kernel<<<1, 128, smem>>>(da, db, dd);
+  kernel<<<1, 128 * G, smem>>>(da, db, dd);
   ASSERT_EQ(cudaGetLastError(), cudaSuccess) << what;
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << what;
-  const std::vector<float> d = host_copy(dd, 64 * N);
+  const std::vector<float> d = host_copy(dd, M * N);
   int wrong = 0;
-  for (int i = 0; i < 64; ++i)
+  for (int i = 0; i < M; ++i)
     for (int n = 0; n < N; ++n) {
       double want = 0;
       for (int k = 0; k < K; ++k) want += A[i * K + k] * (kTransB ? B[k * N + n] : B[n * K + k]);
@@ -272,27 +285,57 @@ void check_wgmma_product(const char* what) {
   for (void* p : {static_cast<void*>(da), static_cast<void*>(db), static_cast<void*>(dd)}) EXPECT_CUDA_OK(cudaFree(p));
 }
 
-// Whether the device runs sm_90a code (wgmma); the emulator does.
-bool has_wgmma() {
-#if defined(RETAIN_CUDA_EMU)
-  return true;
+// 1 where the code the device loaded for this file has sm_90a's features (wgmma), else 0.
+__global__ void sm90a_probe_kernel(int* has) {
+#if defined(RETAIN_CUDA_EMU) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  *has = 1;
 #else
-  cudaDeviceProp p{};
-  return cudaGetDeviceProperties(&p, 0) == cudaSuccess && p.major == 9 && p.minor == 0;
+  *has = 0;
 #endif
+}
+
+// Why this device cannot run this file's wgmma code, or empty where it can (the emulator can):
+// an sm_90 GPU, and sm_90a code for it in the build (plain 90 compiles wgmma to traps).
+std::string no_wgmma_reason() {
+  cudaDeviceProp p{};
+  if (cudaGetDeviceProperties(&p, 0) != cudaSuccess) return "no device properties";
+  if (p.major != 9 || p.minor != 0) return "wgmma runs on sm_90 (H100/H200) only";
+  int* flag = nullptr;
+  int has = 0;
+  if (cudaMalloc(&flag, sizeof(int)) != cudaSuccess) return "cudaMalloc failed";
+  sm90a_probe_kernel<<<1, 1>>>(flag);
+  const bool ran = cudaMemcpy(&has, flag, sizeof(int), cudaMemcpyDeviceToHost) == cudaSuccess;
+  cudaFree(flag);
+  if (!ran) return "the sm_90a probe kernel did not run";
+  return has == 1 ? "" : "this build has no sm_90a code (CMAKE_CUDA_ARCHITECTURES without 90a)";
 }
 
 TEST(CudaEmu, WgmmaGivesTheMatrixProductInEveryOperandLayout) {
   SKIP_WITHOUT_GPU();
-  if (!has_wgmma()) GTEST_SKIP() << "wgmma runs on sm_90 (H100/H200) only";
-  check_wgmma_product<64, false, false>("m64n64k16 SS, B K-major");
-  check_wgmma_product<64, true, false>("m64n64k16 SS, B MN-major");
-  check_wgmma_product<64, false, true>("m64n64k16 RS, B K-major");
-  check_wgmma_product<64, true, true>("m64n64k16 RS, B MN-major");
-  check_wgmma_product<128, false, false>("m64n128k16 SS, B K-major");
-  check_wgmma_product<128, true, false>("m64n128k16 SS, B MN-major");
-  check_wgmma_product<128, false, true>("m64n128k16 RS, B K-major");
-  check_wgmma_product<128, true, true>("m64n128k16 RS, B MN-major");
+  if (const std::string why = no_wgmma_reason(); !why.empty()) GTEST_SKIP() << why;
+  check_wgmma_product<64, 128, false, false>("m64n64k16 SS, B K-major");
+  check_wgmma_product<64, 128, true, false>("m64n64k16 SS, B MN-major");
+  check_wgmma_product<64, 128, false, true>("m64n64k16 RS, B K-major");
+  check_wgmma_product<64, 128, true, true>("m64n64k16 RS, B MN-major");
+  check_wgmma_product<128, 128, false, false>("m64n128k16 SS, B K-major");
+  check_wgmma_product<128, 128, true, false>("m64n128k16 SS, B MN-major");
+  check_wgmma_product<128, 128, false, true>("m64n128k16 RS, B K-major");
+  check_wgmma_product<128, 128, true, true>("m64n128k16 RS, B MN-major");
+}
+
+// The shapes the attention kernels issue: a 64-row B tile read MN-major (P·V, dS·K, Pᵀ·dO, dSᵀ·Q
+// with K = kBlock = 64; at N = 128 its two 64-column panels are 8 KB apart: LBO 8 KB) and a
+// 64-deep K-major product, and the forward's CTA of two warpgroups sharing one B tile (Q·Kᵀ with
+// Q in registers, then P·V at d = 128).
+TEST(CudaEmu, WgmmaGivesTheMatrixProductInTheKernelsTiles) {
+  SKIP_WITHOUT_GPU();
+  if (const std::string why = no_wgmma_reason(); !why.empty()) GTEST_SKIP() << why;
+  check_wgmma_product<64, 64, true, true>("m64n64k16 RS, 64-row B MN-major (P·V at d = 64)");
+  check_wgmma_product<128, 64, true, true>("m64n128k16 RS, 64-row B MN-major, LBO 8 KB (P·V at d = 128)");
+  check_wgmma_product<128, 64, true, false>("m64n128k16 SS, 64-row B MN-major, LBO 8 KB");
+  check_wgmma_product<64, 64, false, false>("m64n64k16 SS, K = 64 K-major");
+  check_wgmma_product<64, 128, false, true, 2>("two warpgroups, m64n64k16 RS, B K-major (Q·Kᵀ at d = 128)");
+  check_wgmma_product<128, 64, true, true, 2>("two warpgroups, m64n128k16 RS, 64-row B MN-major (P·V at d = 128)");
 }
 
 #if defined(RETAIN_CUDA_EMU)  // the emulator's own guarantees and fault messages
