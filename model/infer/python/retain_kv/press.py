@@ -13,8 +13,7 @@ differ in count (dbtrimkv) share the layer's [1, K, N, d] tensors, N the largest
 slots a smaller head does not use are masked, the same as in RetainCache. kvpress's own masking
 (AdaKV's fake keys) is not used."""
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 from kvpress.presses.prefill_decoding_press import PrefillDecodingPress
 
@@ -22,22 +21,22 @@ from .engine import Retention
 from .hooks import add_hooks
 
 
-@dataclass
 class RetainPress(PrefillDecodingPress):
     """RetainPress(policy, budget, buffer=1) or RetainPress(policy, compression_ratio=r): budget B
-    entries per (layer, KV head), or per sequence max(1, int((1 − r)·context length))."""
+    entries per (layer, KV head), or per sequence max(1, int((1 − r)·context length)). `policy`:
+    a Policy or a path load_policy reads. (PrefillDecodingPress is a dataclass whose own fields
+    would come first; this press takes its arguments in its own order.)"""
 
-    policy: Any = None
-    budget: Optional[int] = None
-    buffer: int = 1
-    compression_ratio: Optional[float] = None
-    _retention: Retention = field(default=None, init=False, repr=False)
-
-    def __post_init__(self):
-        if self.policy is None:
-            raise ValueError("RetainPress needs a policy (a path load_policy reads, or a Policy)")
-        self._retention = Retention(self.policy, self.budget, self.buffer, self.compression_ratio)
+    def __init__(self, policy, budget: Optional[int] = None, buffer: int = 1,
+                 compression_ratio: Optional[float] = None):
+        super().__init__(prefilling_press=None, decoding_press=None)
+        self._retention = Retention(policy, budget, buffer, compression_ratio)
         self.policy = self._retention.policy
+        self.budget, self.buffer, self.compression_ratio = budget, buffer, compression_ratio
+
+    def __repr__(self):
+        size = f"budget={self.budget}" if self.budget is not None else f"compression_ratio={self.compression_ratio}"
+        return f"RetainPress({self.policy.kind} {self.policy.source!r}, {size}, buffer={self.buffer})"
 
     def post_init_from_model(self, model):
         # evaluate.py sets compression_ratio after construction: take the fields as they are now.
