@@ -114,6 +114,7 @@ class Retention:
     def reset(self):
         """Forget the sequence: the next forward starts a new one at position 0."""
         self.seen = 0
+        self.evicted = False  # whether any layer has dropped an entry in this sequence
         self.books = [_Book(self.K, self.device) for _ in range(self.L)]
         self.pending = [None] * self.L
         self.kvpop = ([KvpopLayerState(self.policy.layers[l], self.policy.window, self.device) for l in range(self.L)]
@@ -157,9 +158,10 @@ class Retention:
 
     def _mask(self, book, qpos, kwargs, dtype):
         T = qpos.numel()
-        if book.slots == 0 or (book.valid is None and (T == 1 or book.slots == self.seen)):
+        if book.slots == 0 or (book.valid is None and (T == 1 or not self.evicted)):
             # Every cached entry is visible to every new token, and the chunk is causal among itself:
-            # exactly the mask transformers made (or none for one token).
+            # the mask transformers made (sized by layer 0's cache: right while no layer has evicted
+            # anything), or none for one token.
             if T == 1 and kwargs.get("attention_mask") is not None:
                 return {**kwargs, "attention_mask": None}
             return None
@@ -251,6 +253,7 @@ class Retention:
         the survivors beyond a head's count fill its holes — and the layer is trimmed to the
         largest count."""
         count = keep.sum(1)
+        self.evicted = True
         slot = torch.arange(book.slots, device=self.device)
         inside = slot[None, :] < count[:, None]
         hk, hs = (~keep & inside).nonzero(as_tuple=True)   # holes, head by head in slot order
