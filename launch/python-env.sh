@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Prints the Python of the venv that retain_kv's tests run in (tests/infer/python), creating it
-# first when it is missing: ~/.cache/retain/venvs/retain-kv-<hash> (RETAIN_VENV_ROOT overrides the
-# folder), the hash over model/infer/python/requirements-test.txt, this script and the Python
-# version — a changed pin makes a new venv, an unchanged one is reused. Built in a temporary folder
+# first when it is missing: ~/.cache/retain/venvs/retain-kv-py<version>-<hash> (RETAIN_VENV_ROOT
+# overrides the folder), the hash over model/infer/python/requirements-test.txt and the trimkv pin —
+# a changed pin makes a new venv, an unchanged one is reused. Built in a temporary folder
 # and renamed into place, under a lock, so an interrupted or concurrent run never leaves half a venv.
 # torch comes from PyPI (the CPU-only index is not reachable here): the CUDA build, which runs on
 # the CPU, ~6 GB installed, ~4 minutes on a fresh 2-core machine (docs/inference.md).
@@ -13,7 +13,7 @@ REQ=model/infer/python/requirements-test.txt
 TRIMKV=trimkv==0.1.5
 PY=${RETAIN_PYTHON:-python3}
 version=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
-key=$(cat "$REQ" launch/python-env.sh | sha256sum | cut -c1-12)
+key=$({ cat "$REQ"; echo "$TRIMKV"; } | sha256sum | cut -c1-12)
 root=${RETAIN_VENV_ROOT:-$HOME/.cache/retain/venvs}
 venv=$root/retain-kv-py$version-$key
 if [ ! -x "$venv/bin/python" ] || [ ! -f "$venv/.complete" ]; then

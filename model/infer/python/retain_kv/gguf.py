@@ -89,7 +89,7 @@ def read_gguf(path):
             numel *= n
         begin, end = base + offset, base + offset + numel * size
         if offset % align or end > len(data):
-            r.fail(f"tensor '{name}' at data offset {offset} ({numel * size} bytes) is misaligned or outside the file")
+            r.fail(f"tensor '{name}' at data offset {offset} ({numel * size} bytes) is misaligned or outside the file (a truncated GGUF file?)")
         spans.append((begin, end, name))
         if name in tensors:
             r.fail(f"tensor '{name}' appears twice")
