@@ -41,6 +41,8 @@ def _hedgehog(z):
 class KvpopLayerState:
     """One layer's scorers, all KV heads at once: C [K, d, r], n [K, d], m [K] (float64)."""
 
+    CHUNK = 64  # tokens per closed-form step: O(K·CHUNK²·d) work and memory
+
     def __init__(self, params, window, device):
         p = {k: v.to(device) for k, v in params.items()}
         self.Wq, self.Wk, self.Wv = (p[k].double() for k in ("q_proj.weight", "k_proj.weight", "v_proj.weight"))
@@ -53,7 +55,7 @@ class KvpopLayerState:
         self.C = torch.zeros(K, self.d, r, dtype=torch.float64, device=device)
         self.n = torch.zeros(K, self.d, dtype=torch.float64, device=device)
         self.m = torch.zeros(K, dtype=torch.float64, device=device)
-        self.recent_q = []  # q̃ [K, d] (float32 values) of the last w tokens, oldest first
+        self.recent_q = None  # q̃ [≤ w, K, d] (float32 values) of the last w tokens, oldest first
         self.fed = 0
 
     def _project(self, x):
@@ -68,27 +70,44 @@ class KvpopLayerState:
 
     def feed(self, k, v):
         """Feeds the next tokens' k, v [T, K, d]. Returns (u0, keys F32 [U, K]): the rank keys
-        score_u − u·log γ of the tokens u0 … u0 + U − 1 that left the window (U may be 0)."""
+        score_u − u·log γ of the tokens u0 … u0 + U − 1 that left the window (U may be 0).
+
+        Chunks of CHUNK tokens in closed form (the recurrence unrolled, as mLSTM's chunkwise
+        kernels do): with F_t = Σ_{s≤t} log f_s inside the chunk and (C₀, n₀, m₀) the state before it,
+        m_t = F_t + max(m₀, max_{s≤t}(ĩ_s − F_s)), and C_t = e^{F_t+m₀−m_t}·C₀ + Σ_{s≤t} e^{F_t−F_s+ĩ_s−m_t}
+        k̃_s ṽ_sᵀ (n_t likewise) — the sequential recurrence of kvpop_state.cpp, summed in another order."""
         x = torch.cat([k, v], -1).double()
         q, kt, vt, ig, lf = self._project(x)
-        inv_sqrt_d = 1.0 / math.sqrt(self.d)
+        T, dev = x.shape[0], x.device
+        queries = torch.cat([self.recent_q, q]) if self.recent_q is not None else q  # tokens base … fed + T − 1
+        base = self.fed - (self.recent_q.shape[0] if self.recent_q is not None else 0)
         u0, keys = max(self.fed - self.w + 1, 0), []
-        for t in range(x.shape[0]):
-            m_new = torch.maximum(lf[t] + self.m, ig[t])
-            a, b = torch.exp(lf[t] + self.m - m_new), torch.exp(ig[t] - m_new)
-            self.C = a[:, None, None] * self.C + b[:, None, None] * kt[t][:, :, None] * vt[t][:, None, :]
-            self.n = a[:, None] * self.n + b[:, None] * kt[t]
-            self.m = m_new
-            self.recent_q.append(q[t])
-            if len(self.recent_q) > self.w:
-                self.recent_q.pop(0)
-            u = self.fed - self.w + 1
-            self.fed += 1
-            if u < 0:
-                continue
-            qu = self.recent_q[0] * inv_sqrt_d
-            den = torch.maximum((self.n * qu).sum(-1).abs(), torch.exp(-self.m)) + READOUT_EPS
-            h = torch.einsum("kdr,kd->kr", self.C, qu) / den[:, None]
-            score = self.bo + (self.wo * h * torch.sigmoid(h)).sum(-1)
-            keys.append((score - u * self.log_gamma).float())
-        return u0, (torch.stack(keys) if keys else torch.empty(0, self.m.shape[0], device=self.m.device))
+        inv_sqrt_d = 1.0 / math.sqrt(self.d)
+        for c0 in range(0, T, self.CHUNK):
+            n = min(self.CHUNK, T - c0)
+            lfc, igc = lf[c0:c0 + n].t(), ig[c0:c0 + n].t()               # [K, n]
+            kc, vc = kt[c0:c0 + n].transpose(0, 1), vt[c0:c0 + n].transpose(0, 1)  # [K, n, d], [K, n, r]
+            F = torch.cumsum(lfc, 1)
+            m = F + torch.maximum(self.m[:, None], torch.cummax(igc - F, 1).values)
+            causal = torch.ones(n, n, dtype=torch.bool, device=dev).tril()
+            expo = F[:, :, None] - F[:, None, :] + igc[:, None, :] - m[:, :, None]
+            W = torch.exp(torch.where(causal, expo, torch.full_like(expo, -math.inf)))  # [K, t, s]
+            e0 = torch.exp(F + self.m[:, None] - m)                          # weight of the state before
+            u = torch.arange(self.fed, self.fed + n, device=dev) - self.w + 1  # who leaves the window at t
+            ts = (u >= 0).nonzero().flatten()
+            if ts.numel():
+                Q = queries[u[ts] - base].transpose(0, 1) * inv_sqrt_d      # [K, nt, d]
+                A = torch.einsum("kid,ksd->kis", Q, kc) * W[:, ts, :]
+                num = e0[:, ts, None] * torch.einsum("kdr,kid->kir", self.C, Q) + torch.einsum("kis,ksr->kir", A, vc)
+                nq = e0[:, ts] * torch.einsum("kd,kid->ki", self.n, Q) + A.sum(-1)
+                den = torch.maximum(nq.abs(), torch.exp(-m[:, ts])) + READOUT_EPS
+                h = num / den[..., None]
+                score = self.bo[:, None] + (self.wo[:, None, :] * h * torch.sigmoid(h)).sum(-1)  # [K, nt]
+                keys.append((score - u[ts].double()[None, :] * self.log_gamma[:, None]).float().t())
+            last = W[:, -1, :]
+            self.C = e0[:, -1, None, None] * self.C + torch.einsum("ks,ksd,ksr->kdr", last, kc, vc)
+            self.n = e0[:, -1, None] * self.n + torch.einsum("ks,ksd->kd", last, kc)
+            self.m = m[:, -1]
+            self.fed += n
+        self.recent_q = queries[-self.w:]
+        return u0, (torch.cat(keys) if keys else torch.empty(0, self.m.shape[0], device=dev))
