@@ -63,7 +63,9 @@ class Retention:
         self.policy = as_policy(policy)
         self.configure(budget, buffer, compression_ratio)
         self.model_id = None
-        self.evict_s = self.score_s = 0.0
+        # Seconds in eviction (selection + compaction) and in scoring (gate MLP, KVPOP mLSTM), all
+        # forwards and one-token (decoding) forwards only; CPU wall time (on a GPU: launch time).
+        self.evict_s = self.score_s = self.decode_evict_s = self.decode_score_s = 0.0
         self.forwards = 0
 
     def configure(self, budget, buffer, compression_ratio):
@@ -108,6 +110,7 @@ class Retention:
         self.policy.to(self.device)
         self.L, self.K = config.num_hidden_layers, config.num_key_value_heads
         self.groups = config.num_attention_heads // self.K
+        self.heads = torch.arange(self.K, device=self.device)
         self.model_id = id(model)
         self.reset()
 
@@ -144,7 +147,7 @@ class Retention:
         else:
             score = gate_log_beta(self.policy, l, h[0]).t()
         self.pending[l] = (qpos, score)
-        self.score_s += time.perf_counter() - t0
+        self._spent("score", T, time.perf_counter() - t0)
         return self._mask(self.books[l], qpos, kwargs, h.dtype)
 
     def _check_positions(self, position_ids, T):
@@ -197,17 +200,22 @@ class Retention:
                 inside = (book.pos >= u0) & (book.pos < u0 + keys.shape[0])
                 rank = keys.t().gather(1, (book.pos - u0).clamp(0, keys.shape[0] - 1))
                 book.score = torch.where(inside, rank, book.score)
-            self.score_s += time.perf_counter() - t0
+            self._spent("score", T, time.perf_counter() - t0)
         t0 = time.perf_counter()
         if self.policy.kind == "dbtrimkv":
             if l == self.L - 1:
                 self._evict_global(cache, seen)
         else:
             self._evict_layer(layer, book, seen)
-        self.evict_s += time.perf_counter() - t0
+        self._spent("evict", T, time.perf_counter() - t0)
         if l == self.L - 1:
             self.seen = seen
             self.forwards += 1
+
+    def _spent(self, what, T, seconds):
+        setattr(self, f"{what}_s", getattr(self, f"{what}_s") + seconds)
+        if T == 1:
+            setattr(self, f"decode_{what}_s", getattr(self, f"decode_{what}_s") + seconds)
 
     # ---- eviction ------------------------------------------------------------------------------
     def _scores(self, book, seen):
@@ -216,16 +224,34 @@ class Retention:
             p = self.policy
             protected = (book.pos < p.sinks) | (book.pos > seen - p.window)
             return torch.where(protected, torch.full_like(book.score, float("inf")), book.score)
-        # TRIM-KV: (q − i)·logβ_i with q = seen + 1, in float32 as TrimKVCache computes it.
-        return book.score * (seen + 1 - book.pos).float()
+        # TRIM-KV: (q − i)·logβ_i with q = seen + 1, in float32 as TrimKVCache computes it (float32 ×
+        # int64 is float32: the distance is rounded to float, as the C++ does).
+        return book.score * (seen + 1 - book.pos)
 
     def _evict_layer(self, layer, book, seen):
         n = book.slots  # every head holds n entries (per-head policies keep the counts equal)
         if n < self.budget + self.buffer:
             return
+        if n == self.budget + 1:  # a decoding step with buffer 1: one entry per head, in a few ops
+            self._drop_one(layer, book, self._scores(book, seen))
+            return
         drops = per_head_drops(self._scores(book, seen), book.pos, n - self.budget)
         dropped = torch.zeros_like(book.pos, dtype=torch.bool).scatter_(1, drops, True)
         self._compact(layer, book, ~dropped)
+
+    def _drop_one(self, layer, book, score):
+        """Evicts each head's worst entry (the oldest of equal scores) and moves the head's last
+        entry into its slot: O(K·d), no selection key, no sync."""
+        worst = torch.amin(score, 1, keepdim=True)
+        slot = torch.where(score == worst, book.pos, torch.iinfo(torch.long).max).argmin(1)
+        heads, last = self.heads, book.slots - 1
+        layer.keys[0, heads, slot] = layer.keys[0, :, last]
+        layer.values[0, heads, slot] = layer.values[0, :, last]
+        book.pos[heads, slot] = book.pos[:, last]
+        book.score[heads, slot] = book.score[:, last]
+        layer.keys, layer.values = layer.keys[:, :, :last], layer.values[:, :, :last]
+        book.pos, book.score = book.pos[:, :last], book.score[:, :last]
+        self.evicted = True
 
     def _evict_global(self, cache, seen):
         counts = [b.counts() for b in self.books]

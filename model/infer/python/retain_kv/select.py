@@ -7,9 +7,9 @@ import torch
 
 def order_key(score, pos):
     """int64 keys ordering entries by (score, position); score F32, pos int64, same shape."""
-    bits = (score + 0.0).view(torch.int32).long()  # + 0.0: −0.0 and +0.0 compare equal, as in C++
-    key = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # negative floats: larger magnitude, smaller key
-    return key * (1 << 32) + pos
+    bits = (score + 0.0).view(torch.int32)  # + 0.0: −0.0 and +0.0 compare equal, as in C++
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: larger magnitude, smaller key
+    return (key.long() << 32) | pos
 
 
 def per_head_drops(score, pos, m):
