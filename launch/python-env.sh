@@ -12,6 +12,10 @@ cd "$(dirname "$0")/.."
 REQ=model/infer/python/requirements-test.txt
 TRIMKV=trimkv==0.1.5
 PY=${RETAIN_PYTHON:-python3}
+if ! command -v "$PY" >/dev/null; then
+  echo "python-env.sh: no $PY to build the venv with (set RETAIN_PYTHON)" >&2
+  exit 1
+fi
 version=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 key=$({ cat "$REQ"; echo "$TRIMKV"; } | sha256sum | cut -c1-12)
 root=${RETAIN_VENV_ROOT:-$HOME/.cache/retain/venvs}
