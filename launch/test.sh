@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite: dependencies -> configure -> build -> every test through CTest
-# (unit tests, AddressSanitizer tests, and multi-rank tests under mpirun -np 2), the GPU tests on
+# (unit tests, AddressSanitizer tests, and multi-rank tests under mpirun -np 2), retain_kv's Python
+# tests (tests/infer/python under pytest, in the venv launch/python-env.sh caches), the GPU tests on
 # the CUDA emulator (launch/test-emu.sh; CUDA_EMU=0 skips them), then every
 # fuzz target for FUZZ_SECONDS (default 10) in its own clang build (launch/fuzz.sh, without the
 # libhdf5-bound target's fuzzing: docs/reliability.md; FUZZ_SECONDS=0 skips it all).
@@ -9,6 +10,16 @@ cd "$(dirname "$0")/.."
 ./launch/install-deps.sh
 ./launch/build.sh
 ctest --test-dir "${BUILD_DIR:-build}" --output-on-failure --timeout 600 --parallel "$(nproc)" "$@"
+if [ "${RETAIN_PYTEST:-1}" != 0 ]; then
+  # retain_kv (model/infer/python) on stock transformers Qwen3 against the binaries just built: the
+  # same tokens and kept positions as retain-generate, kvpress's pipeline, the authors' TrimKVCache
+  # (~1 min; the venv's first build ~6 min, then cached: docs/inference.md). No venv, no pass:
+  # RETAIN_PYTEST=0 is the only way past this stage, and it says so.
+  py=$(./launch/python-env.sh)
+  RETAIN_BIN_DIR="$PWD/${BUILD_DIR:-build}/bin" "$py" -m pytest -q -p no:cacheprovider tests/infer/python
+else
+  echo "test.sh: SKIPPED retain_kv's pytest stage (RETAIN_PYTEST=0)"
+fi
 if [ "${CUDA_EMU:-1}" != 0 ]; then
   # The GPU tests again, on the CUDA emulator (kernels/cuda/emu/README.md; build-emu/), with the
   # threads taking turns in both orders so that a missing barrier shows in one of them.
