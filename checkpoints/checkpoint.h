@@ -23,7 +23,7 @@
 #include <nlohmann/json.hpp>
 
 #include "model/param_set.h"
-#include "trainer/dist/comm.h"
+#include "kernels/dist/comm.h"
 
 namespace retain::ckpt {
 

@@ -1,7 +1,7 @@
 // Qwen3 weights: the checkpoint on disk (validated against the config) and the
 // WeightProvider through which the model graph asks for one layer at a time.
 // The graph never knows where weights live: one rank hands out views/conversions of
-// the memory-mapped checkpoint; FSDP (trainer/dist) will all-gather into a buffer.
+// the memory-mapped checkpoint; FSDP (trainer/fsdp.h) all-gathers into a buffer.
 #pragma once
 #include <array>
 #include <memory>

@@ -11,7 +11,7 @@
 #include "model/kvpop/scorers.h"
 #include "model/kvpop_step.h"
 #include "model/weights.h"
-#include "trainer/dist/comm.h"
+#include "kernels/dist/comm.h"
 #include "trainer/step.h"
 
 namespace retain::trainer {

@@ -13,7 +13,7 @@
 #include "kernels/tensor.h"
 #include "model/gates/gates.h"
 #include "model/weights.h"
-#include "trainer/dist/comm.h"
+#include "kernels/dist/comm.h"
 #include "trainer/flops.h"
 
 namespace retain::trainer {

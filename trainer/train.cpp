@@ -25,12 +25,12 @@
 #include "model/kvpop/scorers.h"
 #include "kernels/base/nvtx.h"
 #include "kernels/cuda/memory.h"
-#include "model/device.h"
+#include "kernels/device.h"
 #include "model/device_weights.h"
 #include "model/safetensors.h"
 #include "model/weights.h"
 #include "trainer/config_file.h"
-#include "trainer/dist/fsdp.h"
+#include "trainer/fsdp.h"
 #include "trainer/flat_params.h"
 #include "trainer/flops.h"
 #include "trainer/kvpop_train.h"
@@ -143,8 +143,8 @@ void make_weight_provider(const TrainConfig& cfg, Inputs& in, dist::Comm& comm) 
         gb = static_cast<double>(whole->bytes()) / 1e9;
         in.weights = std::move(whole);
       } else {
-        auto sharded = std::make_unique<dist::FsdpWeightProvider>(
-            in.model, comm, dist::FsdpOptions{Device::CUDA, DType::BF16, cfg.fsdp_force_gather});
+        auto sharded = std::make_unique<FsdpWeightProvider>(
+            in.model, comm, FsdpOptions{Device::CUDA, DType::BF16, cfg.fsdp_force_gather});
         gb = static_cast<double>(sharded->shard_bytes()) / 1e9;
         in.weights = std::move(sharded);
       }
@@ -158,16 +158,16 @@ void make_weight_provider(const TrainConfig& cfg, Inputs& in, dist::Comm& comm) 
   if (whole_model)
     in.weights = std::make_unique<LocalWeightProvider>(in.model);
   else
-    in.weights = std::make_unique<dist::FsdpWeightProvider>(
-        in.model, comm, dist::FsdpOptions{Device::CPU, DType::F32, cfg.fsdp_force_gather});
+    in.weights = std::make_unique<FsdpWeightProvider>(
+        in.model, comm, FsdpOptions{Device::CPU, DType::F32, cfg.fsdp_force_gather});
 }
 
 // Rank 0's FSDP counters (when the weights are sharded or force-gathered), for the log: how
 // many layers were gathered and how many the prefetch had ready.
 void log_fsdp_stats(const WeightProvider& weights, const dist::Comm& comm) {
-  const auto* fsdp = dynamic_cast<const dist::FsdpWeightProvider*>(&weights);
+  const auto* fsdp = dynamic_cast<const FsdpWeightProvider*>(&weights);
   if (fsdp == nullptr || !fsdp->gathers() || !comm.is_main_rank()) return;
-  const dist::FsdpStats& s = fsdp->stats();
+  const FsdpStats& s = fsdp->stats();
   spdlog::info("fsdp: {} layer requests, {} layer all-gathers ({} prefetched and used, {} prefetched and discarded, "
                "{} waited for), {} embedding/lm_head all-gathers",
                s.layer_requests, s.layer_gathers, s.prefetch_hits, s.prefetch_misses, s.waited_gathers,

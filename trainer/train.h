@@ -3,7 +3,7 @@
 // AdamW → all-gather), metrics, checkpoints, exact resume, stop signals; and --dump-grads.
 #pragma once
 #include "kernels/base/error.h"
-#include "trainer/dist/comm.h"
+#include "kernels/dist/comm.h"
 #include "trainer/train_config.h"
 
 namespace retain::trainer {

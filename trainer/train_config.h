@@ -49,7 +49,7 @@ struct TrainConfig {
   double timeout = 0;   // > 0: a collective waiting this many seconds ends the job (Comm::set_timeout)
   std::string comm = "auto";  // --comm: auto, mpi or nccl (the backend actually used: Comm::backend())
   // --fsdp-force-gather: the FSDP provider (and its gathers through the comm) in a one-rank
-  // world too, to measure the overlap on one GPU (dist::FsdpOptions::force_gather). Not part
+  // world too, to measure the overlap on one GPU (trainer::FsdpOptions::force_gather). Not part
   // of the trajectory: the values are the same.
   bool fsdp_force_gather = false;
   // Where the step computes (--device). Not part of the trajectory: a run may resume on the

@@ -13,7 +13,7 @@
 #include "kernels/base/cli.h"
 #include "kernels/deferred_checks.h"
 #include "kernels/ops.h"
-#include "model/device.h"
+#include "kernels/device.h"
 #include "model/device_weights.h"
 #include "model/gates/gates.h"
 #include "model/qwen3.h"

@@ -15,7 +15,7 @@
 #include "kernels/base/atomic_file.h"
 #include "kernels/base/error.h"
 #include "tests/checkpoints/checkpoint_test_util.h"
-#include "trainer/dist/comm.h"
+#include "kernels/dist/comm.h"
 
 namespace retain::ckpt {
 namespace {

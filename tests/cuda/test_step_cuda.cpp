@@ -32,7 +32,7 @@
 #include "model/tiny.h"
 #include "model/weights.h"
 #include "tests/cuda/cuda_test.h"
-#include "trainer/dist/comm.h"
+#include "kernels/dist/comm.h"
 #include "trainer/step.h"
 
 using namespace retain;

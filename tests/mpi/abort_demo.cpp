@@ -5,7 +5,7 @@
 #include <cstdio>
 #include <exception>
 
-#include "trainer/dist/comm.h"
+#include "kernels/dist/comm.h"
 
 int main() {
   try {

@@ -5,7 +5,7 @@
 // Rank 0 prints as usual; other ranks print their failures only, tagged with the rank; the
 // exit status is 1 on every rank if any rank failed.
 #pragma once
-#include "trainer/dist/comm.h"
+#include "kernels/dist/comm.h"
 
 namespace retain::dist::mpi_test {
 

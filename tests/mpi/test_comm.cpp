@@ -16,9 +16,9 @@
 #include <vector>
 
 #include "kernels/base/error.h"
-#include "model/device.h"
-#include "trainer/dist/comm.h"
-#include "trainer/dist/mpi_check.h"
+#include "kernels/device.h"
+#include "kernels/dist/comm.h"
+#include "kernels/dist/mpi_check.h"
 #include "tests/mpi/mpi_test_main.h"
 
 namespace retain::dist {

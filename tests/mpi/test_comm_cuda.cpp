@@ -22,17 +22,22 @@
 
 #include "kernels/base/error.h"
 #include "kernels/cuda/memory.h"
-#include "model/device.h"
+#include "kernels/device.h"
 #include "model/device_weights.h"
 #include "model/qwen3.h"
 #include "model/tiny.h"
 #include "model/weights.h"
 #include "tests/mpi/mpi_test_main.h"
-#include "trainer/dist/comm.h"
-#include "trainer/dist/fsdp.h"
+#include "kernels/dist/comm.h"
+#include "trainer/fsdp.h"
 
 namespace retain::dist {
 namespace {
+
+// FSDP is the trainer's (trainer/fsdp.h), standing on the communicator tested here.
+using trainer::FsdpOptions;
+using trainer::FsdpStats;
+using trainer::FsdpWeightProvider;
 
 namespace fs = std::filesystem;
 

@@ -24,10 +24,16 @@
 #include "model/tiny.h"
 #include "model/weights.h"
 #include "tests/mpi/mpi_test_main.h"
-#include "trainer/dist/fsdp.h"
+#include "trainer/fsdp.h"
 
 namespace retain::dist {
 namespace {
+
+// FSDP is the trainer's (trainer/fsdp.h), standing on the communicator tested here.
+using trainer::FsdpOptions;
+using trainer::FsdpStats;
+using trainer::FsdpWeightProvider;
+using trainer::LayerPrefetchPolicy;
 
 namespace fs = std::filesystem;
 

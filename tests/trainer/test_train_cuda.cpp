@@ -24,7 +24,7 @@
 #include "model/safetensors.h"
 #include "tests/trainer/nvtx_log.h"
 #include "tests/trainer/train_helpers.h"
-#include "trainer/dist/comm.h"
+#include "kernels/dist/comm.h"
 #include "trainer/flops.h"
 
 namespace retain::trainer::test {
@@ -223,7 +223,7 @@ TEST(TrainCuda, HeadDimWithoutAKernelIsAClearError) {
       << r.err;
 }
 
-// The tools' default device (model/device.h): with RETAIN_DEVICE unset and no --device, cuda
+// The tools' default device (kernels/device.h): with RETAIN_DEVICE unset and no --device, cuda
 // when a GPU is visible (the emulator reports one); RETAIN_DEVICE=cpu (what CTest sets for every
 // other test) still pins the CPU.
 TEST(TrainCuda, DefaultDeviceIsCudaWhenVisible) {

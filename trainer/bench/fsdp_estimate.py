@@ -3,7 +3,7 @@
 
 usage: trainer/bench/fsdp_estimate.py --json FILE --busbw GB/s [--ranks N] [--model DIR]
 
-FSDP (trainer/dist/fsdp.h) keeps 1/N of every layer's bf16 weights per rank and gathers layer
+FSDP (trainer/fsdp.h) keeps 1/N of every layer's bf16 weights per rank and gathers layer
 l+1 on the communication stream while layer l computes, in each of the step's three passes over
 the layers (teacher forward, student forward, recomputation + backward); the tied
 embedding/lm_head is gathered three times (the teacher's and the student's embedding lookups,

@@ -15,9 +15,9 @@
 #include <spdlog/spdlog.h>
 
 #include "kernels/base/cli.h"
-#include "model/device.h"
+#include "kernels/device.h"
 #include "trainer/config_file.h"
-#include "trainer/dist/comm.h"
+#include "kernels/dist/comm.h"
 #include "trainer/signals.h"
 #include "trainer/train.h"
 #include "trainer/train_config.h"

@@ -1,4 +1,4 @@
-#include "trainer/dist/watchdog.h"
+#include "kernels/dist/watchdog.h"
 
 #include <cerrno>
 #include <chrono>
@@ -12,7 +12,7 @@
 
 #include <fmt/format.h>
 
-#include "trainer/dist/mpi_check.h"
+#include "kernels/dist/mpi_check.h"
 
 namespace retain::dist {
 

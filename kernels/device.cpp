@@ -1,4 +1,4 @@
-#include "model/device.h"
+#include "kernels/device.h"
 
 #include <cerrno>
 #include <climits>

@@ -33,8 +33,8 @@
 
 #include "kernels/base/error.h"
 #include "kernels/cuda/check.h"
-#include "trainer/dist/comm.h"
-#include "trainer/dist/watchdog.h"
+#include "kernels/dist/comm.h"
+#include "kernels/dist/watchdog.h"
 
 namespace retain::dist {
 

@@ -1,4 +1,4 @@
-#include "trainer/dist/fsdp.h"
+#include "trainer/fsdp.h"
 
 #include <algorithm>
 #include <cstring>
@@ -10,7 +10,7 @@
 #include "kernels/base/error.h"
 #include "kernels/base/nvtx.h"
 
-namespace retain::dist {
+namespace retain::trainer {
 
 namespace {
 
@@ -77,7 +77,7 @@ int64_t LayerPrefetchPolicy::observe(int64_t l) {
 
 // ---- FsdpWeightProvider ---------------------------------------------------------------------
 
-FsdpWeightProvider::FsdpWeightProvider(std::shared_ptr<const Qwen3Checkpoint> ckpt, Comm& comm,
+FsdpWeightProvider::FsdpWeightProvider(std::shared_ptr<const Qwen3Checkpoint> ckpt, dist::Comm& comm,
                                        FsdpOptions options)
     : ckpt_(std::move(ckpt)),
       comm_(comm),
@@ -161,7 +161,7 @@ FsdpWeightProvider::Unit FsdpWeightProvider::make_unit(std::vector<TensorSpec> t
   return u;
 }
 
-std::unique_ptr<Request> FsdpWeightProvider::start_gather(const Unit& unit, Tensor& buffer,
+std::unique_ptr<dist::Request> FsdpWeightProvider::start_gather(const Unit& unit, Tensor& buffer,
                                                           bool blocking) {
   if (!gathers()) {  // one rank: the shard is the whole vector
     buffer = unit.shard;
@@ -280,4 +280,4 @@ int64_t FsdpWeightProvider::resident_bytes() const {
   return bytes + static_cast<int64_t>(embed_full_.buffer.nbytes() + head_full_.buffer.nbytes());
 }
 
-}  // namespace retain::dist
+}  // namespace retain::trainer

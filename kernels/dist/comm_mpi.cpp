@@ -9,9 +9,9 @@
 #include <vector>
 
 #include "kernels/base/error.h"
-#include "trainer/dist/comm.h"
-#include "trainer/dist/mpi_check.h"
-#include "trainer/dist/watchdog.h"
+#include "kernels/dist/comm.h"
+#include "kernels/dist/mpi_check.h"
+#include "kernels/dist/watchdog.h"
 
 namespace retain::dist {
 

@@ -66,10 +66,10 @@
 #include <vector>
 
 #include "kernels/base/nvtx.h"
+#include "kernels/dist/comm.h"
 #include "model/weights.h"
-#include "trainer/dist/comm.h"
 
-namespace retain::dist {
+namespace retain::trainer {
 
 // Which layer to gather ahead, from the sequence of layer requests. Pure bookkeeping (no
 // communication), deterministic, so every rank makes the same guesses.
@@ -120,7 +120,7 @@ class FsdpWeightProvider : public WeightProvider {
  public:
   // Collective. Every rank must open the same checkpoint; the constructor checks that all
   // ranks see the same configuration and tensor sizes (every rank fails alike otherwise).
-  FsdpWeightProvider(std::shared_ptr<const Qwen3Checkpoint> ckpt, Comm& comm, FsdpOptions options = {});
+  FsdpWeightProvider(std::shared_ptr<const Qwen3Checkpoint> ckpt, dist::Comm& comm, FsdpOptions options = {});
   // Collective: waits for a prefetch still in flight.
   ~FsdpWeightProvider() override;
   FsdpWeightProvider(const FsdpWeightProvider&) = delete;
@@ -168,7 +168,7 @@ class FsdpWeightProvider : public WeightProvider {
     bool prefetched = false;  // filled by a guess, not yet asked for
     Tensor buffer;
     LayerWeights weights;
-    std::unique_ptr<Request> pending;
+    std::unique_ptr<dist::Request> pending;
   };
   // A gathered embedding or lm_head: the buffer and the [V, D] view of it (empty: released).
   struct Global {
@@ -179,7 +179,7 @@ class FsdpWeightProvider : public WeightProvider {
   Unit make_unit(std::vector<TensorSpec> tensors) const;
   // Starts gathering `unit` into `buffer` (allocated if needed; with one rank, the shard
   // itself); null when nothing is left to wait for.
-  std::unique_ptr<Request> start_gather(const Unit& unit, Tensor& buffer, bool blocking);
+  std::unique_ptr<dist::Request> start_gather(const Unit& unit, Tensor& buffer, bool blocking);
   void fill_slot(Slot& slot, int64_t l, bool prefetch);
   void settle(Slot& slot);  // waits for the slot's gather, if any
   Tensor view_of(const Tensor& buffer, const Piece& piece) const;
@@ -187,7 +187,7 @@ class FsdpWeightProvider : public WeightProvider {
   void check_same_model_everywhere() const;
 
   std::shared_ptr<const Qwen3Checkpoint> ckpt_;
-  Comm& comm_;
+  dist::Comm& comm_;
   FsdpOptions options_;
   std::vector<Unit> layers_;
   Unit embed_, head_;  // head_ has no pieces when the lm_head is the embedding
@@ -200,4 +200,4 @@ class FsdpWeightProvider : public WeightProvider {
   NvtxSpan layer_range_;  // "layer l", from layer(l) to the next request
 };
 
-}  // namespace retain::dist
+}  // namespace retain::trainer

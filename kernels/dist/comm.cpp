@@ -1,6 +1,6 @@
 // Argument checks shared by every backend, the staging of buffers of the other memory kind,
 // and the choice of backend.
-#include "trainer/dist/comm.h"
+#include "kernels/dist/comm.h"
 
 #include <unistd.h>
 

@@ -3,7 +3,7 @@
 #include <cstring>
 #include <memory>
 
-#include "trainer/dist/comm.h"
+#include "kernels/dist/comm.h"
 
 namespace retain::dist {
 namespace {
