@@ -20,7 +20,7 @@
 
 #include "kernels/base/atomic_file.h"
 #include "kernels/base/error.h"
-#include "model/safetensors.h"
+#include "data/formats/safetensors.h"
 
 namespace retain::ckpt {
 
@@ -184,7 +184,7 @@ void check_request(const SaveRequest& req, int rank, int world, const int64_t ma
 
 void write_shard(const fs::path& path, const OptimizerShard& o, int rank, int world) {
   const int64_t n = o.end - o.begin;
-  write_safetensors(path.string(),
+  formats::write_safetensors(path.string(),
                     {{"m", Tensor::from_vector(o.m, {n})}, {"v", Tensor::from_vector(o.v, {n})}},
                     {{"format", "retain-optimizer-shard"},
                      {"optimizer", "adamw"},
@@ -264,7 +264,7 @@ void finalize(const fs::path& root, const fs::path& tmp, const fs::path& final_d
   }
 }
 
-int64_t meta_int(const SafetensorsFile& f, const char* key) {
+int64_t meta_int(const formats::SafetensorsFile& f, const char* key) {
   const auto& meta = f.metadata();
   const auto it = meta.find(key);
   if (it == meta.end()) fail("{}: __metadata__ has no '{}'", f.path(), key);
@@ -274,7 +274,7 @@ int64_t meta_int(const SafetensorsFile& f, const char* key) {
 }
 
 // The F32 [n] tensor `name` of an optimizer shard, checked finite (and non-negative for v).
-const float* shard_values(const SafetensorsFile& f, const Tensor& t, const char* name, int64_t n) {
+const float* shard_values(const formats::SafetensorsFile& f, const Tensor& t, const char* name, int64_t n) {
   if (t.dtype() != DType::F32 || t.shape() != Shape{n})
     fail("{}: tensor '{}' is {} {}; expected F32 [{}]", f.path(), name, dtype_name(t.dtype()), shape_str(t.shape()), n);
   const float* p = t.data<float>();
@@ -371,7 +371,7 @@ Loaded load_checkpoint(const std::string& ckpt_dir, int64_t flat_size, int64_t b
   out.gates_path = (dir / kGatesFile).string();
   if (!fs::is_regular_file(out.gates_path)) fail("{}: missing", out.gates_path);
   {
-    const SafetensorsFile gates = SafetensorsFile::open(out.gates_path);
+    const formats::SafetensorsFile gates = formats::SafetensorsFile::open(out.gates_path);
     if (gates.metadata().count("step") && meta_int(gates, "step") != h.step)
       fail("{}: __metadata__ step {} but state.json says {}", out.gates_path, gates.metadata().at("step"), h.step);
   }
@@ -400,7 +400,7 @@ Loaded load_checkpoint(const std::string& ckpt_dir, int64_t flat_size, int64_t b
   for (int64_t r = 0; r < world; ++r) {
     const fs::path path = dir / optimizer_file_name(int(r), int(world));
     if (!fs::is_regular_file(path)) fail("{}: missing (state.json world_size is {})", path.string(), world);
-    const SafetensorsFile f = SafetensorsFile::open(path.string());
+    const formats::SafetensorsFile f = formats::SafetensorsFile::open(path.string());
     if (const int64_t w = meta_int(f, "world_size"); w != world)
       fail("{}: __metadata__ world_size {} but state.json says {}", f.path(), w, world);
     if (const int64_t n = meta_int(f, "flat_size"); n != flat_size)

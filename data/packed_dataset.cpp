@@ -11,16 +11,16 @@ namespace retain::data {
 
 namespace {
 
-h5::Handle open_2d(hid_t file, const char* name, bool want_signed, size_t want_size, const std::string& path,
+formats::h5::Handle open_2d(hid_t file, const char* name, bool want_signed, size_t want_size, const std::string& path,
                    hsize_t dims[2]) {
   if (H5Lexists(file, name, H5P_DEFAULT) <= 0) fail("{}: missing dataset '/{}'", path, name);
-  h5::Handle d = h5::checked(H5Dopen2(file, name, H5P_DEFAULT), H5Dclose, path, std::string("opening /") + name);
-  h5::Handle type = h5::checked(H5Dget_type(d.get()), H5Tclose, path, "reading a dataset type");
+  formats::h5::Handle d = formats::h5::checked(H5Dopen2(file, name, H5P_DEFAULT), H5Dclose, path, std::string("opening /") + name);
+  formats::h5::Handle type = formats::h5::checked(H5Dget_type(d.get()), H5Tclose, path, "reading a dataset type");
   const bool is_signed = H5Tget_sign(type.get()) == H5T_SGN_2;
   if (H5Tget_class(type.get()) != H5T_INTEGER || H5Tget_size(type.get()) != want_size || is_signed != want_signed)
     fail("{}: dataset '/{}' must be {}{} (integer, {} bytes)", path, name, want_signed ? "int" : "uint", want_size * 8,
          want_size);
-  h5::Handle space = h5::checked(H5Dget_space(d.get()), H5Sclose, path, "reading a dataspace");
+  formats::h5::Handle space = formats::h5::checked(H5Dget_space(d.get()), H5Sclose, path, "reading a dataspace");
   if (H5Sget_simple_extent_ndims(space.get()) != 2)
     fail("{}: dataset '/{}' must have rank 2 [sequences, seq_len]", path, name);
   H5Sget_simple_extent_dims(space.get(), dims, nullptr);
@@ -29,12 +29,12 @@ h5::Handle open_2d(hid_t file, const char* name, bool want_signed, size_t want_s
 
 void read_rows(hid_t dset, hid_t mem_type, void* out, int64_t row, int64_t S, const std::string& path,
                const char* name) {
-  h5::Handle fspace = h5::checked(H5Dget_space(dset), H5Sclose, path, "reading a dataspace");
+  formats::h5::Handle fspace = formats::h5::checked(H5Dget_space(dset), H5Sclose, path, "reading a dataspace");
   const hsize_t start[2] = {static_cast<hsize_t>(row), 0};
   const hsize_t count[2] = {1, static_cast<hsize_t>(S)};
-  h5::check(H5Sselect_hyperslab(fspace.get(), H5S_SELECT_SET, start, nullptr, count, nullptr), path,
+  formats::h5::check(H5Sselect_hyperslab(fspace.get(), H5S_SELECT_SET, start, nullptr, count, nullptr), path,
             "selecting a row");
-  h5::Handle mspace = h5::checked(H5Screate_simple(2, count, nullptr), H5Sclose, path, "creating a dataspace");
+  formats::h5::Handle mspace = formats::h5::checked(H5Screate_simple(2, count, nullptr), H5Sclose, path, "creating a dataspace");
   if (H5Dread(dset, mem_type, mspace.get(), fspace.get(), H5P_DEFAULT, out) < 0)
     fail("{}: cannot read row {} of '/{}' (corrupt file?)", path, row, name);
 }
@@ -42,7 +42,7 @@ void read_rows(hid_t dset, hid_t mem_type, void* out, int64_t row, int64_t S, co
 }  // namespace
 
 PackedDataset PackedDataset::open(const std::filesystem::path& path) {
-  h5::silence_hdf5_errors();
+  formats::h5::silence_hdf5_errors();
   PackedDataset ds;
   ds.path_ = path;
   ds.name_ = path.string();
@@ -50,7 +50,7 @@ PackedDataset PackedDataset::open(const std::filesystem::path& path) {
   std::error_code ec;
   if (!std::filesystem::is_regular_file(path, ec)) fail("{}: no such file", p);
   if (H5Fis_hdf5(p.c_str()) <= 0) fail("{}: not an HDF5 file", p);
-  ds.file_ = h5::Handle(H5Fopen(p.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
+  ds.file_ = formats::h5::Handle(H5Fopen(p.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
   if (!ds.file_.valid()) fail("{}: cannot open as HDF5", p);
   hsize_t d_ids[2], d_docs[2], d_mask[2];
   ds.ids_ = open_2d(ds.file_.get(), "input_ids", true, 4, p, d_ids);
@@ -61,11 +61,11 @@ PackedDataset PackedDataset::open(const std::filesystem::path& path) {
       fail("{}: datasets disagree in shape: input_ids [{}, {}], doc_ids [{}, {}], target_mask [{}, {}]", p,
            d_ids[0], d_ids[1], d_docs[0], d_docs[1], d_mask[0], d_mask[1]);
   const hid_t root = ds.file_.get();
-  ds.seq_len_ = h5::read_attr_int(root, "seq_len", p);
-  ds.vocab_size_ = h5::read_attr_int(root, "vocab_size", p);
-  ds.eos_token_id_ = h5::read_attr_int(root, "eos_token_id", p);
-  ds.tokenizer_sha256_ = h5::read_attr_str(root, "tokenizer_sha256", p);
-  ds.packing_ = h5::read_attr_str(root, "packing", p);
+  ds.seq_len_ = formats::h5::read_attr_int(root, "seq_len", p);
+  ds.vocab_size_ = formats::h5::read_attr_int(root, "vocab_size", p);
+  ds.eos_token_id_ = formats::h5::read_attr_int(root, "eos_token_id", p);
+  ds.tokenizer_sha256_ = formats::h5::read_attr_str(root, "tokenizer_sha256", p);
+  ds.packing_ = formats::h5::read_attr_str(root, "packing", p);
   ds.n_ = static_cast<int64_t>(d_ids[0]);
   if (ds.seq_len_ < 2) fail("{}: attribute seq_len = {} (must be >= 2)", p, ds.seq_len_);
   if (static_cast<hsize_t>(ds.seq_len_) != d_ids[1])

@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "data/h5.h"
+#include "data/formats/h5.h"
 #include "kernels/tensor.h"
 #include "model/config.h"
 
@@ -53,7 +53,7 @@ class PackedDataset {
 
   std::filesystem::path path_;
   std::string name_;
-  h5::Handle file_, ids_, docs_, mask_;
+  formats::h5::Handle file_, ids_, docs_, mask_;
   int64_t n_ = 0, seq_len_ = 0, vocab_size_ = 0, eos_token_id_ = 0;
   std::string tokenizer_sha256_, packing_;
 };

@@ -7,7 +7,7 @@
 #include <filesystem>
 #include <string>
 
-#include "data/h5.h"
+#include "data/formats/h5.h"
 
 namespace retain::data {
 
@@ -51,7 +51,7 @@ class PackedWriter {
   std::string name_;  // for messages: the final path
   int64_t seq_len_;
   int64_t rows_ = 0;
-  h5::Handle file_, ids_, docs_, mask_;
+  formats::h5::Handle file_, ids_, docs_, mask_;
   bool committed_ = false;
 };
 

@@ -10,7 +10,7 @@
 
 #include "kernels/base/atomic_file.h"
 #include "kernels/base/half.h"
-#include "model/safetensors.h"
+#include "data/formats/safetensors.h"
 #include "model/weights.h"
 
 namespace retain {
@@ -190,7 +190,7 @@ void make_tiny_model(const std::string& dir, const TinyModelOptions& opt) {
   }
   write_file_atomic((build / "config.json").string(), c.to_json().dump(2) + "\n");
   write_file_atomic((build / "tokenizer.json").string(), tiny_tokenizer_json().dump(2) + "\n");
-  write_safetensors((build / "model.safetensors").string(), tensors, {{"format", "pt"}, {"producer", "retain-make-tiny"}});
+  formats::write_safetensors((build / "model.safetensors").string(), tensors, {{"format", "pt"}, {"producer", "retain-make-tiny"}});
   if (gates) gates->save((build / "gates.safetensors").string(), {{"producer", "retain-make-tiny"}});
   if (fresh) {
     fs::rename(build, target, ec);

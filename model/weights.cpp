@@ -74,14 +74,14 @@ Qwen3Checkpoint Qwen3Checkpoint::open(const std::string& dir) {
   const std::string config_path = (fs::path(dir) / "config.json").string();
   if (!fs::exists(config_path)) fail("{}: missing config.json", dir);
   ck.config_ = Qwen3Config::load(config_path);
-  ck.files_ = SafetensorsSet::open_dir(dir);
+  ck.files_ = formats::SafetensorsSet::open_dir(dir);
 
   std::set<std::string> expected;
   for (const auto& [name, shape] : expected_tensors(ck.config_)) {
     expected.insert(name);
     if (!ck.files_.contains(name))
       fail("{}: missing tensor '{}' required by config.json", dir, name);
-    const SafetensorsEntry& e = ck.files_.entry(name);
+    const formats::SafetensorsEntry& e = ck.files_.entry(name);
     if (e.shape != shape)
       fail("{}: tensor '{}' has shape {}, config.json implies {}", ck.files_.file_of(name), name,
            shape_str(e.shape), shape_str(shape));

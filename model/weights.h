@@ -10,7 +10,7 @@
 
 #include "kernels/tensor.h"
 #include "model/config.h"
-#include "model/safetensors.h"
+#include "data/formats/safetensors.h"
 
 namespace retain {
 
@@ -65,7 +65,7 @@ class Qwen3Checkpoint {
  private:
   std::string dir_;
   Qwen3Config config_;
-  SafetensorsSet files_;
+  formats::SafetensorsSet files_;
 };
 
 class WeightProvider {

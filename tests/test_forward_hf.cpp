@@ -8,7 +8,7 @@
 #include <filesystem>
 
 #include "model/qwen3.h"
-#include "model/safetensors.h"
+#include "data/formats/safetensors.h"
 #include "model/weights.h"
 #include "tests/fixture_helpers.h"
 
@@ -33,7 +33,7 @@ TEST(HfForward, FixturesArePresent) {
 
 TEST_P(HfForward, LogitsMatchTransformers) {
   const fs::path dir = fs::path(RETAIN_FIXTURES_DIR) / "hf" / GetParam();
-  const SafetensorsFile expected = SafetensorsFile::open((dir / "expected.safetensors").string());
+  const formats::SafetensorsFile expected = formats::SafetensorsFile::open((dir / "expected.safetensors").string());
   auto ckpt = std::make_shared<const Qwen3Checkpoint>(Qwen3Checkpoint::open(dir.string()));
   LocalWeightProvider weights(ckpt);
 

@@ -2,7 +2,7 @@
 // ASan/UBSan build of this file -- that malformed files (truncated, corrupted, hand-made
 // bad headers, broken shard sets) always end in a retain::Error naming the file, never
 // in a crash or an out-of-bounds read.
-#include "model/safetensors.h"
+#include "data/formats/safetensors.h"
 
 #include <gtest/gtest.h>
 #include <stdlib.h>
@@ -55,7 +55,7 @@ Tensor random_tensor(const Shape& shape, DType dtype, std::mt19937& rng) {
 }
 
 // Reads every byte of every tensor, so the sanitizer sees each access.
-uint64_t touch_all(const SafetensorsFile& f) {
+uint64_t touch_all(const formats::SafetensorsFile& f) {
   uint64_t sum = 0;
   for (const std::string& name : f.names()) {
     Tensor t = f.tensor(name);
@@ -68,7 +68,7 @@ uint64_t touch_all(const SafetensorsFile& f) {
 // The message of the retain::Error that opening `path` throws ("" if it opens).
 std::string open_error(const std::string& path) {
   try {
-    SafetensorsFile::open(path);
+    formats::SafetensorsFile::open(path);
   } catch (const Error& e) {
     return e.what();
   }
@@ -77,7 +77,7 @@ std::string open_error(const std::string& path) {
 
 std::string open_dir_error(const std::string& dir) {
   try {
-    SafetensorsSet::open_dir(dir);
+    formats::SafetensorsSet::open_dir(dir);
   } catch (const Error& e) {
     return e.what();
   }
@@ -113,9 +113,9 @@ TEST_F(Safetensors, RoundTripEveryDtypeAndShape) {
       tensors.emplace_back(fmt::format("{}.{}", dtype_name(dt), s), random_tensor(shapes[s], dt, rng));
   const std::map<std::string, std::string> meta = {{"format", "pt"}, {"note", "ünïcode ok"}};
   const std::string p = path("model.safetensors");
-  write_safetensors(p, tensors, meta);
+  formats::write_safetensors(p, tensors, meta);
 
-  SafetensorsFile f = SafetensorsFile::open(p);
+  formats::SafetensorsFile f = formats::SafetensorsFile::open(p);
   EXPECT_EQ(f.path(), p);
   EXPECT_EQ(f.metadata(), meta);
   std::vector<std::string> want;
@@ -124,7 +124,7 @@ TEST_F(Safetensors, RoundTripEveryDtypeAndShape) {
   EXPECT_EQ(f.names(), want);
   for (const auto& [name, t] : tensors) {
     ASSERT_TRUE(f.contains(name));
-    const SafetensorsEntry& e = f.entry(name);
+    const formats::SafetensorsEntry& e = f.entry(name);
     EXPECT_EQ(e.name, name);
     EXPECT_EQ(e.dtype, t.dtype());
     EXPECT_EQ(e.shape, t.shape());
@@ -137,7 +137,7 @@ TEST_F(Safetensors, RoundTripEveryDtypeAndShape) {
   EXPECT_FALSE(f.contains("nope"));
 
   // The same file through the directory interface.
-  SafetensorsSet set = SafetensorsSet::open_dir(dir_);
+  formats::SafetensorsSet set = formats::SafetensorsSet::open_dir(dir_);
   EXPECT_EQ(set.names(), want);
   EXPECT_EQ(set.metadata(), meta);
   EXPECT_EQ(set.file_of("F32.4"), p);
@@ -146,8 +146,8 @@ TEST_F(Safetensors, RoundTripEveryDtypeAndShape) {
 
 TEST_F(Safetensors, DataLaidOutInGivenOrder) {
   const std::string p = path("a.safetensors");
-  write_safetensors(p, {{"z", Tensor::from_vector<float>({1, 2}, {2})}, {"a", Tensor::from_vector<int64_t>({3}, {1})}});
-  SafetensorsFile f = SafetensorsFile::open(p);
+  formats::write_safetensors(p, {{"z", Tensor::from_vector<float>({1, 2}, {2})}, {"a", Tensor::from_vector<int64_t>({3}, {1})}});
+  formats::SafetensorsFile f = formats::SafetensorsFile::open(p);
   EXPECT_EQ(f.entry("z").begin, 0u);
   EXPECT_EQ(f.entry("z").end, 8u);
   EXPECT_EQ(f.entry("a").begin, 8u);
@@ -159,7 +159,7 @@ TEST_F(Safetensors, DataLaidOutInGivenOrder) {
 TEST_F(Safetensors, HeaderPaddedToMultipleOf8) {
   for (size_t len = 1; len <= 24; ++len) {
     const std::string p = path("pad.safetensors");
-    write_safetensors(p, {{std::string(len, 'w'), Tensor::from_vector<uint8_t>({7, 8, 9}, {3})}},
+    formats::write_safetensors(p, {{std::string(len, 'w'), Tensor::from_vector<uint8_t>({7, 8, 9}, {3})}},
                       len % 2 ? std::map<std::string, std::string>{} : std::map<std::string, std::string>{{"k", "v"}});
     const std::string bytes = read_bytes(p);
     ASSERT_GE(bytes.size(), 8u);
@@ -172,28 +172,28 @@ TEST_F(Safetensors, HeaderPaddedToMultipleOf8) {
     EXPECT_EQ(header.find("__metadata__") != std::string::npos, len % 2 == 0) << header;
     // Padding is spaces after the JSON object.
     EXPECT_EQ(header.substr(header.rfind('}') + 1), std::string(n - 1 - header.rfind('}'), ' '));
-    EXPECT_EQ(SafetensorsFile::open(p).tensor(std::string(len, 'w')).data<uint8_t>()[2], 9);
+    EXPECT_EQ(formats::SafetensorsFile::open(p).tensor(std::string(len, 'w')).data<uint8_t>()[2], 9);
   }
 }
 
 TEST_F(Safetensors, EmptyFileIsValid) {
   const std::string p = path("empty.safetensors");
-  write_safetensors(p, {});
-  SafetensorsFile f = SafetensorsFile::open(p);
+  formats::write_safetensors(p, {});
+  formats::SafetensorsFile f = formats::SafetensorsFile::open(p);
   EXPECT_TRUE(f.names().empty());
   EXPECT_TRUE(f.metadata().empty());
   EXPECT_EQ(read_bytes(p).size() % 8, 0u);
 
   write_bytes(p, raw_file("{}", 0));  // unpadded, by hand
-  EXPECT_TRUE(SafetensorsFile::open(p).names().empty());
+  EXPECT_TRUE(formats::SafetensorsFile::open(p).names().empty());
 }
 
 TEST_F(Safetensors, ViewIsZeroCopyAndKeepsMappingAlive) {
   const std::string p = path("v.safetensors");
-  write_safetensors(p, {{"x", Tensor::from_vector<float>({1.5f, -2.f, 3.f}, {3})}});
+  formats::write_safetensors(p, {{"x", Tensor::from_vector<float>({1.5f, -2.f, 3.f}, {3})}});
   Tensor a, b;
   {
-    SafetensorsFile f = SafetensorsFile::open(p);
+    formats::SafetensorsFile f = formats::SafetensorsFile::open(p);
     a = f.tensor("x");
     b = f.tensor("x");
   }  // the file object is gone; the views hold the mapping
@@ -212,7 +212,7 @@ TEST_F(Safetensors, MisalignedDataComesBackAsAlignedCopy) {
   bytes.append(reinterpret_cast<const char*>(vals), sizeof vals);
   const std::string p = path("mis.safetensors");
   write_bytes(p, bytes);
-  SafetensorsFile f = SafetensorsFile::open(p);
+  formats::SafetensorsFile f = formats::SafetensorsFile::open(p);
   Tensor b = f.tensor("b");
   EXPECT_EQ(reinterpret_cast<uintptr_t>(b.raw()) % alignof(float), 0u);
   EXPECT_EQ(b.data<float>()[0], 0.25f);
@@ -221,13 +221,13 @@ TEST_F(Safetensors, MisalignedDataComesBackAsAlignedCopy) {
 }
 
 TEST_F(Safetensors, AtomicWriteLeavesNoTemporary) {
-  write_safetensors(path("ok.safetensors"), {{"x", Tensor::from_vector<int32_t>({1, 2}, {2})}});
+  formats::write_safetensors(path("ok.safetensors"), {{"x", Tensor::from_vector<int32_t>({1, 2}, {2})}});
   EXPECT_EQ(listing(), std::vector<std::string>{"ok.safetensors"});
 
   // Into a missing directory: a retain::Error naming the path, and nothing created.
   const std::string missing = path("no/such/dir/x.safetensors");
   try {
-    write_safetensors(missing, {{"x", Tensor::from_vector<int32_t>({1}, {1})}});
+    formats::write_safetensors(missing, {{"x", Tensor::from_vector<int32_t>({1}, {1})}});
     ADD_FAILURE() << "expected an error";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find(missing), std::string::npos) << e.what();
@@ -238,18 +238,18 @@ TEST_F(Safetensors, AtomicWriteLeavesNoTemporary) {
   // Rejected inputs leave nothing behind either, and never clobber an existing file.
   const std::string before = read_bytes(path("ok.safetensors"));
   Tensor t = Tensor::from_vector<float>({1}, {1});
-  EXPECT_THROW(write_safetensors(path("ok.safetensors"), {{"x", t}, {"x", t}}), Error);
-  EXPECT_THROW(write_safetensors(path("ok.safetensors"), {{"__metadata__", t}}), Error);
-  EXPECT_THROW(write_safetensors(path("ok.safetensors"), {{"x", Tensor()}}), Error);
-  EXPECT_THROW(write_safetensors(path("ok.safetensors"), {{std::string("\xff\xfe"), t}}), Error);
+  EXPECT_THROW(formats::write_safetensors(path("ok.safetensors"), {{"x", t}, {"x", t}}), Error);
+  EXPECT_THROW(formats::write_safetensors(path("ok.safetensors"), {{"__metadata__", t}}), Error);
+  EXPECT_THROW(formats::write_safetensors(path("ok.safetensors"), {{"x", Tensor()}}), Error);
+  EXPECT_THROW(formats::write_safetensors(path("ok.safetensors"), {{std::string("\xff\xfe"), t}}), Error);
   EXPECT_EQ(listing(), std::vector<std::string>{"ok.safetensors"});
   EXPECT_EQ(read_bytes(path("ok.safetensors")), before);
 }
 
 TEST_F(Safetensors, LookupOfMissingTensorNamesFileAndTensor) {
   const std::string p = path("m.safetensors");
-  write_safetensors(p, {{"x", Tensor::from_vector<float>({1}, {1})}});
-  SafetensorsFile f = SafetensorsFile::open(p);
+  formats::write_safetensors(p, {{"x", Tensor::from_vector<float>({1}, {1})}});
+  formats::SafetensorsFile f = formats::SafetensorsFile::open(p);
   try {
     f.tensor("nope");
     ADD_FAILURE() << "expected an error";
@@ -257,12 +257,12 @@ TEST_F(Safetensors, LookupOfMissingTensorNamesFileAndTensor) {
     EXPECT_EQ(std::string(e.what()), p + ": no tensor 'nope'");
   }
   EXPECT_THROW(f.entry("nope"), Error);
-  EXPECT_THROW(SafetensorsSet::open_dir(dir_), Error);  // no model.safetensors here
+  EXPECT_THROW(formats::SafetensorsSet::open_dir(dir_), Error);  // no model.safetensors here
 }
 
 TEST_F(Safetensors, TruncatedAtEveryLengthFails) {
   const std::string good = path("good.safetensors");
-  write_safetensors(good, {{"a", Tensor::from_vector<float>({1, 2, 3}, {3})},
+  formats::write_safetensors(good, {{"a", Tensor::from_vector<float>({1, 2, 3}, {3})},
                            {"b", Tensor::from_vector<uint8_t>({4, 5}, {2})}},
                     {{"k", "v"}});
   const std::string bytes = read_bytes(good);
@@ -276,7 +276,7 @@ TEST_F(Safetensors, TruncatedAtEveryLengthFails) {
 
 TEST_F(Safetensors, RandomCorruptionNeverCrashes) {
   const std::string good = path("good.safetensors");
-  write_safetensors(good, {{"w", Tensor::from_vector<float>({1, 2, 3, 4}, {2, 2})},
+  formats::write_safetensors(good, {{"w", Tensor::from_vector<float>({1, 2, 3, 4}, {2, 2})},
                            {"b", Tensor::from_vector<uint8_t>({1, 2, 3, 4, 5, 6, 7, 8}, {8})},
                            {"s", Tensor::from_vector<int64_t>({9}, {})}},
                     {{"format", "pt"}});
@@ -302,7 +302,7 @@ TEST_F(Safetensors, RandomCorruptionNeverCrashes) {
     }
     write_bytes(p, b);
     try {
-      SafetensorsFile f = SafetensorsFile::open(p);
+      formats::SafetensorsFile f = formats::SafetensorsFile::open(p);
       touch_all(f);
       ++opened;
     } catch (const Error& e) {
@@ -398,10 +398,10 @@ class ShardedSet : public Safetensors {
  protected:
   void SetUp() override {
     Safetensors::SetUp();
-    write_safetensors(path(kShard1), {{"a", Tensor::from_vector<float>({1, 2}, {2})},
+    formats::write_safetensors(path(kShard1), {{"a", Tensor::from_vector<float>({1, 2}, {2})},
                                       {"b", Tensor::from_vector<int32_t>({3}, {1})}},
                       {{"format", "pt"}});
-    write_safetensors(path(kShard2), {{"c", Tensor::from_vector<double>({4, 5, 6}, {3, 1})}});
+    formats::write_safetensors(path(kShard2), {{"c", Tensor::from_vector<double>({4, 5, 6}, {3, 1})}});
   }
   void write_index(const std::string& weight_map) {
     write_bytes(path("model.safetensors.index.json"),
@@ -424,8 +424,8 @@ class ShardedSet : public Safetensors {
 TEST_F(ShardedSet, RoundTrip) {
   write_index(good_map());
   // Decoy single file: the index must win when both exist.
-  write_safetensors(path("model.safetensors"), {{"zzz", Tensor::from_vector<float>({0}, {1})}});
-  SafetensorsSet set = SafetensorsSet::open_dir(dir_);
+  formats::write_safetensors(path("model.safetensors"), {{"zzz", Tensor::from_vector<float>({0}, {1})}});
+  formats::SafetensorsSet set = formats::SafetensorsSet::open_dir(dir_);
   EXPECT_EQ(set.dir(), dir_);
   EXPECT_EQ(set.names(), (std::vector<std::string>{"a", "b", "c"}));
   EXPECT_TRUE(set.contains("c"));
@@ -467,7 +467,7 @@ TEST_F(ShardedSet, UnlistedTensor) {
 }
 
 TEST_F(ShardedSet, DuplicateTensorAcrossShards) {
-  write_safetensors(path(kShard2), {{"c", Tensor::from_vector<double>({4, 5, 6}, {3, 1})},
+  formats::write_safetensors(path(kShard2), {{"c", Tensor::from_vector<double>({4, 5, 6}, {3, 1})},
                                     {"a", Tensor::from_vector<float>({1, 2}, {2})}});
   write_index(good_map());
   expect_error(index(), "'a' is in two shards: " + path(kShard1) + " and " + path(kShard2));

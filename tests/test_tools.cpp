@@ -15,7 +15,7 @@
 #include "kernels/base/atomic_file.h"
 #include "model/gates/gates.h"
 #include "model/qwen3.h"
-#include "model/safetensors.h"
+#include "data/formats/safetensors.h"
 #include "model/weights.h"
 
 using namespace retain;
@@ -105,7 +105,7 @@ TEST_F(Tools, ForwardWritesTheLibraryLogits) {
                        " --ids \"5 10 7 256 3,4\" --doc-ids \"0 0 0 1 1 1\" --out " + out.string());
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_NE(r.out.find("wrote logits [6, 512]"), std::string::npos) << r.out;
-  const SafetensorsFile f = SafetensorsFile::open(out.string());
+  const formats::SafetensorsFile f = formats::SafetensorsFile::open(out.string());
   const Tensor logits = f.tensor("logits");
   ASSERT_EQ(logits.shape(), (Shape{6, 512}));
   ASSERT_EQ(logits.dtype(), DType::F32);
@@ -209,7 +209,7 @@ TEST_F(Tools, MakeTinyWritesGatesAndForwardRunsTheStudent) {
           " --ids \"5 10 7 256 3 4\" --doc-ids \"0 0 0 1 1 1\" --out " + out.string());
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_NE(r.out.find("dbtrimkv gates G=8"), std::string::npos) << r.out;
-  const Tensor logits = SafetensorsFile::open(out.string()).tensor("logits");
+  const Tensor logits = formats::SafetensorsFile::open(out.string()).tensor("logits");
   LocalWeightProvider w(ckpt);
   const Tensor ids = Tensor::from_vector<int32_t>({5, 10, 7, 256, 3, 4}, {6});
   const Tensor docs = Tensor::from_vector<int32_t>({0, 0, 0, 1, 1, 1}, {6});
@@ -244,12 +244,12 @@ TEST_F(Tools, ForwardRejectsBadGates) {
   // A shared dbtrimkv tensor whose copies differ.
   const fs::path db = root_ / "tiny_db";
   ASSERT_EQ(run("retain-make-tiny --out " + db.string() + " --seed 7 --gates dbtrimkv").code, 0);
-  const SafetensorsFile f = SafetensorsFile::open((db / "gates.safetensors").string());
+  const formats::SafetensorsFile f = formats::SafetensorsFile::open((db / "gates.safetensors").string());
   std::vector<std::pair<std::string, Tensor>> t;
   for (const std::string& n : f.names()) t.emplace_back(n, f.tensor(n).clone());
   for (auto& [n, v] : t)
     if (n == gates::gate_tensor_name(1, "bias")) v.data<float>()[0] += 1;
   const std::string edited = (root_ / "edited_gates.safetensors").string();
-  write_safetensors(edited, t);
+  formats::write_safetensors(edited, t);
   expect_forward_error(m + " --gates " + edited, "shared tensor 'model.layers.1.self_attn.retention_gate.bias' differs");
 }

@@ -27,7 +27,7 @@
 #include "kernels/cuda/memory.h"
 #include "kernels/device.h"
 #include "model/device_weights.h"
-#include "model/safetensors.h"
+#include "data/formats/safetensors.h"
 #include "model/weights.h"
 #include "trainer/config_file.h"
 #include "trainer/fsdp.h"
@@ -697,7 +697,7 @@ void dump_gradients(const TrainConfig& cfg, dist::Comm& comm) {
   out.emplace_back("batch/input_ids", ids);
   out.emplace_back("batch/doc_ids", docs);
   out.emplace_back("batch/target_mask", mask);
-  write_safetensors(cfg.dump_grads, out, meta);
+  formats::write_safetensors(cfg.dump_grads, out, meta);
   spdlog::info("wrote {}: {} parameter tensors", cfg.dump_grads, gates.parameters().size());
 }
 

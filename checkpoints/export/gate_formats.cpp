@@ -11,11 +11,11 @@
 
 #include <fmt/format.h>
 
-#include "checkpoints/export/gguf.h"
-#include "checkpoints/export/torch_file.h"
+#include "data/formats/gguf.h"
+#include "data/formats/torch_file.h"
 #include "kernels/base/atomic_file.h"
 #include "model/layer_names.h"
-#include "model/safetensors.h"
+#include "data/formats/safetensors.h"
 
 namespace retain::gate_export {
 
@@ -58,7 +58,7 @@ nlohmann::ordered_json read_json(const std::string& path) {
 
 // ---- readers per container ---------------------------------------------------------------
 LoadedGates load_safetensors(const std::string& path, const Qwen3Config& config, std::optional<gates::GateKind> expect) {
-  const SafetensorsFile f = SafetensorsFile::open(path);
+  const formats::SafetensorsFile f = formats::SafetensorsFile::open(path);
   std::map<std::string, Tensor> tensors;
   for (const std::string& n : f.names()) tensors.emplace(n, f.tensor(n));
   LoadedGates out{gates::RetentionGates::from_tensors(path, tensors, f.metadata(), config, expect), {},
@@ -77,15 +77,15 @@ LoadedGates load_safetensors(const std::string& path, const Qwen3Config& config,
 }
 
 LoadedGates load_gguf(const std::string& path, const Qwen3Config& config, std::optional<gates::GateKind> expect) {
-  const gguf::File f = gguf::read_file(path);
+  const formats::gguf::File f = formats::gguf::read_file(path);
   auto str = [&](const char* key) -> std::optional<std::string> {
-    const gguf::Value* v = f.find(key);
+    const formats::gguf::Value* v = f.find(key);
     if (!v) return std::nullopt;
-    if (v->type != gguf::Type::STRING) fail("{}: metadata '{}' is not a string", path, printable(key));
+    if (v->type != formats::gguf::Type::STRING) fail("{}: metadata '{}' is not a string", path, printable(key));
     return std::get<std::string>(v->v);
   };
   auto num = [&](const char* key) -> std::optional<double> {
-    const gguf::Value* v = f.find(key);
+    const formats::gguf::Value* v = f.find(key);
     if (!v) return std::nullopt;
     if (auto* d = std::get_if<double>(&v->v)) return *d;
     if (auto* u = std::get_if<uint64_t>(&v->v)) return static_cast<double>(*u);
@@ -115,7 +115,7 @@ LoadedGates load_gguf(const std::string& path, const Qwen3Config& config, std::o
 
 LoadedGates load_pth(const std::string& path, const Qwen3Config& config, std::optional<gates::GateKind> expect,
                      const std::map<std::string, std::string>& meta = {}) {
-  const auto tensors = to_map(torchfile::read_torch_file(path), path);
+  const auto tensors = to_map(formats::torchfile::read_torch_file(path), path);
   return {gates::RetentionGates::from_tensors(path, tensors, meta, config, expect), {}, Format::pth};
 }
 
@@ -193,14 +193,14 @@ LoadedGates load_gates(const std::string& path, const Qwen3Config& config, std::
 std::string recorded_base_model(const std::string& path) {
   switch (detect_format(path)) {
     case Format::safetensors: {
-      const SafetensorsFile f = SafetensorsFile::open(path);
+      const formats::SafetensorsFile f = formats::SafetensorsFile::open(path);
       auto it = f.metadata().find("base_model");
       return it == f.metadata().end() ? "" : it->second;
     }
     case Format::gguf: {
-      const gguf::File f = gguf::read_file(path);
-      const gguf::Value* v = f.find("retention.base_model");
-      return v && v->type == gguf::Type::STRING ? std::get<std::string>(v->v) : "";
+      const formats::gguf::File f = formats::gguf::read_file(path);
+      const formats::gguf::Value* v = f.find("retention.base_model");
+      return v && v->type == formats::gguf::Type::STRING ? std::get<std::string>(v->v) : "";
     }
     case Format::trimkv: {
       const nlohmann::ordered_json cfg = read_json((fs::path(path) / "config.json").string());
@@ -249,13 +249,13 @@ void write_safetensors(const std::string& out, const gates::RetentionGates& g, c
   if (info.memory) meta["memory"] = fmt_number(*info.memory);
   if (info.step) meta["step"] = std::to_string(*info.step);
   if (info.max_seq_len) meta["max_seq_len"] = std::to_string(*info.max_seq_len);
-  retain::write_safetensors(out, export_tensors(g, dtype), meta);
+  formats::write_safetensors(out, export_tensors(g, dtype), meta);
 }
 
 void write_gguf(const std::string& out, const gates::RetentionGates& g, const GateInfo& info, DType dtype) {
   const gates::GateDims& d = g.dims();
-  using gguf::Value;
-  gguf::Metadata meta = {
+  using formats::gguf::Value;
+  formats::gguf::Metadata meta = {
       {"general.architecture", Value::str("qwen3")},
       {"general.type", Value::str("adapter")},
       {"general.alignment", Value::u32(32)},
@@ -271,16 +271,16 @@ void write_gguf(const std::string& out, const gates::RetentionGates& g, const Ga
   };
   if (info.memory) meta.emplace_back("retention.memory", Value::f64(*info.memory));
   if (g.bias_init()) meta.emplace_back("retention.bias_init", Value::f64(*g.bias_init()));
-  if (info.step) meta.emplace_back("retention.step", gguf::Value{gguf::Type::U64, static_cast<uint64_t>(*info.step)});
+  if (info.step) meta.emplace_back("retention.step", formats::gguf::Value{formats::gguf::Type::U64, static_cast<uint64_t>(*info.step)});
   if (info.max_seq_len)
-    meta.emplace_back("retention.max_seq_len", gguf::Value{gguf::Type::U64, static_cast<uint64_t>(*info.max_seq_len)});
+    meta.emplace_back("retention.max_seq_len", formats::gguf::Value{formats::gguf::Type::U64, static_cast<uint64_t>(*info.max_seq_len)});
   std::vector<std::pair<std::string, Tensor>> tensors;
   for (auto& [n, t] : export_tensors(g, dtype)) {
     const auto name = gguf_name(n);
     RETAIN_CHECK(name.has_value(), "gate tensor {}", n);
     tensors.emplace_back(*name, t);
   }
-  gguf::write_file(out, meta, tensors, 32);
+  formats::gguf::write_file(out, meta, tensors, 32);
 }
 
 void write_trimkv_dir(const std::string& out, const gates::RetentionGates& g, const GateInfo& info, DType dtype,
@@ -321,7 +321,7 @@ void write_trimkv_dir(const std::string& out, const gates::RetentionGates& g, co
   } cleanup{tmp};
   if (!fs::create_directory(tmp, ec)) fail("{}: cannot create {}: {}", out, tmp.string(), ec.message());
   write_file_atomic((tmp / "config.json").string(), cfg.dump(2) + "\n");
-  torchfile::write_torch_file((tmp / kTrimkvWeights).string(), export_tensors(g, dtype));
+  formats::torchfile::write_torch_file((tmp / kTrimkvWeights).string(), export_tensors(g, dtype));
   if (fs::exists(target, ec)) {
     const fs::path old = target.string() + ".old." + std::to_string(::getpid());
     fs::rename(target, old, ec);

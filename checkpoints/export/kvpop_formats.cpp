@@ -3,9 +3,9 @@
 
 #include <fmt/format.h>
 
-#include "checkpoints/export/gguf.h"
+#include "data/formats/gguf.h"
 #include "model/layer_names.h"
-#include "model/safetensors.h"
+#include "data/formats/safetensors.h"
 
 namespace retain::gate_export {
 
@@ -48,16 +48,16 @@ std::optional<std::string> kvpop_name_from_gguf(const std::string& name) {
 bool holds_kvpop(const std::string& path) {
   switch (detect_format(path)) {
     case Format::safetensors: {
-      const SafetensorsFile f = SafetensorsFile::open(path);
+      const formats::SafetensorsFile f = formats::SafetensorsFile::open(path);
       if (auto it = f.metadata().find("gate_kind"); it != f.metadata().end()) return it->second == "kvpop";
       for (const std::string& n : f.names())
         if (n.find(kOursMid) != std::string::npos) return true;
       return false;
     }
     case Format::gguf: {
-      const gguf::File f = gguf::read_file(path);
-      const gguf::Value* v = f.find("adapter.type");
-      return v && v->type == gguf::Type::STRING && std::get<std::string>(v->v) == "kvpop";
+      const formats::gguf::File f = formats::gguf::read_file(path);
+      const formats::gguf::Value* v = f.find("adapter.type");
+      return v && v->type == formats::gguf::Type::STRING && std::get<std::string>(v->v) == "kvpop";
     }
     default: return false;
   }
@@ -68,15 +68,15 @@ LoadedScorers load_scorers(const std::string& path, const Qwen3Config& config) {
   std::map<std::string, Tensor> tensors;
   std::map<std::string, std::string> meta;
   if (format == Format::safetensors) {
-    const SafetensorsFile f = SafetensorsFile::open(path);
+    const formats::SafetensorsFile f = formats::SafetensorsFile::open(path);
     for (const std::string& n : f.names()) tensors.emplace(n, f.tensor(n));
     meta = f.metadata();
   } else if (format == Format::gguf) {
-    const gguf::File f = gguf::read_file(path);
+    const formats::gguf::File f = formats::gguf::read_file(path);
     auto str = [&](const char* key) -> std::optional<std::string> {
-      const gguf::Value* v = f.find(key);
+      const formats::gguf::Value* v = f.find(key);
       if (!v) return std::nullopt;
-      if (v->type != gguf::Type::STRING) fail("{}: metadata '{}' is not a string", path, key);
+      if (v->type != formats::gguf::Type::STRING) fail("{}: metadata '{}' is not a string", path, key);
       return std::get<std::string>(v->v);
     };
     if (str("general.type") != "adapter" || str("adapter.type") != "kvpop")
@@ -89,7 +89,7 @@ LoadedScorers load_scorers(const std::string& path, const Qwen3Config& config) {
     }
     meta["gate_kind"] = str("retention.kind").value_or("kvpop");
     for (const char* k : {"window", "sinks", "topk", "step", "max_seq_len"})
-      if (const gguf::Value* v = f.find(std::string("retention.") + k)) {
+      if (const formats::gguf::Value* v = f.find(std::string("retention.") + k)) {
         if (auto* u = std::get_if<uint64_t>(&v->v)) meta[k] = std::to_string(*u);
         else if (auto* i = std::get_if<int64_t>(&v->v)) meta[k] = std::to_string(*i);
         else fail("{}: metadata 'retention.{}' is not an integer", path, k);
@@ -126,14 +126,14 @@ void write_scorers_safetensors(const std::string& out, const kvpop::Scorers& s, 
   }
   if (info.step) meta["step"] = std::to_string(*info.step);
   if (info.max_seq_len) meta["max_seq_len"] = std::to_string(*info.max_seq_len);
-  retain::write_safetensors(out, export_tensors(s, dtype), meta);
+  formats::write_safetensors(out, export_tensors(s, dtype), meta);
 }
 
 void write_scorers_gguf(const std::string& out, const kvpop::Scorers& s, const GateInfo& info, DType dtype) {
   const kvpop::ScorerDims& d = s.dims();
-  using gguf::Value;
-  auto u64 = [](int64_t x) { return Value{gguf::Type::U64, static_cast<uint64_t>(x)}; };
-  gguf::Metadata meta = {
+  using formats::gguf::Value;
+  auto u64 = [](int64_t x) { return Value{formats::gguf::Type::U64, static_cast<uint64_t>(x)}; };
+  formats::gguf::Metadata meta = {
       {"general.architecture", Value::str("qwen3")},
       {"general.type", Value::str("adapter")},
       {"general.alignment", Value::u32(32)},
@@ -159,7 +159,7 @@ void write_scorers_gguf(const std::string& out, const kvpop::Scorers& s, const G
     RETAIN_CHECK(name.has_value(), "scorer tensor {}", n);
     tensors.emplace_back(*name, t);
   }
-  gguf::write_file(out, meta, tensors, 32);
+  formats::gguf::write_file(out, meta, tensors, 32);
 }
 
 }  // namespace retain::gate_export

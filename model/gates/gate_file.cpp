@@ -9,7 +9,7 @@
 
 #include "model/gates/gates.h"
 #include "model/layer_names.h"
-#include "model/safetensors.h"
+#include "data/formats/safetensors.h"
 
 namespace retain::gates {
 
@@ -43,7 +43,7 @@ Tensor as_f32(const std::string& source, const std::string& name, const Tensor& 
 }  // namespace
 
 RetentionGates RetentionGates::load(const std::string& path, const Qwen3Config& config, std::optional<GateKind> expect) {
-  const SafetensorsFile f = SafetensorsFile::open(path);
+  const formats::SafetensorsFile f = formats::SafetensorsFile::open(path);
   std::map<std::string, Tensor> tensors;
   for (const std::string& n : f.names()) tensors.emplace(n, f.tensor(n));
   return from_tensors(path, tensors, f.metadata(), config, expect);
@@ -164,7 +164,7 @@ void RetentionGates::save(const std::string& path, const std::map<std::string, s
   };
   if (bias_init_) meta["bias_init"] = fmt::format("{}", *bias_init_);
   for (const auto& [k, v] : extra) meta[k] = v;
-  write_safetensors(path, named_tensors(), meta);
+  formats::write_safetensors(path, named_tensors(), meta);
 }
 
 }  // namespace retain::gates

@@ -8,7 +8,7 @@
 
 #include <fmt/format.h>
 
-#include "model/safetensors.h"
+#include "data/formats/safetensors.h"
 
 namespace retain::kvpop {
 
@@ -118,11 +118,11 @@ void Scorers::save(const std::string& path, const std::map<std::string, std::str
     meta["topk"] = std::to_string(geometry_->topk);
   }
   for (const auto& [k, v] : extra) meta[k] = v;
-  write_safetensors(path, named_tensors(), meta);
+  formats::write_safetensors(path, named_tensors(), meta);
 }
 
 Scorers Scorers::load(const std::string& path, const Qwen3Config& config) {
-  const SafetensorsFile f = SafetensorsFile::open(path);
+  const formats::SafetensorsFile f = formats::SafetensorsFile::open(path);
   std::map<std::string, Tensor> tensors;
   for (const std::string& n : f.names()) tensors.emplace(n, f.tensor(n));
   return from_tensors(path, tensors, f.metadata(), config);

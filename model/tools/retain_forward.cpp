@@ -17,7 +17,7 @@
 #include "model/device_weights.h"
 #include "model/gates/gates.h"
 #include "model/qwen3.h"
-#include "model/safetensors.h"
+#include "data/formats/safetensors.h"
 #include "model/tools/token_list.h"
 #include "model/weights.h"
 
@@ -145,7 +145,7 @@ int run(int argc, char** argv) {
   const int64_t T = static_cast<int64_t>(ids.size());
   std::vector<int64_t> argmax(ids.size());
   Tensor device_rows;
-  write_safetensors_rows(out, "logits", DType::F32, {T, V}, kChunkRows, [&](int64_t begin, int64_t end, Tensor& rows) {
+  formats::write_safetensors_rows(out, "logits", DType::F32, {T, V}, kChunkRows, [&](int64_t begin, int64_t end, Tensor& rows) {
     if (dev == Device::CPU) {
       ops::linear(hidden.rows(begin, end), weights->lm_head(), rows);
     } else {

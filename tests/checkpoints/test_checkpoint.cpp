@@ -15,7 +15,7 @@
 #include "checkpoints/checkpoint.h"
 #include "kernels/base/atomic_file.h"
 #include "kernels/base/error.h"
-#include "model/safetensors.h"
+#include "data/formats/safetensors.h"
 #include "tests/checkpoints/checkpoint_test_util.h"
 
 namespace retain::ckpt {
@@ -92,7 +92,7 @@ TEST_F(Checkpoint, RoundTripIsExactForBothGateKinds) {
     EXPECT_EQ(l.gates_path, dir + "/gates.safetensors");
     const RetentionGates back = RetentionGates::load(l.gates_path, model_config(), kind);
     EXPECT_TRUE(same_values(back, gates_)) << gates::gate_kind_name(kind);
-    EXPECT_EQ(SafetensorsFile::open(l.gates_path).metadata().at("step"), "42");
+    EXPECT_EQ(formats::SafetensorsFile::open(l.gates_path).metadata().at("step"), "42");
     fs::remove_all(ckpts());
   }
 }
@@ -296,7 +296,7 @@ class DamagedCheckpoint : public Checkpoint {
         o.v[0] = bad_value != 0.0f ? bad_value : o.v[0];
       }
       const int64_t n = o.end - o.begin;
-      write_safetensors(file(optimizer_file_name(r, 2)),
+      formats::write_safetensors(file(optimizer_file_name(r, 2)),
                         {{"m", Tensor::from_vector(o.m, {n})}, {"v", Tensor::from_vector(o.v, {n})}},
                         {{"t", std::to_string(o.t)},
                          {"flat_size", std::to_string(kFlat)},

@@ -5,7 +5,7 @@
 #include <numeric>
 #include <set>
 
-#include "data/h5.h"
+#include "data/formats/h5.h"
 #include "data/loader.h"
 #include "data/tokenizer/sha256.h"
 #include "model/config.h"
@@ -242,16 +242,16 @@ void write_h5(const fs::path& p, hid_t ids_type, bool with_vocab, int32_t bad_id
   hid_t d3 = H5Dcreate2(f, "target_mask", H5T_STD_U8LE, space, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
   H5Dwrite(d3, H5T_NATIVE_UINT8, H5S_ALL, H5S_ALL, H5P_DEFAULT, mask.data());
   const std::string f_name = p.string();
-  h5::write_attr_i64(f, "seq_len", 4, f_name);
-  if (with_vocab) h5::write_attr_i64(f, "vocab_size", 10, f_name);
-  h5::write_attr_i64(f, "eos_token_id", 2, f_name);
-  h5::write_attr_str(f, "tokenizer_sha256", std::string(64, 'a'), f_name);
-  h5::write_attr_str(f, "packing", "concat", f_name);
+  formats::h5::write_attr_i64(f, "seq_len", 4, f_name);
+  if (with_vocab) formats::h5::write_attr_i64(f, "vocab_size", 10, f_name);
+  formats::h5::write_attr_i64(f, "eos_token_id", 2, f_name);
+  formats::h5::write_attr_str(f, "tokenizer_sha256", std::string(64, 'a'), f_name);
+  formats::h5::write_attr_str(f, "packing", "concat", f_name);
   H5Dclose(d1), H5Dclose(d2), H5Dclose(d3), H5Sclose(space), H5Fclose(f);
 }
 
 TEST_F(LoaderTest, OpenValidatesTheLayoutWithClearErrors) {
-  h5::silence_hdf5_errors();
+  formats::h5::silence_hdf5_errors();
   write_h5(dir_ / "ok.h5", H5T_STD_I32LE, true);
   EXPECT_EQ(PackedDataset::open(dir_ / "ok.h5").num_sequences(), 2);
   write_h5(dir_ / "i64.h5", H5T_STD_I64LE, true);

@@ -4,7 +4,7 @@
 // documents longer than S and matches an independent best-fit-decreasing; masks are carried.
 #include <random>
 
-#include "data/h5.h"
+#include "data/formats/h5.h"
 #include "data/packed_dataset.h"
 #include "tests/data/pack_helpers.h"
 
@@ -671,7 +671,7 @@ TEST(PackedDatasetDamage, AGlobalHeapThatHangsLibhdf5EndsTheProcessWithOneLine) 
   GTEST_FLAG_SET(death_test_style, "threadsafe");
   EXPECT_EXIT(
       {
-        h5::set_read_deadline_seconds(1);
+        formats::h5::set_read_deadline_seconds(1);
         (void)PackedDataset::open(file);
       },
       ::testing::ExitedWithCode(1), "error: .*hdf5-global-heap-loop.h5: reading attribute .* did not finish in 1 s: the file is damaged");

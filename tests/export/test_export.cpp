@@ -15,12 +15,12 @@
 #include <set>
 
 #include "checkpoints/export/gate_formats.h"
-#include "checkpoints/export/gguf.h"
-#include "checkpoints/export/torch_file.h"
-#include "checkpoints/export/torch_pickle.h"
+#include "data/formats/gguf.h"
+#include "data/formats/torch_file.h"
+#include "data/formats/torch_pickle.h"
 #include "kernels/base/atomic_file.h"
 #include "model/config.h"
-#include "model/safetensors.h"
+#include "data/formats/safetensors.h"
 #include "tests/trainer/train_helpers.h"
 
 namespace retain {
@@ -76,8 +76,8 @@ void expect_same_bytes(const std::string& a, const std::string& b) {
 TEST(TorchFile, ReadsWhatPyTorchWrote) {
   for (const char* name : {"mixed", "plain", "single", "many"}) {
     SCOPED_TRACE(name);
-    const auto got = torchfile::read_torch_file(kExport + "/torch/" + name + ".pth");
-    const SafetensorsFile want = SafetensorsFile::open(kExport + "/torch/" + name + ".expected.safetensors");
+    const auto got = formats::torchfile::read_torch_file(kExport + "/torch/" + name + ".pth");
+    const formats::SafetensorsFile want = formats::SafetensorsFile::open(kExport + "/torch/" + name + ".expected.safetensors");
     ASSERT_EQ(got.size(), want.names().size());
     for (const auto& [n, t] : got) {
       ASSERT_TRUE(want.contains(n)) << n;
@@ -85,7 +85,7 @@ TEST(TorchFile, ReadsWhatPyTorchWrote) {
     }
   }
   // dict order is kept (the first and last keys of mixed.pth)
-  const auto mixed = torchfile::read_torch_file(kExport + "/torch/mixed.pth");
+  const auto mixed = formats::torchfile::read_torch_file(kExport + "/torch/mixed.pth");
   EXPECT_EQ(mixed.front().first, "bf16.weight");
   EXPECT_EQ(mixed.back().first, "empty");
 }
@@ -97,31 +97,31 @@ TEST(TorchFile, WritesPyTorchsPickleByteForByte) {
   for (const char* name : {"plain", "single", "many"}) {
     SCOPED_TRACE(name);
     const std::string theirs = kExport + "/torch/" + std::string(name) + ".pth";
-    const auto tensors = torchfile::read_torch_file(theirs);
+    const auto tensors = formats::torchfile::read_torch_file(theirs);
     const std::string ours = dir / (std::string(name) + ".pth");
-    torchfile::write_torch_file(ours, tensors);
+    formats::torchfile::write_torch_file(ours, tensors);
     EXPECT_TRUE(zip_record(ours, "/data.pkl") == zip_record(theirs, "/data.pkl"));
     EXPECT_EQ(zip_record(ours, "/version"), zip_record(theirs, "/version"));
     EXPECT_EQ(zip_record(ours, "/byteorder"), "little");
-    const auto back = torchfile::read_torch_file(ours);
+    const auto back = formats::torchfile::read_torch_file(ours);
     ASSERT_EQ(back.size(), tensors.size());
     for (size_t i = 0; i < back.size(); ++i) {
       EXPECT_EQ(back[i].first, tensors[i].first);
       EXPECT_TRUE(bytes_equal(back[i].second, tensors[i].second)) << back[i].first;
     }
     // Deterministic: the same tensors give the same bytes.
-    torchfile::write_torch_file(dir / "again.pth", tensors);
+    formats::torchfile::write_torch_file(dir / "again.pth", tensors);
     // The archive folder is named after the file, so compare under one name.
-    torchfile::write_torch_file(dir / "x.pth", tensors);
+    formats::torchfile::write_torch_file(dir / "x.pth", tensors);
     const std::string first = read_file(dir / "x.pth");
-    torchfile::write_torch_file(dir / "x.pth", tensors);
+    formats::torchfile::write_torch_file(dir / "x.pth", tensors);
     EXPECT_TRUE(read_file(dir / "x.pth") == first);
   }
 }
 
 std::string pickle_error(const std::string& bytes) {
   try {
-    torchfile::parse_state_dict(bytes, "test.pkl");
+    formats::torchfile::parse_state_dict(bytes, "test.pkl");
   } catch (const Error& e) {
     const std::string msg = e.what();
     EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
@@ -168,7 +168,7 @@ TEST(TorchFile, RefusesAnythingButAStateDict) {
 // ---- gates from every container ---------------------------------------------------------------
 
 std::map<std::string, Tensor> gate_fixture(const std::string& c, DType as) {
-  const SafetensorsFile f = SafetensorsFile::open(kFix + "/gates/" + c + "/gates.safetensors");
+  const formats::SafetensorsFile f = formats::SafetensorsFile::open(kFix + "/gates/" + c + "/gates.safetensors");
   std::map<std::string, Tensor> out;
   for (const std::string& n : f.names()) out[n] = f.tensor(n).to_dtype(as).to_dtype(DType::F32);
   return out;
@@ -352,7 +352,7 @@ TEST(Export, AuthorsForwardEqualsRetainForward) {
   TempDir dir;
   for (const auto& [name, model] : {std::pair{"trimkv_tied_gqa2", "tied_gqa2_bf16"}, std::pair{"dbtrimkv_mha", "mha_f16_oldstyle"}}) {
     SCOPED_TRACE(name);
-    const SafetensorsFile want = SafetensorsFile::open(kExport + "/golden/" + name + ".authors_logits.safetensors");
+    const formats::SafetensorsFile want = formats::SafetensorsFile::open(kExport + "/golden/" + name + ".authors_logits.safetensors");
     auto list = [](const Tensor& t) {
       std::string s;
       for (int64_t i = 0; i < t.numel(); ++i) {
@@ -367,7 +367,7 @@ TEST(Export, AuthorsForwardEqualsRetainForward) {
                              list(want.tensor("doc_ids")) + "\" --out " + out,
                          dir);
     ASSERT_EQ(r.code, 0) << r.err;
-    const double e = trainer::test::rel_diff(SafetensorsFile::open(out).tensor("logits"), want.tensor("logits"));
+    const double e = trainer::test::rel_diff(formats::SafetensorsFile::open(out).tensor("logits"), want.tensor("logits"));
     EXPECT_LE(e, 1e-4);
     RecordProperty(name, std::to_string(e));
   }

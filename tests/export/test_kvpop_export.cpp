@@ -9,7 +9,7 @@
 
 #include "checkpoints/export/kvpop_formats.h"
 #include "kernels/base/atomic_file.h"
-#include "model/safetensors.h"
+#include "data/formats/safetensors.h"
 #include "tests/trainer/train_helpers.h"
 
 namespace retain {
@@ -65,7 +65,7 @@ TEST(KvpopExport, GoldenBytesAndRoundTrip) {
 }
 
 TEST(KvpopExport, F32ExportsAndLlamaCppsGgufReadToTheSameValues) {
-  const SafetensorsFile want = SafetensorsFile::open(kScorers);
+  const formats::SafetensorsFile want = formats::SafetensorsFile::open(kScorers);
   for (const char* f : {"reference_kvpop.gguf", "kvpop_f32.gguf"}) {
     SCOPED_TRACE(f);
     const gate_export::LoadedScorers got = gate_export::load_scorers(kGolden + "/" + f, model_config());

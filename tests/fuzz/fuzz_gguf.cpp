@@ -3,18 +3,18 @@
 // to the same metadata and tensors (the writer/reader round trip).
 #include <cstring>
 
-#include "checkpoints/export/gguf.h"
+#include "data/formats/gguf.h"
 #include "tests/fuzz/fuzz_common.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string path = retain::fuzz::write_input("input.gguf", data, size);
   retain::fuzz::expect_clean([&] {
-    const retain::gguf::File f = retain::gguf::read_file(path);
+    const retain::formats::gguf::File f = retain::formats::gguf::read_file(path);
     for (const auto& [name, t] : f.tensors)
       if (t.ndim() == 0 || t.numel() > (1 << 22)) return;
     const std::string again = (retain::fuzz::scratch_dir() / "again.gguf").string();
-    retain::gguf::write_file(again, f.metadata, f.tensors, f.alignment);
-    const retain::gguf::File g = retain::gguf::read_file(again);
+    retain::formats::gguf::write_file(again, f.metadata, f.tensors, f.alignment);
+    const retain::formats::gguf::File g = retain::formats::gguf::read_file(again);
     if (g.metadata.size() != f.metadata.size() || g.tensors.size() != f.tensors.size())
       retain::fuzz::bug("rewritten gguf", "counts differ");
     for (size_t i = 0; i < f.metadata.size(); ++i)

@@ -1,12 +1,12 @@
 // safetensors files (model/safetensors.h): the header (length, JSON, dtypes, shapes,
 // offsets tiling the data section) and, once accepted, every tensor view in bounds.
-#include "model/safetensors.h"
+#include "data/formats/safetensors.h"
 #include "tests/fuzz/fuzz_common.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string path = retain::fuzz::write_input("input.safetensors", data, size);
   retain::fuzz::expect_clean([&] {
-    const retain::SafetensorsFile f = retain::SafetensorsFile::open(path);
+    const retain::formats::SafetensorsFile f = retain::formats::SafetensorsFile::open(path);
     uint64_t sum = f.metadata().size();
     for (const std::string& name : f.names()) {
       const retain::Tensor t = f.tensor(name);

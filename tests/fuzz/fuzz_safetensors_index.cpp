@@ -1,9 +1,9 @@
-// model.safetensors.index.json (SafetensorsSet::open_dir): the fuzzed index sits in a
+// model.safetensors.index.json (retain::formats::SafetensorsSet::open_dir): the fuzzed index sits in a
 // directory beside the committed four-shard checkpoint's shards, so an index that names them
 // correctly reaches the cross-checks between index and shards.
 #include <filesystem>
 
-#include "model/safetensors.h"
+#include "data/formats/safetensors.h"
 #include "tests/fuzz/fuzz_common.h"
 
 namespace fs = std::filesystem;
@@ -21,7 +21,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }();
   retain::fuzz::write_input("index/model.safetensors.index.json", data, size);
   retain::fuzz::expect_clean([&] {
-    const retain::SafetensorsSet set = retain::SafetensorsSet::open_dir(dir.string());
+    const retain::formats::SafetensorsSet set = retain::formats::SafetensorsSet::open_dir(dir.string());
     uint64_t sum = set.metadata().size();
     for (const std::string& name : set.names()) sum += set.entry(name).end - set.entry(name).begin;
     if (sum == 42) std::fputc(' ', stderr);

@@ -10,7 +10,7 @@
 
 #include "kernels/base/half.h"
 #include "model/gates/gates.h"
-#include "model/safetensors.h"
+#include "data/formats/safetensors.h"
 
 using namespace retain;
 using namespace retain::gates;
@@ -44,7 +44,7 @@ RetentionGates randomized(GateKind kind, uint64_t seed) {
 // The file's tensors as (name, F32 tensor), to edit and write back.
 using Tensors = std::vector<std::pair<std::string, Tensor>>;
 Tensors read_all(const std::string& path) {
-  const SafetensorsFile f = SafetensorsFile::open(path);
+  const formats::SafetensorsFile f = formats::SafetensorsFile::open(path);
   Tensors out;
   for (const std::string& n : f.names()) out.emplace_back(n, f.tensor(n).clone());
   return out;
@@ -71,7 +71,7 @@ class GateFile : public ::testing::TestWithParam<GateKind> {
   std::string error_of(const Tensors& tensors, const std::map<std::string, std::string>& meta = {},
                        std::optional<GateKind> kind = std::nullopt) {
     const std::string p = (dir_ / "bad.safetensors").string();
-    write_safetensors(p, tensors, meta);
+    formats::write_safetensors(p, tensors, meta);
     return load_error(p, cfg_, kind);
   }
   fs::path dir_;
@@ -97,7 +97,7 @@ TEST_P(GateFile, RoundTrip) {
     EXPECT_EQ(std::memcmp(a.value.raw(), b.value.raw(), a.value.nbytes()), 0) << a.name();
   }
   // The file itself: DESIGN names, F32, the shared tensor under every layer's name, metadata.
-  const SafetensorsFile f = SafetensorsFile::open(good_);
+  const formats::SafetensorsFile f = formats::SafetensorsFile::open(good_);
   const bool db = GetParam() == GateKind::dbtrimkv;
   EXPECT_EQ(f.names().size(), db ? 3u * 6 : 3u * 4);
   for (int64_t l = 0; l < 3; ++l) {
@@ -130,9 +130,9 @@ TEST_P(GateFile, SixteenBitFilesAreConverted) {
     Tensors t = read_all(good_);
     for (auto& [n, v] : t) v = v.to_dtype(dt);
     const std::string p = (dir_ / "half.safetensors").string();
-    write_safetensors(p, t);  // no metadata: the kind comes from the names
+    formats::write_safetensors(p, t);  // no metadata: the kind comes from the names
     const RetentionGates g = RetentionGates::load(p, cfg_);
-    const SafetensorsFile f = SafetensorsFile::open(p);
+    const formats::SafetensorsFile f = formats::SafetensorsFile::open(p);
     for (const GateParameter& q : g.parameters()) {
       ASSERT_EQ(f.entry(q.name()).dtype, dt);
       const Tensor stored = f.tensor(q.name());

@@ -16,7 +16,7 @@
 #include "kernels/base/atomic_file.h"
 #include "model/gates/gates.h"
 #include "model/qwen3.h"
-#include "model/safetensors.h"
+#include "data/formats/safetensors.h"
 #include "model/weights.h"
 #include "tests/fixture_helpers.h"
 
@@ -38,7 +38,7 @@ std::string joined(const Tensor& t) {
 }
 
 struct Fixture {
-  SafetensorsFile expected;
+  formats::SafetensorsFile expected;
   std::shared_ptr<const Qwen3Checkpoint> ckpt;
   gates::RetentionGates gates;
   Tensor ids, docs;
@@ -47,7 +47,7 @@ struct Fixture {
 
 Fixture open_case(const std::string& name) {
   const fs::path dir = kRoot / name;
-  SafetensorsFile expected = SafetensorsFile::open((dir / "expected.safetensors").string());
+  formats::SafetensorsFile expected = formats::SafetensorsFile::open((dir / "expected.safetensors").string());
   const fs::path model_dir = fs::path(RETAIN_FIXTURES_DIR) / expected.metadata().at("model");
   auto ckpt = std::make_shared<const Qwen3Checkpoint>(Qwen3Checkpoint::open(model_dir.string()));
   const auto kind = gates::parse_gate_kind(expected.metadata().at("gate_kind"));
@@ -103,7 +103,7 @@ TEST_P(StudentHf, RetainForwardWithGatesMatches) {
                           joined(f.docs) + "\" --out " + out.string() + " >" + (tmp / "log").string() + " 2>&1";
   const int status = std::system(cmd.c_str());
   ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << read_file((tmp / "log").string());
-  const SafetensorsFile got = SafetensorsFile::open(out.string());
+  const formats::SafetensorsFile got = formats::SafetensorsFile::open(out.string());
   EXPECT_EQ(got.metadata().at("gate_kind"), f.expected.metadata().at("gate_kind"));
   const double student = rel_diff(got.tensor("logits"), f.expected.tensor("logits"));
   EXPECT_LT(student, 1e-4) << GetParam();

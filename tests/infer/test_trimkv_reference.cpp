@@ -12,7 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "model/infer/generate.h"
-#include "model/safetensors.h"
+#include "data/formats/safetensors.h"
 #include "tests/fixture_helpers.h"
 
 using namespace retain;
@@ -62,7 +62,7 @@ TEST(TrimKVReference, DecoderMatchesTrimKVCache) {
     for (int64_t l = 0; l < dec.cache().layers(); ++l)
       for (int64_t h = 0; h < dec.cache().kv_heads(); ++h)
         EXPECT_EQ(dec.cache().kept_positions(l, h), kept[l][h]) << "layer " << l << " head " << h;
-    const SafetensorsFile lf = SafetensorsFile::open((dir / "logits.safetensors").string());
+    const formats::SafetensorsFile lf = formats::SafetensorsFile::open((dir / "logits.safetensors").string());
     const Tensor want_logits = lf.tensor("logits");
     const Tensor got = Tensor::from_vector(r.logits, want_logits.shape());
     EXPECT_LT(test_support::rel_diff(got, want_logits), 1e-5);

@@ -12,7 +12,7 @@
 
 #include "kernels/kvpop.h"
 #include "kernels/retention.h"
-#include "model/safetensors.h"
+#include "data/formats/safetensors.h"
 #include "tests/kvpop/helpers.h"
 
 using namespace retain;
@@ -22,17 +22,17 @@ namespace {
 
 std::string fixture(const char* name) { return std::string(RETAIN_FIXTURES_DIR) + "/kvpop/" + name; }
 
-Vec f64(const SafetensorsFile& f, const std::string& name) {
+Vec f64(const formats::SafetensorsFile& f, const std::string& name) {
   const Tensor t = f.tensor(name).to_dtype(DType::F64);
   return Vec(t.data<double>(), t.data<double>() + t.numel());
 }
 
-int64_t i64(const SafetensorsFile& f, const char* name) { return f.tensor(name).clone().data<int64_t>()[0]; }
+int64_t i64(const formats::SafetensorsFile& f, const char* name) { return f.tensor(name).clone().data<int64_t>()[0]; }
 
 }  // namespace
 
 TEST(KvpopFixtures, MlstmMatchesMlstmKernels) {
-  const SafetensorsFile f = SafetensorsFile::open(fixture("mlstm.safetensors"));
+  const formats::SafetensorsFile f = formats::SafetensorsFile::open(fixture("mlstm.safetensors"));
   const kvpop::Projected P{f.tensor("q").clone(), f.tensor("k").clone(), f.tensor("v").clone(),
                            f.tensor("igate").clone(), f.tensor("log_f").clone()};
   const Tensor doc = f.tensor("doc").clone(), w_o = f.tensor("w_o").clone(), b_o = f.tensor("b_o").clone();
@@ -51,7 +51,7 @@ TEST(KvpopFixtures, MlstmMatchesMlstmKernels) {
 }
 
 TEST(KvpopFixtures, LayerLossMatchesAutograd) {
-  const SafetensorsFile f = SafetensorsFile::open(fixture("layer.safetensors"));
+  const formats::SafetensorsFile f = formats::SafetensorsFile::open(fixture("layer.safetensors"));
   const Tensor q = f.tensor("q").clone(), k = f.tensor("k").clone(), v = f.tensor("v").clone();
   const Tensor doc = f.tensor("doc").clone();
   const int64_t T = q.dim(0), H = q.dim(1), hd = q.dim(2), K = k.dim(1), r = hd / 2, n = 2 * hd;

@@ -7,7 +7,7 @@
 #include <map>
 
 #include "model/kvpop/scorers.h"
-#include "model/safetensors.h"
+#include "data/formats/safetensors.h"
 #include "model/tiny.h"
 
 namespace retain::kvpop {
@@ -91,7 +91,7 @@ TEST(KvpopScorers, SaveLoadRoundTripWithMetadata) {
   const Scorers sc = Scorers::init(Scorers::dims_for(c), {16, 4, 8}, 3);
   const fs::path path = temp_file("rt.safetensors");
   sc.save(path.string(), {{"step", "12"}});
-  const SafetensorsFile f = SafetensorsFile::open(path.string());
+  const formats::SafetensorsFile f = formats::SafetensorsFile::open(path.string());
   EXPECT_EQ(f.metadata().at("gate_kind"), "kvpop");
   EXPECT_EQ(f.metadata().at("window"), "16");
   EXPECT_EQ(f.metadata().at("sinks"), "4");

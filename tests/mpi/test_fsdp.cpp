@@ -20,7 +20,7 @@
 #include "kernels/base/error.h"
 #include "model/gates/gates.h"
 #include "model/qwen3.h"
-#include "model/safetensors.h"
+#include "data/formats/safetensors.h"
 #include "model/tiny.h"
 #include "model/weights.h"
 #include "tests/mpi/mpi_test_main.h"
@@ -77,13 +77,13 @@ void mix_dtypes(const std::string& dir) {
   const std::string path = (fs::path(dir) / "model.safetensors").string();
   std::vector<std::pair<std::string, Tensor>> tensors;
   {
-    const SafetensorsFile file = SafetensorsFile::open(path);
+    const formats::SafetensorsFile file = formats::SafetensorsFile::open(path);
     const DType kinds[] = {DType::BF16, DType::F16, DType::F32};
     size_t i = 0;
     for (const std::string& name : file.names())
       tensors.emplace_back(name, file.tensor(name).to_dtype(DType::F32).to_dtype(kinds[i++ % 3]));
   }
-  write_safetensors(path, tensors);
+  formats::write_safetensors(path, tensors);
 }
 
 class Models : public ::testing::Environment {

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "kernels/retention.h"
-#include "model/safetensors.h"
+#include "data/formats/safetensors.h"
 #include "tests/retention/reference.h"
 
 using namespace retain;
@@ -18,7 +18,7 @@ namespace {
 
 std::string fixture(const char* name) { return std::string(RETAIN_FIXTURES_DIR) + "/retention/" + name; }
 
-std::vector<double> f64(const SafetensorsFile& f, const char* name) {
+std::vector<double> f64(const formats::SafetensorsFile& f, const char* name) {
   const Tensor t = f.tensor(name).to_dtype(DType::F64);
   return std::vector<double>(t.data<double>(), t.data<double>() + t.numel());
 }
@@ -28,7 +28,7 @@ std::vector<double> f64(const SafetensorsFile& f, const char* name) {
 // Tolerances as in test_gated_attention.cpp (float32 op vs float64 truth): forward 2e-5
 // relative, gradients 1e-4 relative (this case has no one-hot rows, so no magnitude floor).
 TEST(TorchFixtures, GatedAttentionMatchesAutograd) {
-  const SafetensorsFile f = SafetensorsFile::open(fixture("attention.safetensors"));
+  const formats::SafetensorsFile f = formats::SafetensorsFile::open(fixture("attention.safetensors"));
   const Tensor q = f.tensor("q").clone(), k = f.tensor("k").clone(), v = f.tensor("v").clone();
   const Tensor lb = f.tensor("log_beta").clone(), doc = f.tensor("doc").clone(), R = f.tensor("R").clone();
   const float scale = f.tensor("scale").data<float>()[0];
@@ -60,7 +60,7 @@ TEST(TorchFixtures, GatedAttentionMatchesAutograd) {
 // Capacity: S to 1e-5 relative per entry, the hinge sums to 1e-5 and counts exactly, the
 // gradients to 1e-4 relative (as in test_capacity.cpp).
 TEST(TorchFixtures, CapacityMatchesAutograd) {
-  const SafetensorsFile f = SafetensorsFile::open(fixture("capacity.safetensors"));
+  const formats::SafetensorsFile f = formats::SafetensorsFile::open(fixture("capacity.safetensors"));
   const Tensor lb = f.tensor("log_beta").clone(), doc = f.tensor("doc").clone();
   const Tensor pos = f.tensor("positions").clone();
   const double M = f.tensor("memory").data<double>()[0];

@@ -9,7 +9,7 @@
 #include <string>
 
 #include "kernels/tensor.h"
-#include "model/safetensors.h"
+#include "data/formats/safetensors.h"
 #include "tests/trainer/train_helpers.h"
 
 namespace retain::trainer::test {
@@ -37,9 +37,9 @@ TEST_P(DumpGrads, MatchesAutogradReference) {
   const Result r = run(cmd, dir);
   ASSERT_EQ(r.code, 0) << cmd << "\n" << r.err;
 
-  const SafetensorsFile got = SafetensorsFile::open(dump);
-  const SafetensorsFile want = SafetensorsFile::open(kFixtures + "/expected-" + kind + ".safetensors");
-  const SafetensorsFile init = SafetensorsFile::open(kFixtures + "/gates-" + kind + ".safetensors");
+  const formats::SafetensorsFile got = formats::SafetensorsFile::open(dump);
+  const formats::SafetensorsFile want = formats::SafetensorsFile::open(kFixtures + "/expected-" + kind + ".safetensors");
+  const formats::SafetensorsFile init = formats::SafetensorsFile::open(kFixtures + "/gates-" + kind + ".safetensors");
   for (const char* b : {"batch/input_ids", "batch/doc_ids", "batch/target_mask"})
     EXPECT_TRUE(bytes_equal(got.tensor(b), want.tensor(b))) << b;
   int grads = 0;

@@ -7,7 +7,7 @@
 
 #include <string>
 
-#include "model/safetensors.h"
+#include "data/formats/safetensors.h"
 #include "tests/trainer/train_helpers.h"
 
 namespace retain::trainer::test {
@@ -47,10 +47,10 @@ TEST_P(KvpopDumpGrads, MatchesFloat64Reference) {
   const Result r = run(cmd, dir);
   ASSERT_EQ(r.code, 0) << cmd << "\n" << r.err;
 
-  const SafetensorsFile got = SafetensorsFile::open(dump);
-  const SafetensorsFile want =
-      SafetensorsFile::open(kStep + (launch.plain ? "/expected-plain.safetensors" : "/expected.safetensors"));
-  const SafetensorsFile init = SafetensorsFile::open(kStep + "/scorers.safetensors");
+  const formats::SafetensorsFile got = formats::SafetensorsFile::open(dump);
+  const formats::SafetensorsFile want =
+      formats::SafetensorsFile::open(kStep + (launch.plain ? "/expected-plain.safetensors" : "/expected.safetensors"));
+  const formats::SafetensorsFile init = formats::SafetensorsFile::open(kStep + "/scorers.safetensors");
   for (const char* b : {"batch/input_ids", "batch/doc_ids", "batch/target_mask"})
     EXPECT_TRUE(bytes_equal(got.tensor(b), want.tensor(b))) << b;
   EXPECT_EQ(got.metadata().at("decisions"), want.metadata().at("decisions"));
@@ -109,8 +109,8 @@ TEST_F(KvpopRuns, TwoRanksEqualOneRankAndScorersMove) {
   ASSERT_EQ(r.code, 0) << r.err;
   expect_same_gates(one, two, 1e-5);
   expect_same_metrics(one, two, 1e-5);
-  const SafetensorsFile init = SafetensorsFile::open(kStep + "/scorers.safetensors");
-  const SafetensorsFile end = SafetensorsFile::open(one + "/gates.safetensors");
+  const formats::SafetensorsFile init = formats::SafetensorsFile::open(kStep + "/scorers.safetensors");
+  const formats::SafetensorsFile end = formats::SafetensorsFile::open(one + "/gates.safetensors");
   EXPECT_EQ(end.metadata().at("gate_kind"), "kvpop");
   EXPECT_EQ(end.metadata().at("topk"), "3");
   for (const std::string& n : init.names())

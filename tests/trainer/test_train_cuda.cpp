@@ -21,7 +21,7 @@
 
 #include "kernels/cuda/memory.h"
 #include "kernels/tensor.h"
-#include "model/safetensors.h"
+#include "data/formats/safetensors.h"
 #include "tests/trainer/nvtx_log.h"
 #include "tests/trainer/train_helpers.h"
 #include "kernels/dist/comm.h"
@@ -76,7 +76,7 @@ std::string dump(const GpuModel& m, const std::string& kind, const std::string& 
 // and four gradients compared.
 void expect_close_dumps(const std::string& got_path, const std::string& want_path, double loss_tol, double grad_tol,
                         const std::string& what, double kl_tol = -1) {
-  const SafetensorsFile got = SafetensorsFile::open(got_path), want = SafetensorsFile::open(want_path);
+  const formats::SafetensorsFile got = formats::SafetensorsFile::open(got_path), want = formats::SafetensorsFile::open(want_path);
   int losses = 0, grads = 0;
   for (const std::string& name : want.names()) {
     const bool loss = name.rfind("loss/", 0) == 0, grad = name.rfind("grad/", 0) == 0;
@@ -171,7 +171,7 @@ TEST(ForwardCuda, LogitsInRowChunksMatchTheCpu) {
                                ids + "\" --doc-ids \"" + docs + "\" --out " + out,
                            dir);
       ASSERT_EQ(r.code, 0) << device << ": " << r.err;
-      logits.push_back(SafetensorsFile::open(out).tensor("logits").to_dtype(DType::F32));
+      logits.push_back(formats::SafetensorsFile::open(out).tensor("logits").to_dtype(DType::F32));
     }
     ASSERT_EQ(logits[1].shape(), (Shape{1100, 300}));
     EXPECT_LE(rel_diff(logits[1], logits[0]), 2e-2) << (gates.empty() ? "teacher" : "student");

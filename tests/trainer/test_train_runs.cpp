@@ -16,7 +16,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
-#include "model/safetensors.h"
+#include "data/formats/safetensors.h"
 #include "tests/trainer/nvtx_log.h"
 #include "tests/trainer/train_helpers.h"
 
@@ -60,8 +60,8 @@ TEST_F(TrainRuns, TwoRanksEqualOneRank) {
     expect_same_gates(one, two, 1e-5);
     expect_same_losses(one, two, 1e-5);
     // The gates did move: training is not a no-op.
-    const SafetensorsFile init = SafetensorsFile::open(kFixtures + "/gates-" + kind + ".safetensors");
-    const SafetensorsFile end = SafetensorsFile::open(one + "/gates.safetensors");
+    const formats::SafetensorsFile init = formats::SafetensorsFile::open(kFixtures + "/gates-" + kind + ".safetensors");
+    const formats::SafetensorsFile end = formats::SafetensorsFile::open(one + "/gates.safetensors");
     for (const std::string& n : init.names()) EXPECT_GT(rel_diff(end.tensor(n), init.tensor(n)), 1e-4) << n;
   }
 }

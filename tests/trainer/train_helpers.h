@@ -21,7 +21,7 @@
 #include <nlohmann/json.hpp>
 
 #include "kernels/tensor.h"
-#include "model/safetensors.h"
+#include "data/formats/safetensors.h"
 
 namespace retain::trainer::test {
 
@@ -140,8 +140,8 @@ inline std::vector<nlohmann::json> metrics(const std::string& run_dir) {
 
 // Every gate tensor of two runs' final gates: bit-identical (tol = 0) or within tol relative.
 inline void expect_same_gates(const std::string& run_a, const std::string& run_b, double tol) {
-  const SafetensorsFile a = SafetensorsFile::open(run_a + "/gates.safetensors");
-  const SafetensorsFile b = SafetensorsFile::open(run_b + "/gates.safetensors");
+  const formats::SafetensorsFile a = formats::SafetensorsFile::open(run_a + "/gates.safetensors");
+  const formats::SafetensorsFile b = formats::SafetensorsFile::open(run_b + "/gates.safetensors");
   ASSERT_EQ(a.names(), b.names());
   for (const std::string& n : a.names()) {
     if (tol == 0)

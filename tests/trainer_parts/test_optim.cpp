@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "model/safetensors.h"
+#include "data/formats/safetensors.h"
 #include "trainer/optim.h"
 
 using namespace retain;
@@ -29,7 +29,7 @@ std::vector<std::string> fixture_files() {
   return out;
 }
 
-double scalar(const SafetensorsFile& f, const std::string& name) { return f.tensor(name).data<double>()[0]; }
+double scalar(const formats::SafetensorsFile& f, const std::string& name) { return f.tensor(name).data<double>()[0]; }
 
 // |got − want| within 1e-6 relative, values far below `floor` compared at `floor`: an AdamW
 // moment that is small because float32 gradients cancelled in it carries their rounding, not
@@ -45,7 +45,7 @@ TEST(AdamW, MatchesTorchShardedOverOneToFourRanks) {
   const std::vector<std::string> files = fixture_files();
   ASSERT_EQ(files.size(), 2u) << "expected the fixtures of make_fixtures.py";
   for (const std::string& path : files) {
-    const SafetensorsFile f = SafetensorsFile::open(path);
+    const formats::SafetensorsFile f = formats::SafetensorsFile::open(path);
     const AdamWConfig cfg{scalar(f, "cfg/lr"), scalar(f, "cfg/beta1"), scalar(f, "cfg/beta2"), scalar(f, "cfg/eps"),
                           scalar(f, "cfg/weight_decay")};
     const Schedule sched{scalar(f, "cfg/lr"), scalar(f, "cfg/min_lr"),

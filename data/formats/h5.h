@@ -8,7 +8,7 @@
 #include <string>
 #include <utility>
 
-namespace retain::data::h5 {
+namespace retain::formats::h5 {
 
 // Turns off HDF5's automatic printing of its error stack (once per process).
 void silence_hdf5_errors();
@@ -71,4 +71,4 @@ bool has_attr(hid_t obj, const char* name);
 int64_t read_attr_int(hid_t obj, const char* name, const std::string& file);
 std::string read_attr_str(hid_t obj, const char* name, const std::string& file);
 
-}  // namespace retain::data::h5
+}  // namespace retain::formats::h5

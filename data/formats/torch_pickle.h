@@ -12,7 +12,7 @@
 
 #include "kernels/tensor.h"
 
-namespace retain::torchfile {
+namespace retain::formats::torchfile {
 
 // One tensor of the state dict as torch stores it: a view (offset, shape, strides in
 // elements) into a storage record `<archive>/data/<storage_key>` of storage_numel elements.
@@ -42,4 +42,4 @@ std::string write_state_dict(const std::vector<TensorSpec>& tensors);
 // "FloatStorage" ↔ F32, "BFloat16Storage" ↔ BF16, "HalfStorage" ↔ F16, "DoubleStorage" ↔ F64.
 std::string_view storage_class(DType dtype);  // throws for other dtypes
 
-}  // namespace retain::torchfile
+}  // namespace retain::formats::torchfile

@@ -9,7 +9,7 @@
 
 #include "kernels/tensor.h"
 
-namespace retain::torchfile {
+namespace retain::formats::torchfile {
 
 using NamedTensors = std::vector<std::pair<std::string, Tensor>>;
 
@@ -26,4 +26,4 @@ NamedTensors read_torch_file(const std::string& path);
 // torch.load(path, weights_only=True) returns an OrderedDict of the tensors.
 void write_torch_file(const std::string& path, const NamedTensors& tensors);
 
-}  // namespace retain::torchfile
+}  // namespace retain::formats::torchfile

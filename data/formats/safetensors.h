@@ -18,7 +18,7 @@
 
 #include "kernels/tensor.h"
 
-namespace retain {
+namespace retain::formats {
 
 struct SafetensorsEntry {
   std::string name;
@@ -86,4 +86,4 @@ class SafetensorsSet {
   std::map<std::string, size_t> owner_;  // tensor name -> index into files_
 };
 
-}  // namespace retain
+}  // namespace retain::formats

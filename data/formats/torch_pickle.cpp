@@ -1,6 +1,6 @@
 // Restricted pickle machine for torch.save state dicts, and the matching writer
 // (opcodes: Python's Lib/pickletools.py; torch's layout: docs/formats.md).
-#include "checkpoints/export/torch_pickle.h"
+#include "data/formats/torch_pickle.h"
 
 #include <cstring>
 #include <functional>
@@ -11,7 +11,7 @@
 
 #include <fmt/format.h>
 
-namespace retain::torchfile {
+namespace retain::formats::torchfile {
 
 namespace {
 
@@ -495,4 +495,4 @@ std::string write_state_dict(const std::vector<TensorSpec>& tensors) {
   return w.out;
 }
 
-}  // namespace retain::torchfile
+}  // namespace retain::formats::torchfile

@@ -1,4 +1,4 @@
-#include "model/safetensors.h"
+#include "data/formats/safetensors.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -18,7 +18,7 @@
 #include "kernels/base/atomic_file.h"
 #include "kernels/base/error.h"
 
-namespace retain {
+namespace retain::formats {
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;
@@ -356,4 +356,4 @@ const SafetensorsFile& SafetensorsSet::file(const std::string& name) const {
   return files_[it->second];
 }
 
-}  // namespace retain
+}  // namespace retain::formats

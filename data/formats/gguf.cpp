@@ -1,5 +1,5 @@
 // GGUF v3 reader and writer (docs/formats.md, "GGUF adapter").
-#include "checkpoints/export/gguf.h"
+#include "data/formats/gguf.h"
 
 #include <algorithm>
 #include <bit>
@@ -11,7 +11,7 @@
 
 #include "kernels/base/atomic_file.h"
 
-namespace retain::gguf {
+namespace retain::formats::gguf {
 
 static_assert(std::endian::native == std::endian::little, "GGUF files here are little-endian");
 
@@ -288,4 +288,4 @@ File read_file(const std::string& path) {
   return f;
 }
 
-}  // namespace retain::gguf
+}  // namespace retain::formats::gguf

@@ -1,4 +1,4 @@
-#include "data/h5.h"
+#include "data/formats/h5.h"
 
 #include <signal.h>
 #include <unistd.h>
@@ -17,7 +17,7 @@
 
 #include "kernels/base/error.h"
 
-namespace retain::data::h5 {
+namespace retain::formats::h5 {
 
 void silence_hdf5_errors() {
   static std::once_flag once;
@@ -177,4 +177,4 @@ std::string read_attr_str(hid_t obj, const char* name, const std::string& file) 
   return std::string(buf.data());  // fixed-length strings may be NUL-padded
 }
 
-}  // namespace retain::data::h5
+}  // namespace retain::formats::h5

@@ -13,7 +13,7 @@
 
 #include "kernels/tensor.h"
 
-namespace retain::gguf {
+namespace retain::formats::gguf {
 
 // GGUF value types (gguf_type in ggml).
 enum class Type : uint32_t {
@@ -58,4 +58,4 @@ void write_file(const std::string& path, const Metadata& metadata,
 // Reads and validates a whole file; any problem is one retain::Error "<path>: ...".
 File read_file(const std::string& path);
 
-}  // namespace retain::gguf
+}  // namespace retain::formats::gguf

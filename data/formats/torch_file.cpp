@@ -1,5 +1,5 @@
 // torch.save zip archives through libzip (layout: docs/formats.md, "trimkv_weights.pth").
-#include "checkpoints/export/torch_file.h"
+#include "data/formats/torch_file.h"
 
 #include <bit>
 #include <cstring>
@@ -11,10 +11,10 @@
 
 #include <fmt/format.h>
 
-#include "checkpoints/export/torch_pickle.h"
+#include "data/formats/torch_pickle.h"
 #include "kernels/base/atomic_file.h"
 
-namespace retain::torchfile {
+namespace retain::formats::torchfile {
 
 static_assert(std::endian::native == std::endian::little, "torch archives hold little-endian values");
 
@@ -226,4 +226,4 @@ void write_torch_file(const std::string& path, const NamedTensors& tensors) {
   write_file_atomic(path, bytes);
 }
 
-}  // namespace retain::torchfile
+}  // namespace retain::formats::torchfile
