@@ -133,11 +133,11 @@ PackedBatch PackedDataset::read_batch(std::span<const int64_t> rows) const {
 }
 
 void check_dataset_matches_model(const PackedDataset& ds, const std::filesystem::path& model_dir,
-                                 const Qwen3Config& config) {
+                                 int64_t model_vocab_size) {
   const auto cfg = (model_dir / "config.json").string();
-  if (ds.vocab_size() > config.vocab_size)
+  if (ds.vocab_size() > model_vocab_size)
     fail("{}: vocab_size {} exceeds the model's vocab_size {} ({}); pack with the model's tokenizer",
-         ds.path().string(), ds.vocab_size(), config.vocab_size, cfg);
+         ds.path().string(), ds.vocab_size(), model_vocab_size, cfg);
   const auto tok = model_dir / "tokenizer.json";
   std::error_code ec;
   if (std::filesystem::exists(tok, ec)) {

@@ -10,7 +10,6 @@
 
 #include "data/formats/h5.h"
 #include "kernels/tensor.h"
-#include "model/config.h"
 
 namespace retain::data {
 
@@ -59,10 +58,11 @@ class PackedDataset {
 };
 
 // Refuses a dataset the model cannot train on: its vocab_size attribute above the model's
-// vocab_size (every id is checked against the attribute when read, so every id is then a valid
-// model id), or — when model_dir holds a tokenizer.json — a tokenizer other than the one the
-// dataset was packed with (SHA-256 of the file bytes). Errors name both files.
+// `model_vocab_size` (the caller reads it from model_dir/config.json: data/ stands below the
+// model; every id is checked against the attribute when read, so every id is then a valid model
+// id), or — when model_dir holds a tokenizer.json — a tokenizer other than the one the dataset
+// was packed with (SHA-256 of the file bytes). Errors name both files.
 void check_dataset_matches_model(const PackedDataset& ds, const std::filesystem::path& model_dir,
-                                 const Qwen3Config& config);
+                                 int64_t model_vocab_size);
 
 }  // namespace retain::data

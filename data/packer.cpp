@@ -19,7 +19,6 @@
 #include "data/packed_writer.h"
 #include "data/shuffle.h"
 #include "kernels/base/error.h"
-#include "model/config.h"
 
 namespace retain::data {
 
@@ -462,21 +461,19 @@ void pack_bfd(const SpillFile& spill, const std::vector<int64_t>& order, const P
 
 }  // namespace
 
-int32_t resolve_separator(const Tokenizer& tok, const std::string& eos_token, const std::filesystem::path& model_dir) {
+int32_t resolve_separator(const Tokenizer& tok, const std::string& eos_token, const std::optional<ModelEos>& model_eos) {
   if (!eos_token.empty()) {
     auto id = tok.token_to_id(eos_token);
     if (!id) fail("{}: --eos-token '{}' is not a token of this tokenizer", tok.file().string(), eos_token);
     return *id;
   }
   if (auto id = tok.token_to_id("<|endoftext|>")) return *id;
-  if (!model_dir.empty()) {
-    const auto cfg_path = (model_dir / "config.json").string();
-    const Qwen3Config cfg = Qwen3Config::load(cfg_path);
-    if (!cfg.eos_token_id) fail("{}: has no eos_token_id; give --eos-token", cfg_path);
-    if (*cfg.eos_token_id < 0 || *cfg.eos_token_id >= tok.vocab_size())
-      fail("{}: eos_token_id {} is outside the tokenizer's vocabulary [0, {})", cfg_path, *cfg.eos_token_id,
+  if (model_eos) {
+    if (!model_eos->id) fail("{}: has no eos_token_id; give --eos-token", model_eos->source);
+    if (*model_eos->id < 0 || *model_eos->id >= tok.vocab_size())
+      fail("{}: eos_token_id {} is outside the tokenizer's vocabulary [0, {})", model_eos->source, *model_eos->id,
            tok.vocab_size());
-    return static_cast<int32_t>(*cfg.eos_token_id);
+    return static_cast<int32_t>(*model_eos->id);
   }
   fail("{}: has no <|endoftext|> token; give --eos-token TOKEN or --model DIR (its eos_token_id)",
        tok.file().string());

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -55,10 +56,17 @@ struct PackSummary {
   double tokenize_seconds = 0, total_seconds = 0;
 };
 
+// A model's eos_token_id as its caller read it (data/ stands below the model: retain-pack reads
+// DIR/config.json with formats::read_config_token_id), and where it came from, for errors.
+struct ModelEos {
+  std::optional<int64_t> id;  // nullopt: the config names none
+  std::string source;         // e.g. "DIR/config.json"
+};
+
 // The separator id (DESIGN §7): `eos_token` if given (it must be a token of the tokenizer),
-// else <|endoftext|> when the tokenizer has it, else `eos_token_id` of `model_dir`/config.json
-// when a model directory is given; otherwise an error.
-int32_t resolve_separator(const Tokenizer& tok, const std::string& eos_token, const std::filesystem::path& model_dir);
+// else <|endoftext|> when the tokenizer has it, else the model's eos_token_id when one was
+// given (it must be inside the tokenizer's vocabulary); otherwise an error.
+int32_t resolve_separator(const Tokenizer& tok, const std::string& eos_token, const std::optional<ModelEos>& model_eos);
 
 PackSummary pack(const Tokenizer& tok, const PackOptions& opt);
 

@@ -5,6 +5,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "data/formats/hf_config.h"
 #include "kernels/base/atomic_file.h"
 #include "kernels/base/error.h"
 
@@ -21,19 +22,8 @@ struct Reader {
 
   bool has(const char* key) const { return j.contains(key) && !j.at(key).is_null(); }
 
-  // A JSON integer, or a float with an integral value (8.0), in int64 range: anything else,
-  // 1e30 or 2^64 − 1 included, is an error rather than an out-of-range conversion.
-  int64_t integer(const json& v, const std::string& key) const {
-    if (v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX))
-      fail("{}: '{}' is too large, got {}", src, key, v.dump());
-    if (v.is_number_integer()) return v.get<int64_t>();
-    if (v.is_number_float()) {
-      const double d = v.get<double>();
-      // [−2^63, 2^63): both bounds are exact doubles, and every integral double inside converts.
-      if (d >= -9223372036854775808.0 && d < 9223372036854775808.0 && std::trunc(d) == d) return static_cast<int64_t>(d);
-    }
-    fail("{}: '{}' must be an integer, got {}", src, key, v.dump());
-  }
+  // formats::json_integer's rule (data/formats/hf_config.h), errors naming this file and key.
+  int64_t integer(const json& v, const std::string& key) const { return formats::json_integer(v, key, src); }
   double number(const json& v, const std::string& key) const {
     if (!v.is_number()) fail("{}: '{}' must be a number, got {}", src, key, v.dump());
     return v.get<double>();
@@ -55,15 +45,9 @@ struct Reader {
     if (!j.at(key).is_string()) fail("{}: '{}' must be a string, got {}", src, key, j.at(key).dump());
     return j.at(key).get<std::string>();
   }
-  std::optional<int64_t> token_id(const char* key) const {
-    if (!has(key)) return std::nullopt;
-    const json& v = j.at(key);
-    if (v.is_array()) {  // HF allows a list of eos ids; the first is the document separator
-      if (v.empty()) return std::nullopt;
-      return integer(v.at(0), key);
-    }
-    return integer(v, key);
-  }
+  // An integer or a list whose first entry is one (HF allows a list of eos ids; the first is the
+  // document separator): formats::token_id_field, shared with retain-pack.
+  std::optional<int64_t> token_id(const char* key) const { return formats::token_id_field(j, key, src); }
 };
 
 // RoPE parameters with transformers' precedence: `rope_scaling` (old) over

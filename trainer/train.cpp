@@ -13,8 +13,8 @@
 
 #include <spdlog/spdlog.h>
 
-#include "checkpoints/export/gate_formats.h"
-#include "checkpoints/export/kvpop_formats.h"
+#include "model/gates/gate_containers.h"
+#include "model/kvpop/scorer_containers.h"
 #include "checkpoints/checkpoint.h"
 #include "data/loader.h"
 #include "data/packed_dataset.h"
@@ -91,7 +91,7 @@ Inputs open_inputs(const TrainConfig& cfg, const dist::Comm& comm) {
          cfg.model_dir, mc.head_dim);
   in.data.emplace(data::PackedDataset::open(cfg.data_path));
   const data::PackedDataset& ds = *in.data;
-  data::check_dataset_matches_model(ds, cfg.model_dir, mc);
+  data::check_dataset_matches_model(ds, cfg.model_dir, mc.vocab_size);
   if (cfg.seq_len > 0 && cfg.seq_len != ds.seq_len())
     fail("{}: sequences are {} tokens long, but --seq-len is {}", cfg.data_path, ds.seq_len(), cfg.seq_len);
   if (ds.seq_len() > mc.max_position_embeddings)
@@ -175,7 +175,7 @@ void log_fsdp_stats(const WeightProvider& weights, const dist::Comm& comm) {
 }
 
 gates::RetentionGates initial_gates(const TrainConfig& cfg, const Qwen3Config& mc) {
-  if (!cfg.init_gates.empty()) return gate_export::load_gates(cfg.init_gates, mc, cfg.gate).gates;  // any container
+  if (!cfg.init_gates.empty()) return gates::load_gates(cfg.init_gates, mc, cfg.gate).gates;  // any container
   const gates::GateDims dims{cfg.gate, mc.num_hidden_layers, mc.hidden_size, cfg.gate_hidden, mc.num_key_value_heads};
   return gates::RetentionGates::init(dims, cfg.bias_init, cfg.seed);
 }
@@ -275,7 +275,7 @@ class KvpopTrainee : public Trainee {
     if (cfg.init_gates.empty()) {
       scorers_ = kvpop::Scorers::init(kvpop::Scorers::dims_for(mc), geometry, cfg.seed);
     } else {  // fine-tuning released scorers: this run's geometry is what they are trained for now
-      scorers_ = gate_export::load_scorers(cfg.init_gates, mc).scorers;  // safetensors or GGUF
+      scorers_ = kvpop::load_scorers(cfg.init_gates, mc).scorers;  // safetensors or GGUF
       scorers_.set_geometry(geometry);
     }
   }

@@ -6,8 +6,9 @@
 #include <nlohmann/json.hpp>
 
 #include "checkpoints/checkpoint.h"
-#include "checkpoints/export/gate_formats.h"
-#include "checkpoints/export/kvpop_formats.h"
+#include "checkpoints/export/gate_export.h"
+#include "checkpoints/export/kvpop_export.h"
+#include "model/kvpop/scorer_containers.h"
 #include "data/tokenizer/sha256.h"
 #include "kernels/base/atomic_file.h"
 #include "kernels/base/cli.h"
@@ -121,14 +122,14 @@ int run(int argc, char** argv) {
          format_text, format_text == "trimkv" ? "directory" : "file");
 
   const Source src = resolve_source(from);
-  const gate_export::Format src_format = gate_export::detect_format(src.gates_path);
+  const gates::Format src_format = gates::detect_format(src.gates_path);
 
   // The base model: its config (to check the gates and to build the trimkv config) and its
   // identity. Identity: --base-model, else the run's model, else what the gates record, else
   // the config's directory. Config: --model, else a --base-model directory, else the run's
   // model, else a recorded directory, else (a TRIM-KV directory) the source's own config.json.
   auto absolute = [](const std::string& d) { return fs::absolute(d).lexically_normal().string(); };
-  const std::string recorded = gate_export::recorded_base_model(src.gates_path);
+  const std::string recorded = gates::recorded_base_model(src.gates_path);
   std::string run_model;
   if (src.run && src.run->contains("model") && (*src.run)["model"].is_string()) run_model = (*src.run)["model"];
   std::string model_dir = model_arg, identity;
@@ -138,7 +139,7 @@ int run(int argc, char** argv) {
   else identity = recorded;
   for (const std::string& candidate : {base_model, run_model, recorded})
     if (model_dir.empty() && !candidate.empty() && fs::is_directory(candidate, ec)) model_dir = candidate;
-  if (model_dir.empty() && src_format != gate_export::Format::trimkv)
+  if (model_dir.empty() && src_format != gates::Format::trimkv)
     fail("{}: cannot tell the base model's config{}: pass --model DIR or --base-model DIR (the Hugging Face model "
          "directory the gates were trained for)",
          from,
@@ -156,20 +157,20 @@ int run(int argc, char** argv) {
     sha = data::sha256_hex(bytes);
     if (identity.empty()) identity = absolute(model_dir);
   } else {
-    config = gate_export::trimkv_dir_model_config(src.gates_path);
+    config = gates::trimkv_dir_model_config(src.gates_path);
     base_config = nlohmann::ordered_json::parse(read_file((fs::path(src.gates_path) / "config.json").string()));
   }
   // KVPOP scorers (DESIGN §5) travel as safetensors or GGUF only.
-  const bool kvpop = gate_export::holds_kvpop(src.gates_path);
+  const bool kvpop = kvpop::holds_kvpop(src.gates_path);
   if (kvpop && format_text == "trimkv")
     fail("--format trimkv: {} holds kvpop scorers, which the TRIM-KV authors' directory cannot carry (use "
          "--format safetensors or gguf)",
          src.gates_path);
-  std::optional<gate_export::LoadedGates> loaded;
-  std::optional<gate_export::LoadedScorers> scorers;
-  if (kvpop) scorers = gate_export::load_scorers(src.gates_path, config);
-  else loaded = gate_export::load_gates(src.gates_path, config);
-  gate_export::GateInfo info = kvpop ? scorers->info : loaded->info;
+  std::optional<gates::LoadedGates> loaded;
+  std::optional<kvpop::LoadedScorers> scorers;
+  if (kvpop) scorers = kvpop::load_scorers(src.gates_path, config);
+  else loaded = gates::load_gates(src.gates_path, config);
+  gates::GateInfo info = kvpop ? scorers->info : loaded->info;
   if (!identity.empty()) info.base_model = identity;
   if (!sha.empty()) info.base_config_sha256 = sha;
   if (src.step) info.step = src.step;
@@ -187,8 +188,8 @@ int run(int argc, char** argv) {
                                      (*src.run)["topk"].get<int64_t>()});
     if (!scorers->scorers.geometry())
       fail("{}: the scorers record no window/sinks/topk (the kvpop policy needs them)", src.gates_path);
-    if (format_text == "safetensors") gate_export::write_scorers_safetensors(out, scorers->scorers, info, dtype);
-    else gate_export::write_scorers_gguf(out, scorers->scorers, info, dtype);
+    if (format_text == "safetensors") exports::write_scorers_safetensors(out, scorers->scorers, info, dtype);
+    else exports::write_scorers_gguf(out, scorers->scorers, info, dtype);
     const kvpop::ScorerDims& d = scorers->scorers.dims();
     const kvpop::PolicyGeometry& g = *scorers->scorers.geometry();
     std::cout << fmt::format("retain-export: wrote {} ({}, {}): kvpop scorers, {} layers, {} KV heads, head_dim {}, "
@@ -198,9 +199,9 @@ int run(int argc, char** argv) {
                              info.base_model);
     return 0;
   }
-  if (format_text == "safetensors") gate_export::write_safetensors(out, loaded->gates, info, dtype);
-  else if (format_text == "gguf") gate_export::write_gguf(out, loaded->gates, info, dtype);
-  else gate_export::write_trimkv_dir(out, loaded->gates, info, dtype, base_config, force);
+  if (format_text == "safetensors") exports::write_safetensors(out, loaded->gates, info, dtype);
+  else if (format_text == "gguf") exports::write_gguf(out, loaded->gates, info, dtype);
+  else exports::write_trimkv_dir(out, loaded->gates, info, dtype, base_config, force);
 
   const gates::GateDims& d = loaded->gates.dims();
   std::cout << fmt::format("retain-export: wrote {} ({}, {}): {} gates, {} layers, G {}, {} KV heads, {} parameters; "

@@ -4,11 +4,14 @@
 
 #include <atomic>
 #include <csignal>
+#include <filesystem>
 #include <iostream>
+#include <optional>
 #include <thread>
 
 #include <fmt/format.h>
 
+#include "data/formats/hf_config.h"
 #include "data/packer.h"
 #include "kernels/base/cli.h"
 #include "kernels/base/error.h"
@@ -106,7 +109,12 @@ int run(int argc, char** argv) {
   o.interrupted = &g_interrupted;
 
   const Tokenizer tok = Tokenizer::load(tokenizer);
-  o.eos_id = resolve_separator(tok, eos_token, model);
+  std::optional<ModelEos> model_eos;
+  if (!model.empty()) {
+    const std::string config = (std::filesystem::path(model) / "config.json").string();
+    model_eos = ModelEos{formats::read_config_token_id(config, "eos_token_id"), config};
+  }
+  o.eos_id = resolve_separator(tok, eos_token, model_eos);
 
   const bool quiet = vm.count("quiet") > 0;
   const bool tty = ::isatty(STDERR_FILENO);

@@ -2,9 +2,11 @@
 
 #include <unistd.h>
 
+#include <charconv>
 #include <cstdlib>
 #include <iostream>
 
+#include <fmt/format.h>
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
@@ -48,6 +50,27 @@ bool parse(int argc, char** argv, const std::string& usage, po::options_descript
   }
   po::notify(vm);  // reports missing required options as po::error
   return true;
+}
+
+std::vector<int64_t> parse_int_list(const std::string& text, const char* option) {
+  std::vector<int64_t> out;
+  size_t i = 0;
+  auto separator = [](char c) { return c == ' ' || c == ',' || c == '\t' || c == '\n'; };
+  while (i < text.size()) {
+    if (separator(text[i])) {
+      ++i;
+      continue;
+    }
+    size_t j = i;
+    while (j < text.size() && !separator(text[j])) ++j;
+    int64_t v = 0;
+    auto [end, ec] = std::from_chars(text.data() + i, text.data() + j, v);
+    if (ec != std::errc() || end != text.data() + j)
+      throw UsageError(fmt::format("{}: '{}' is not an integer", option, text.substr(i, j - i)));
+    out.push_back(v);
+    i = j;
+  }
+  return out;
 }
 
 }  // namespace retain::cli

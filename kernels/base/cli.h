@@ -1,8 +1,11 @@
 // What every retain tool shares: --help from Boost.Program_options, and one line on
 // stderr ("retain-forward: error: ...") with a non-zero exit for any bad input.
 #pragma once
+#include <cstdint>
 #include <functional>
+#include <stdexcept>
 #include <string>
+#include <vector>
 
 #include <boost/program_options.hpp>
 
@@ -28,5 +31,9 @@ void setup_logging();
 struct UsageError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
+
+// The integer lists tools take on the command line ("5 10 7" or "5,10,7"; spaces, commas, tabs
+// and newlines separate); a malformed entry is a UsageError naming `option` and the entry.
+std::vector<int64_t> parse_int_list(const std::string& text, const char* option);
 
 }  // namespace retain::cli

@@ -62,7 +62,7 @@ class RetentionGates : public ParameterSet {
   static RetentionGates load(const std::string& path, const Qwen3Config& config,
                              std::optional<GateKind> expect = std::nullopt);
   // The same checks and conversion for tensors read from any container (a torch.save
-  // archive, GGUF: checkpoints/export/gate_formats.h), named as in a gate file, with
+  // archive, GGUF: model/gates/gate_containers.h), named as in a gate file, with
   // metadata as a gate file's __metadata__ would hold it (gate_kind, bias_init). `source`
   // names the container in errors.
   static RetentionGates from_tensors(const std::string& source, const std::map<std::string, Tensor>& tensors,

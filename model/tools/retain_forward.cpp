@@ -9,7 +9,7 @@
 
 #include <fmt/format.h>
 
-#include "checkpoints/export/gate_formats.h"
+#include "model/gates/gate_containers.h"
 #include "kernels/base/cli.h"
 #include "kernels/deferred_checks.h"
 #include "kernels/ops.h"
@@ -18,7 +18,6 @@
 #include "model/gates/gates.h"
 #include "model/qwen3.h"
 #include "data/formats/safetensors.h"
-#include "model/tools/token_list.h"
 #include "model/weights.h"
 
 using namespace retain;
@@ -99,7 +98,7 @@ int run(int argc, char** argv) {
       fail("--ids: token id {} at position {} is outside the vocabulary [0, {}) of {}", ids[t], t, V, model);
 
   std::optional<gates::RetentionGates> gates;
-  if (vm.count("gates")) gates = gate_export::load_gates(gates_path, ckpt->config(), gate_kind).gates;
+  if (vm.count("gates")) gates = gates::load_gates(gates_path, ckpt->config(), gate_kind).gates;
 
   Tensor ids_t = Tensor::empty({static_cast<int64_t>(ids.size())}, DType::I32);
   Tensor doc_t = Tensor::empty({static_cast<int64_t>(ids.size())}, DType::I32);

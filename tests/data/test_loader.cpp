@@ -212,16 +212,16 @@ TEST_F(LoaderTest, ModelChecksRefuseAnotherVocabularyOrTokenizer) {
   fs::create_directories(model);
   Qwen3Config cfg;
   cfg.vocab_size = 512;
-  check_dataset_matches_model(ds, model, cfg);  // no tokenizer.json: the vocabulary check only
+  check_dataset_matches_model(ds, model, cfg.vocab_size);  // no tokenizer.json: the vocabulary check only
   fs::copy_file(dir_ / "tokenizer.json", model / "tokenizer.json");
-  check_dataset_matches_model(ds, model, cfg);  // the same tokenizer bytes
+  check_dataset_matches_model(ds, model, cfg.vocab_size);  // the same tokenizer bytes
   cfg.vocab_size = 200;
-  std::string e = error_of([&] { check_dataset_matches_model(ds, model, cfg); });
+  std::string e = error_of([&] { check_dataset_matches_model(ds, model, cfg.vocab_size); });
   EXPECT_NE(e.find("d.h5: vocab_size 259 exceeds the model's vocab_size 200"), std::string::npos) << e;
   EXPECT_NE(e.find("config.json"), std::string::npos) << e;
   cfg.vocab_size = 512;
   write_text(model / "tokenizer.json", tiny_tokenizer_json().dump(1));  // same tokens, other bytes
-  e = error_of([&] { check_dataset_matches_model(ds, model, cfg); });
+  e = error_of([&] { check_dataset_matches_model(ds, model, cfg.vocab_size); });
   EXPECT_NE(e.find("d.h5: was packed with a tokenizer (sha256 " + tok_->sha256() + ")"), std::string::npos) << e;
   EXPECT_NE(e.find((model / "tokenizer.json").string()), std::string::npos) << e;
   EXPECT_EQ(sha256_file(dir_ / "tokenizer.json"), tok_->sha256());

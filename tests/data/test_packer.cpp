@@ -5,6 +5,7 @@
 #include <random>
 
 #include "data/formats/h5.h"
+#include "data/formats/hf_config.h"
 #include "data/packed_dataset.h"
 #include "tests/data/pack_helpers.h"
 
@@ -659,7 +660,16 @@ TEST_F(PackerTest, SeparatorResolution) {
   Qwen3Config cfg = tiny_config(mo);
   cfg.eos_token_id = kImStart;
   write_text(dir_ / "noeos" / "config.json", cfg.to_json().dump());
-  EXPECT_EQ(resolve_separator(noeos, "", dir_ / "noeos"), kImStart);
+  const std::string config = (dir_ / "noeos" / "config.json").string();
+  EXPECT_EQ(resolve_separator(noeos, "", ModelEos{formats::read_config_token_id(config, "eos_token_id"), config}),
+            kImStart);
+  try {
+    resolve_separator(noeos, "", ModelEos{std::nullopt, config});
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(config + ": has no eos_token_id; give --eos-token"), std::string::npos)
+        << e.what();
+  }
 }
 
 

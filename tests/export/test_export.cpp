@@ -14,7 +14,7 @@
 #include <random>
 #include <set>
 
-#include "checkpoints/export/gate_formats.h"
+#include "checkpoints/export/gate_export.h"
 #include "data/formats/gguf.h"
 #include "data/formats/torch_file.h"
 #include "data/formats/torch_pickle.h"
@@ -185,19 +185,19 @@ void expect_gates_equal(const gates::RetentionGates& g, const std::map<std::stri
 }
 
 TEST(GateImport, TorchSaveGatesLoad) {
-  const auto a = gate_export::load_gates(kExport + "/torch/trimkv_tied_gqa2_bf16.pth", model_config("tied_gqa2_bf16"));
-  EXPECT_EQ(a.format, gate_export::Format::pth);
+  const auto a = gates::load_gates(kExport + "/torch/trimkv_tied_gqa2_bf16.pth", model_config("tied_gqa2_bf16"));
+  EXPECT_EQ(a.format, gates::Format::pth);
   EXPECT_EQ(a.gates.kind(), gates::GateKind::trimkv);
   expect_gates_equal(a.gates, gate_fixture("trimkv_tied_gqa2_f32", DType::BF16));
   // The authors' way: their model's state_dict, DBTrimKV's tied tensors sharing one storage.
-  const auto b = gate_export::load_gates(kExport + "/torch/dbtrimkv_mha_published.pth", model_config("mha_f16_oldstyle"));
+  const auto b = gates::load_gates(kExport + "/torch/dbtrimkv_mha_published.pth", model_config("mha_f16_oldstyle"));
   EXPECT_EQ(b.gates.kind(), gates::GateKind::dbtrimkv);
   expect_gates_equal(b.gates, gate_fixture("dbtrimkv_mha_f16", DType::F32));
 }
 
 TEST(GateImport, GgufWrittenByLlamaCppsWriterLoads) {
-  const auto g = gate_export::load_gates(kExport + "/gguf/reference_trimkv.gguf", model_config("tied_gqa2_bf16"));
-  EXPECT_EQ(g.format, gate_export::Format::gguf);
+  const auto g = gates::load_gates(kExport + "/gguf/reference_trimkv.gguf", model_config("tied_gqa2_bf16"));
+  EXPECT_EQ(g.format, gates::Format::gguf);
   auto want = gate_fixture("trimkv_tied_gqa2_f32", DType::F32);
   for (auto& [n, t] : want)  // the reference stores fc1.weight as F16
     if (n.ends_with("linear1.weight")) t = t.to_dtype(DType::F16).to_dtype(DType::F32);
@@ -220,7 +220,7 @@ TEST(GateImport, EveryGoldenExportLoadsBack) {
                      C{"dbtrimkv_mha.gguf", "mha_f16_oldstyle", "dbtrimkv_mha_f16", DType::F32},
                      C{"dbtrimkv_mha.safetensors", "mha_f16_oldstyle", "dbtrimkv_mha_f16", DType::BF16}}) {
     SCOPED_TRACE(c.file);
-    const auto g = gate_export::load_gates(kExport + "/golden/" + c.file, model_config(c.model));
+    const auto g = gates::load_gates(kExport + "/golden/" + c.file, model_config(c.model));
     expect_gates_equal(g.gates, gate_fixture(c.gates, c.dtype));
     EXPECT_EQ(g.info.base_model, std::string("retain-tests/") + c.model);
     EXPECT_EQ(g.info.base_config_sha256.size(), 64u);
@@ -229,7 +229,7 @@ TEST(GateImport, EveryGoldenExportLoadsBack) {
 
 TEST(GateImport, ShapeMismatchNamesTheTensor) {
   try {
-    gate_export::load_gates(kExport + "/torch/trimkv_tied_gqa2_bf16.pth", model_config("mha_f16_oldstyle"));
+    gates::load_gates(kExport + "/torch/trimkv_tied_gqa2_bf16.pth", model_config("mha_f16_oldstyle"));
     FAIL() << "gates for another model were accepted";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("tensor 'model.layers.0.self_attn.retention_gate.linear2.weight' has shape"),
@@ -253,7 +253,7 @@ TEST(GateImport, DamagedFilesAreOneLineErrors) {
       write_file_atomic(path, bytes);
       ++tries;
       try {
-        gate_export::load_gates(path, cfg);
+        gates::load_gates(path, cfg);
       } catch (const Error& e) {
         ++errors;
         EXPECT_EQ(std::string(e.what()).find('\n'), std::string::npos) << e.what();
@@ -280,7 +280,7 @@ TEST(GateImport, DamagedTrimkvDirectoryIsOneLineError) {
   auto error_of = [&](const std::string& config_text) {
     write_file_atomic(d + "/config.json", config_text);
     try {
-      gate_export::load_gates(d, model_config("tied_gqa2_bf16"));
+      gates::load_gates(d, model_config("tied_gqa2_bf16"));
     } catch (const Error& e) {
       EXPECT_EQ(std::string(e.what()).find('\n'), std::string::npos) << e.what();
       return std::string(e.what());
@@ -297,7 +297,7 @@ TEST(GateImport, DamagedTrimkvDirectoryIsOneLineError) {
   EXPECT_NE(error_of(rg10).find("gate_kind dbtrimkv but the tensors are trimkv gates"), std::string::npos);
   fs::remove(d + "/config.json");
   try {
-    gate_export::load_gates(d, model_config("tied_gqa2_bf16"));
+    gates::load_gates(d, model_config("tied_gqa2_bf16"));
     ADD_FAILURE() << "a TRIM-KV directory without config.json was read";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("config.json: cannot read"), std::string::npos) << e.what();

@@ -1,4 +1,4 @@
-// KVPOP scorers out of and into retain (checkpoints/export/kvpop_formats.h, retain-export):
+// KVPOP scorers out of and into retain (model/kvpop/scorer_containers.h, checkpoints/export/kvpop_export.h, retain-export):
 // exports byte-identical to golden files that gguf.GGUFReader and safetensors read back
 // (tests/fixtures/kvpop/make_export_fixture.py), re-exports identical, a GGUF written by
 // llama.cpp's gguf.GGUFWriter read to the same values, --init-gates from a GGUF giving the
@@ -7,7 +7,8 @@
 
 #include <filesystem>
 
-#include "checkpoints/export/kvpop_formats.h"
+#include "checkpoints/export/kvpop_export.h"
+#include "model/kvpop/scorer_containers.h"
 #include "kernels/base/atomic_file.h"
 #include "data/formats/safetensors.h"
 #include "tests/trainer/train_helpers.h"
@@ -68,8 +69,8 @@ TEST(KvpopExport, F32ExportsAndLlamaCppsGgufReadToTheSameValues) {
   const formats::SafetensorsFile want = formats::SafetensorsFile::open(kScorers);
   for (const char* f : {"reference_kvpop.gguf", "kvpop_f32.gguf"}) {
     SCOPED_TRACE(f);
-    const gate_export::LoadedScorers got = gate_export::load_scorers(kGolden + "/" + f, model_config());
-    EXPECT_EQ(got.format, gate_export::Format::gguf);
+    const kvpop::LoadedScorers got = kvpop::load_scorers(kGolden + "/" + f, model_config());
+    EXPECT_EQ(got.format, gates::Format::gguf);
     ASSERT_TRUE(got.scorers.geometry().has_value());
     EXPECT_EQ(*got.scorers.geometry(), (kvpop::PolicyGeometry{6, 2, 3}));
     EXPECT_EQ(got.info.base_model, kIdentity);
@@ -78,7 +79,7 @@ TEST(KvpopExport, F32ExportsAndLlamaCppsGgufReadToTheSameValues) {
     for (const auto& [n, t] : named) EXPECT_TRUE(bytes_equal(t, want.tensor(n))) << n;
   }
   // BF16: the same values rounded to BF16.
-  const auto bf = gate_export::load_scorers(kGolden + "/kvpop_bf16.safetensors", model_config());
+  const auto bf = kvpop::load_scorers(kGolden + "/kvpop_bf16.safetensors", model_config());
   for (const auto& [n, t] : bf.scorers.named_tensors())
     EXPECT_TRUE(bytes_equal(t, want.tensor(n).to_dtype(DType::BF16).to_dtype(DType::F32))) << n;
 }
@@ -109,13 +110,13 @@ TEST(KvpopExport, RefusalsAreOneLineErrors) {
   EXPECT_FALSE(std::filesystem::exists(dir / "tk"));
   // A retention-gate GGUF or a .pth is not a scorer container.
   const std::string gates_gguf = kFix + "/export/golden/trimkv_tied_gqa2.gguf";
-  EXPECT_EQ(error_of([&] { gate_export::load_scorers(gates_gguf, model_config()); }),
+  EXPECT_EQ(error_of([&] { kvpop::load_scorers(gates_gguf, model_config()); }),
             gates_gguf + ": not a kvpop GGUF adapter (general.type 'adapter', adapter.type 'retention_gate')");
   const std::string pth = kFix + "/export/torch/plain.pth";
-  EXPECT_NE(error_of([&] { gate_export::load_scorers(pth, model_config()); }).find("not kvpop scorers"),
+  EXPECT_NE(error_of([&] { kvpop::load_scorers(pth, model_config()); }).find("not kvpop scorers"),
             std::string::npos);
-  EXPECT_FALSE(gate_export::holds_kvpop(gates_gguf));
-  EXPECT_TRUE(gate_export::holds_kvpop(kGolden + "/reference_kvpop.gguf"));
+  EXPECT_FALSE(kvpop::holds_kvpop(gates_gguf));
+  EXPECT_TRUE(kvpop::holds_kvpop(kGolden + "/reference_kvpop.gguf"));
 }
 
 }  // namespace

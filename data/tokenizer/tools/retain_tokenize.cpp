@@ -11,7 +11,6 @@
 #include "data/tokenizer/utf8.h"
 #include "kernels/base/cli.h"
 #include "kernels/base/error.h"
-#include "model/tools/token_list.h"
 
 using namespace retain;
 

@@ -14,12 +14,11 @@
 
 #include "data/packed_dataset.h"
 #include "kernels/base/atomic_file.h"
-#include "checkpoints/export/kvpop_formats.h"
+#include "model/kvpop/scorer_containers.h"
 #include "kernels/base/cli.h"
 #include "model/infer/eval.h"
 #include "model/infer/figures.h"
 #include "model/infer/tools/tool_args.h"
-#include "model/tools/token_list.h"
 
 using namespace retain;
 using namespace retain::infer;
@@ -156,7 +155,7 @@ int run(int argc, char** argv) {
   std::map<std::string, kvpop::Scorers> loaded_scorers;
   for (const auto& [kind, file] : gate_files) {
     if (loaded_gates.count(file) || loaded_scorers.count(file)) continue;
-    if (gate_export::holds_kvpop(file)) loaded_scorers.emplace(file, gate_export::load_scorers(file, ckpt->config()).scorers);
+    if (kvpop::holds_kvpop(file)) loaded_scorers.emplace(file, kvpop::load_scorers(file, ckpt->config()).scorers);
     else loaded_gates.emplace(file, gates::RetentionGates::load(file, ckpt->config()));
   }
   for (EvalRun& r : runs) {
@@ -223,7 +222,7 @@ int run(int argc, char** argv) {
                  {"content_ids", {kRecallFirstContent, std::min(spec.vocab, spec.content_limit)}}, {"seed", spec.seed}};
   } else {
     const data::PackedDataset ds = data::PackedDataset::open(data_path);
-    data::check_dataset_matches_model(ds, model, ckpt->config());
+    data::check_dataset_matches_model(ds, model, ckpt->config().vocab_size);
     std::cerr << fmt::format("retain-eval: {} ({} sequences of {} tokens; scoring the first {}) on {} ({} runs)\n",
                              data_path, ds.num_sequences(), ds.seq_len(),
                              eopt.max_sequences ? std::min(eopt.max_sequences, ds.num_sequences()) : ds.num_sequences(),

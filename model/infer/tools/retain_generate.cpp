@@ -12,11 +12,10 @@
 
 #include "data/tokenizer/tokenizer.h"
 #include "kernels/base/atomic_file.h"
-#include "checkpoints/export/kvpop_formats.h"
+#include "model/kvpop/scorer_containers.h"
 #include "kernels/base/cli.h"
 #include "model/infer/generate.h"
 #include "model/infer/tools/tool_args.h"
-#include "model/tools/token_list.h"
 
 using namespace retain;
 using namespace retain::infer;
@@ -131,7 +130,7 @@ int run(int argc, char** argv) {
   std::optional<gates::RetentionGates> gates;
   std::optional<kvpop::Scorers> scorers;  // --gates FILE holds one or the other
   if (vm.count("gates")) {
-    if (gate_export::holds_kvpop(gates_path)) scorers = gate_export::load_scorers(gates_path, cfg).scorers;
+    if (kvpop::holds_kvpop(gates_path)) scorers = kvpop::load_scorers(gates_path, cfg).scorers;
     else gates = gates::RetentionGates::load(gates_path, cfg);
   }
   ResidentWeightProvider weights(ckpt);

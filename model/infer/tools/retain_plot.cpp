@@ -17,7 +17,6 @@
 #include "model/infer/figures.h"
 #include "model/infer/plot.h"
 #include "model/infer/tools/tool_args.h"
-#include "model/tools/token_list.h"
 
 using namespace retain;
 using namespace retain::infer;

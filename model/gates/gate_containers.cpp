@@ -1,30 +1,28 @@
-// Gate containers: detection, reading into RetentionGates, writing (docs/formats.md).
-#include "checkpoints/export/gate_formats.h"
-
-#include <unistd.h>
+// Gates from any container: detection by the first bytes, one reader per container, and the
+// GGUF tensor names (gate_containers.h).
+#include "model/gates/gate_containers.h"
 
 #include <charconv>
-#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <map>
 
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 
 #include "data/formats/gguf.h"
+#include "data/formats/safetensors.h"
 #include "data/formats/torch_file.h"
 #include "kernels/base/atomic_file.h"
 #include "model/layer_names.h"
-#include "data/formats/safetensors.h"
 
-namespace retain::gate_export {
+namespace retain::gates {
 
 namespace fs = std::filesystem;
 
 namespace {
 
-constexpr const char* kTrimkvWeights = "trimkv_weights.pth";
-constexpr uint32_t kScoreVersion = 1;  // eviction score (q − i)·logβ_i, logβ = logsigmoid(gate MLP(h))
+constexpr const char* kTrimkvWeights = kTrimkvWeightsFile;
 
 // gate-file suffix ↔ GGUF suffix
 const std::pair<const char*, const char*> kSuffixes[] = {
@@ -57,11 +55,11 @@ nlohmann::ordered_json read_json(const std::string& path) {
 }
 
 // ---- readers per container ---------------------------------------------------------------
-LoadedGates load_safetensors(const std::string& path, const Qwen3Config& config, std::optional<gates::GateKind> expect) {
+LoadedGates load_safetensors(const std::string& path, const Qwen3Config& config, std::optional<GateKind> expect) {
   const formats::SafetensorsFile f = formats::SafetensorsFile::open(path);
   std::map<std::string, Tensor> tensors;
   for (const std::string& n : f.names()) tensors.emplace(n, f.tensor(n));
-  LoadedGates out{gates::RetentionGates::from_tensors(path, tensors, f.metadata(), config, expect), {},
+  LoadedGates out{RetentionGates::from_tensors(path, tensors, f.metadata(), config, expect), {},
                   Format::safetensors};
   const auto& m = f.metadata();
   auto get = [&](const char* k) -> std::optional<std::string> {
@@ -76,7 +74,7 @@ LoadedGates load_safetensors(const std::string& path, const Qwen3Config& config,
   return out;
 }
 
-LoadedGates load_gguf(const std::string& path, const Qwen3Config& config, std::optional<gates::GateKind> expect) {
+LoadedGates load_gguf(const std::string& path, const Qwen3Config& config, std::optional<GateKind> expect) {
   const formats::gguf::File f = formats::gguf::read_file(path);
   auto str = [&](const char* key) -> std::optional<std::string> {
     const formats::gguf::Value* v = f.find(key);
@@ -104,7 +102,7 @@ LoadedGates load_gguf(const std::string& path, const Qwen3Config& config, std::o
   std::map<std::string, std::string> meta;
   if (auto k = str("retention.kind")) meta["gate_kind"] = *k;
   if (auto b = num("retention.bias_init")) meta["bias_init"] = fmt_number(*b);
-  LoadedGates out{gates::RetentionGates::from_tensors(path, tensors, meta, config, expect), {}, Format::gguf};
+  LoadedGates out{RetentionGates::from_tensors(path, tensors, meta, config, expect), {}, Format::gguf};
   out.info.memory = num("retention.memory");
   if (auto s = num("retention.step")) out.info.step = static_cast<int64_t>(*s);
   out.info.base_model = str("retention.base_model").value_or("");
@@ -113,13 +111,13 @@ LoadedGates load_gguf(const std::string& path, const Qwen3Config& config, std::o
   return out;
 }
 
-LoadedGates load_pth(const std::string& path, const Qwen3Config& config, std::optional<gates::GateKind> expect,
+LoadedGates load_pth(const std::string& path, const Qwen3Config& config, std::optional<GateKind> expect,
                      const std::map<std::string, std::string>& meta = {}) {
   const auto tensors = to_map(formats::torchfile::read_torch_file(path), path);
-  return {gates::RetentionGates::from_tensors(path, tensors, meta, config, expect), {}, Format::pth};
+  return {RetentionGates::from_tensors(path, tensors, meta, config, expect), {}, Format::pth};
 }
 
-LoadedGates load_trimkv_dir(const std::string& dir, const Qwen3Config& config, std::optional<gates::GateKind> expect) {
+LoadedGates load_trimkv_dir(const std::string& dir, const Qwen3Config& config, std::optional<GateKind> expect) {
   const std::string cfg_path = (fs::path(dir) / "config.json").string();
   const nlohmann::ordered_json cfg = read_json(cfg_path);
   std::map<std::string, std::string> meta;
@@ -144,13 +142,6 @@ LoadedGates load_trimkv_dir(const std::string& dir, const Qwen3Config& config, s
 }
 
 }  // namespace
-
-std::vector<std::pair<std::string, Tensor>> export_tensors(const ParameterSet& set, DType dtype) {
-  RETAIN_CHECK(dtype == DType::F32 || dtype == DType::BF16, "export dtype {}", dtype_name(dtype));
-  std::vector<std::pair<std::string, Tensor>> out;
-  for (auto& [n, t] : set.named_tensors()) out.emplace_back(n, dtype == DType::F32 ? t : t.to_dtype(dtype));
-  return out;
-}
 
 std::string_view format_name(Format f) {
   switch (f) {
@@ -180,7 +171,7 @@ Format detect_format(const std::string& path) {
   return Format::safetensors;
 }
 
-LoadedGates load_gates(const std::string& path, const Qwen3Config& config, std::optional<gates::GateKind> expect) {
+LoadedGates load_gates(const std::string& path, const Qwen3Config& config, std::optional<GateKind> expect) {
   switch (detect_format(path)) {
     case Format::safetensors: return load_safetensors(path, config, expect);
     case Format::gguf: return load_gguf(path, config, expect);
@@ -233,111 +224,4 @@ std::optional<std::string> gate_name_from_gguf(const std::string& name) {
   return std::nullopt;
 }
 
-void write_safetensors(const std::string& out, const gates::RetentionGates& g, const GateInfo& info, DType dtype) {
-  const gates::GateDims& d = g.dims();
-  std::map<std::string, std::string> meta = {
-      {"format", "retain-gates"},
-      {"gate_kind", std::string(gates::gate_kind_name(d.kind))},
-      {"gate_hidden", std::to_string(d.gate_hidden)},
-      {"num_hidden_layers", std::to_string(d.layers)},
-      {"num_key_value_heads", std::to_string(d.kv_heads)},
-      {"hidden_size", std::to_string(d.hidden)},
-      {"base_model", info.base_model},
-      {"base_config_sha256", info.base_config_sha256},
-  };
-  if (g.bias_init()) meta["bias_init"] = fmt_number(*g.bias_init());
-  if (info.memory) meta["memory"] = fmt_number(*info.memory);
-  if (info.step) meta["step"] = std::to_string(*info.step);
-  if (info.max_seq_len) meta["max_seq_len"] = std::to_string(*info.max_seq_len);
-  formats::write_safetensors(out, export_tensors(g, dtype), meta);
-}
-
-void write_gguf(const std::string& out, const gates::RetentionGates& g, const GateInfo& info, DType dtype) {
-  const gates::GateDims& d = g.dims();
-  using formats::gguf::Value;
-  formats::gguf::Metadata meta = {
-      {"general.architecture", Value::str("qwen3")},
-      {"general.type", Value::str("adapter")},
-      {"general.alignment", Value::u32(32)},
-      {"adapter.type", Value::str("retention_gate")},
-      {"retention.kind", Value::str(std::string(gates::gate_kind_name(d.kind)))},
-      {"retention.score_version", Value::u32(kScoreVersion)},
-      {"retention.gate_hidden", Value::u32(static_cast<uint32_t>(d.gate_hidden))},
-      {"retention.layer_count", Value::u32(static_cast<uint32_t>(d.layers))},
-      {"retention.head_count_kv", Value::u32(static_cast<uint32_t>(d.kv_heads))},
-      {"retention.embedding_length", Value::u32(static_cast<uint32_t>(d.hidden))},
-      {"retention.base_model", Value::str(info.base_model)},
-      {"retention.base_config_sha256", Value::str(info.base_config_sha256)},
-  };
-  if (info.memory) meta.emplace_back("retention.memory", Value::f64(*info.memory));
-  if (g.bias_init()) meta.emplace_back("retention.bias_init", Value::f64(*g.bias_init()));
-  if (info.step) meta.emplace_back("retention.step", formats::gguf::Value{formats::gguf::Type::U64, static_cast<uint64_t>(*info.step)});
-  if (info.max_seq_len)
-    meta.emplace_back("retention.max_seq_len", formats::gguf::Value{formats::gguf::Type::U64, static_cast<uint64_t>(*info.max_seq_len)});
-  std::vector<std::pair<std::string, Tensor>> tensors;
-  for (auto& [n, t] : export_tensors(g, dtype)) {
-    const auto name = gguf_name(n);
-    RETAIN_CHECK(name.has_value(), "gate tensor {}", n);
-    tensors.emplace_back(*name, t);
-  }
-  formats::gguf::write_file(out, meta, tensors, 32);
-}
-
-void write_trimkv_dir(const std::string& out, const gates::RetentionGates& g, const GateInfo& info, DType dtype,
-                      const nlohmann::ordered_json& base_config, bool replace) {
-  const gates::GateDims& d = g.dims();
-  const bool db = d.kind == gates::GateKind::dbtrimkv;
-  nlohmann::ordered_json cfg = base_config;
-  cfg["retention_gate"] = db ? "rg10" : "rg";
-  cfg["retention_gate_intermediate_size"] = d.gate_hidden;
-  if (info.memory) {
-    if (*info.memory == std::floor(*info.memory)) cfg["memory_size"] = static_cast<int64_t>(*info.memory);
-    else cfg["memory_size"] = *info.memory;
-  }
-  cfg["global_capacity"] = db;
-  cfg["tie_retention_gate_layers"] = db;
-  if (g.bias_init()) cfg["retention_gate_bias_init"] = *g.bias_init();
-  cfg["trainable_params"] = "self_attn.retention_gate";
-  cfg["base_model"] = info.base_model;
-  if (info.max_seq_len) cfg["max_seq_len"] = *info.max_seq_len;
-  cfg["base_config_sha256"] = info.base_config_sha256;
-  if (info.step) cfg["retain_step"] = *info.step;
-
-  // Built beside `out` and renamed into place: the directory appears complete or not at all.
-  const fs::path target = fs::absolute(fs::path(out)).lexically_normal();
-  std::error_code ec;
-  if (fs::exists(target, ec) && !replace)
-    fail("{}: already exists (pass --force to replace it)", out);
-  if (!fs::is_directory(target.parent_path(), ec)) fail("{}: parent directory {} does not exist", out, target.parent_path().string());
-  const fs::path tmp = target.string() + ".tmp." + std::to_string(::getpid());
-  fs::remove_all(tmp, ec);
-  struct Cleanup {
-    fs::path p;
-    bool armed = true;
-    ~Cleanup() {
-      std::error_code e;
-      if (armed) fs::remove_all(p, e);
-    }
-  } cleanup{tmp};
-  if (!fs::create_directory(tmp, ec)) fail("{}: cannot create {}: {}", out, tmp.string(), ec.message());
-  write_file_atomic((tmp / "config.json").string(), cfg.dump(2) + "\n");
-  formats::torchfile::write_torch_file((tmp / kTrimkvWeights).string(), export_tensors(g, dtype));
-  if (fs::exists(target, ec)) {
-    const fs::path old = target.string() + ".old." + std::to_string(::getpid());
-    fs::rename(target, old, ec);
-    if (ec) fail("{}: cannot replace: {}", out, ec.message());
-    fs::rename(tmp, target, ec);
-    if (ec) {
-      std::error_code e2;
-      fs::rename(old, target, e2);
-      fail("{}: cannot replace: {}", out, ec.message());
-    }
-    fs::remove_all(old, ec);
-  } else {
-    fs::rename(tmp, target, ec);
-    if (ec) fail("{}: cannot create: {}", out, ec.message());
-  }
-  cleanup.armed = false;
-}
-
-}  // namespace retain::gate_export
+}  // namespace retain::gates

@@ -1,17 +1,18 @@
-// KVPOP scorer containers (docs/formats.md, "KVPOP scorers").
-#include "checkpoints/export/kvpop_formats.h"
+// KVPOP scorers from a safetensors or GGUF container (scorer_containers.h).
+#include "model/kvpop/scorer_containers.h"
+
+#include <map>
 
 #include <fmt/format.h>
 
 #include "data/formats/gguf.h"
-#include "model/layer_names.h"
 #include "data/formats/safetensors.h"
+#include "model/layer_names.h"
 
-namespace retain::gate_export {
+namespace retain::kvpop {
 
 namespace {
 
-constexpr uint32_t kKvpopScoreVersion = 1;  // ŝ_i(q) = score_i + (q − i)·log γ (DESIGN §5)
 constexpr std::string_view kOurs = "model.layers.", kOursMid = ".self_attn.kvpop.", kGguf = "blk.", kGgufMid = ".kvpop.";
 
 // "<prefix><digits><middle><rest>" → "<to_prefix><digits><to_middle><rest>" when rest is a scorer suffix.
@@ -19,7 +20,7 @@ std::optional<std::string> rename(const std::string& name, std::string_view pref
                                   std::string_view to_prefix, std::string_view to_middle) {
   const auto parts = split_layer_name(name, prefix, middle);
   if (!parts || !all_digits(parts->first)) return std::nullopt;
-  for (const std::string& s : kvpop::scorer_suffixes())
+  for (const std::string& s : scorer_suffixes())
     if (parts->second == s) return fmt::format("{}{}{}{}", to_prefix, parts->first, to_middle, parts->second);
   return std::nullopt;
 }
@@ -46,15 +47,15 @@ std::optional<std::string> kvpop_name_from_gguf(const std::string& name) {
 }
 
 bool holds_kvpop(const std::string& path) {
-  switch (detect_format(path)) {
-    case Format::safetensors: {
+  switch (gates::detect_format(path)) {
+    case gates::Format::safetensors: {
       const formats::SafetensorsFile f = formats::SafetensorsFile::open(path);
       if (auto it = f.metadata().find("gate_kind"); it != f.metadata().end()) return it->second == "kvpop";
       for (const std::string& n : f.names())
         if (n.find(kOursMid) != std::string::npos) return true;
       return false;
     }
-    case Format::gguf: {
+    case gates::Format::gguf: {
       const formats::gguf::File f = formats::gguf::read_file(path);
       const formats::gguf::Value* v = f.find("adapter.type");
       return v && v->type == formats::gguf::Type::STRING && std::get<std::string>(v->v) == "kvpop";
@@ -64,14 +65,14 @@ bool holds_kvpop(const std::string& path) {
 }
 
 LoadedScorers load_scorers(const std::string& path, const Qwen3Config& config) {
-  const Format format = detect_format(path);
+  const gates::Format format = gates::detect_format(path);
   std::map<std::string, Tensor> tensors;
   std::map<std::string, std::string> meta;
-  if (format == Format::safetensors) {
+  if (format == gates::Format::safetensors) {
     const formats::SafetensorsFile f = formats::SafetensorsFile::open(path);
     for (const std::string& n : f.names()) tensors.emplace(n, f.tensor(n));
     meta = f.metadata();
-  } else if (format == Format::gguf) {
+  } else if (format == gates::Format::gguf) {
     const formats::gguf::File f = formats::gguf::read_file(path);
     auto str = [&](const char* key) -> std::optional<std::string> {
       const formats::gguf::Value* v = f.find(key);
@@ -98,9 +99,9 @@ LoadedScorers load_scorers(const std::string& path, const Qwen3Config& config) {
     if (auto s = str("retention.base_config_sha256")) meta["base_config_sha256"] = *s;
   } else {
     fail("{}: a {} container holds retention gates, not kvpop scorers (kvpop scorers are safetensors or GGUF)", path,
-         format_name(format));
+         gates::format_name(format));
   }
-  LoadedScorers out{kvpop::Scorers::from_tensors(path, tensors, meta, config), {}, format};
+  LoadedScorers out{Scorers::from_tensors(path, tensors, meta, config), {}, format};
   out.info.step = parse_int(meta, "step");
   out.info.max_seq_len = parse_int(meta, "max_seq_len");
   if (auto it = meta.find("base_model"); it != meta.end()) out.info.base_model = it->second;
@@ -108,58 +109,4 @@ LoadedScorers load_scorers(const std::string& path, const Qwen3Config& config) {
   return out;
 }
 
-void write_scorers_safetensors(const std::string& out, const kvpop::Scorers& s, const GateInfo& info, DType dtype) {
-  const kvpop::ScorerDims& d = s.dims();
-  std::map<std::string, std::string> meta = {
-      {"format", "retain-gates"},
-      {"gate_kind", "kvpop"},
-      {"num_hidden_layers", std::to_string(d.layers)},
-      {"num_key_value_heads", std::to_string(d.kv_heads)},
-      {"head_dim", std::to_string(d.head_dim)},
-      {"base_model", info.base_model},
-      {"base_config_sha256", info.base_config_sha256},
-  };
-  if (s.geometry()) {
-    meta["window"] = std::to_string(s.geometry()->window);
-    meta["sinks"] = std::to_string(s.geometry()->sinks);
-    meta["topk"] = std::to_string(s.geometry()->topk);
-  }
-  if (info.step) meta["step"] = std::to_string(*info.step);
-  if (info.max_seq_len) meta["max_seq_len"] = std::to_string(*info.max_seq_len);
-  formats::write_safetensors(out, export_tensors(s, dtype), meta);
-}
-
-void write_scorers_gguf(const std::string& out, const kvpop::Scorers& s, const GateInfo& info, DType dtype) {
-  const kvpop::ScorerDims& d = s.dims();
-  using formats::gguf::Value;
-  auto u64 = [](int64_t x) { return Value{formats::gguf::Type::U64, static_cast<uint64_t>(x)}; };
-  formats::gguf::Metadata meta = {
-      {"general.architecture", Value::str("qwen3")},
-      {"general.type", Value::str("adapter")},
-      {"general.alignment", Value::u32(32)},
-      {"adapter.type", Value::str("kvpop")},
-      {"retention.kind", Value::str("kvpop")},
-      {"retention.score_version", Value::u32(kKvpopScoreVersion)},
-      {"retention.layer_count", Value::u32(static_cast<uint32_t>(d.layers))},
-      {"retention.head_count_kv", Value::u32(static_cast<uint32_t>(d.kv_heads))},
-      {"retention.key_length", Value::u32(static_cast<uint32_t>(d.head_dim))},
-      {"retention.base_model", Value::str(info.base_model)},
-      {"retention.base_config_sha256", Value::str(info.base_config_sha256)},
-  };
-  if (s.geometry()) {
-    meta.emplace_back("retention.window", u64(s.geometry()->window));
-    meta.emplace_back("retention.sinks", u64(s.geometry()->sinks));
-    meta.emplace_back("retention.topk", u64(s.geometry()->topk));
-  }
-  if (info.step) meta.emplace_back("retention.step", u64(*info.step));
-  if (info.max_seq_len) meta.emplace_back("retention.max_seq_len", u64(*info.max_seq_len));
-  std::vector<std::pair<std::string, Tensor>> tensors;
-  for (auto& [n, t] : export_tensors(s, dtype)) {
-    const auto name = kvpop_gguf_name(n);
-    RETAIN_CHECK(name.has_value(), "scorer tensor {}", n);
-    tensors.emplace_back(*name, t);
-  }
-  formats::gguf::write_file(out, meta, tensors, 32);
-}
-
-}  // namespace retain::gate_export
+}  // namespace retain::kvpop
