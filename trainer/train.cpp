@@ -38,6 +38,8 @@
 #include "trainer/optim.h"
 #include "trainer/signals.h"
 #include "trainer/step.h"
+#include "trainer/update.h"
+#include "trainer/weight_setup.h"
 
 namespace retain::trainer {
 
@@ -128,38 +130,16 @@ data::LoaderOptions loader_options(const TrainConfig& cfg, const Inputs& in, con
   return o;
 }
 
-// On CUDA one rank holds the whole model on its GPU; several shard it over their GPUs (FSDP,
-// bf16 matrices, gathers on the comm's stream with NCCL, staged through the host with MPI). On
-// the CPU, one rank reads the mapped checkpoint layer by layer; several shard it (FSDP, F32).
-// --fsdp-force-gather takes the FSDP provider with one rank too, gathering through the comm.
+// This rank's frozen weights (trainer/weight_setup.h), and on CUDA a line saying where they live.
 void make_weight_provider(const TrainConfig& cfg, Inputs& in, dist::Comm& comm) {
-  const bool whole_model = comm.size() == 1 && !cfg.fsdp_force_gather;
-  if (cfg.device == Device::CUDA) {
-    collectively(comm, [&] {
-      const int gpu = bind_local_gpu(dist::node_local_rank(comm));  // first: a collective
-      double gb = 0;
-      if (whole_model) {
-        auto whole = std::make_unique<DeviceWeightProvider>(in.model);
-        gb = static_cast<double>(whole->bytes()) / 1e9;
-        in.weights = std::move(whole);
-      } else {
-        auto sharded = std::make_unique<FsdpWeightProvider>(
-            in.model, comm, FsdpOptions{Device::CUDA, DType::BF16, cfg.fsdp_force_gather});
-        gb = static_cast<double>(sharded->shard_bytes()) / 1e9;
-        in.weights = std::move(sharded);
-      }
-      if (comm.is_main_rank())
-        spdlog::info("device cuda:{} ({}); {} {:.2f} GB there ({} comm{})", gpu, cuda::device_name(),
-                     whole_model ? "the model's weights take" : "this rank's weight shards take", gb, comm.backend(),
-                     comm.size() == 1 && !whole_model ? "; layers gathered through it: --fsdp-force-gather" : "");
-    });
-    return;
-  }
-  if (whole_model)
-    in.weights = std::make_unique<LocalWeightProvider>(in.model);
-  else
-    in.weights = std::make_unique<FsdpWeightProvider>(
-        in.model, comm, FsdpOptions{Device::CPU, DType::F32, cfg.fsdp_force_gather});
+  collectively(comm, [&] {
+    StepWeights w = make_step_weights(in.model, cfg.device, comm, cfg.fsdp_force_gather);
+    if (cfg.device == Device::CUDA && comm.is_main_rank())
+      spdlog::info("device cuda:{} ({}); {} {:.2f} GB there ({} comm{})", w.gpu, cuda::device_name(),
+                   w.whole_model ? "the model's weights take" : "this rank's weight shards take", w.gb, comm.backend(),
+                   comm.size() == 1 && !w.whole_model ? "; layers gathered through it: --fsdp-force-gather" : "");
+    in.weights = std::move(w.weights);
+  });
 }
 
 // Rank 0's FSDP counters (when the weights are sharded or force-gathered), for the log: how
@@ -414,13 +394,15 @@ int run_training(const TrainConfig& cfg, dist::Comm& comm) {
   std::unique_ptr<Trainee> trainee;
   collectively(comm, [&] { trainee = make_trainee(cfg, in); });
   ParameterSet& gates = trainee->params();  // the same object after a load()
-  const int64_t n = flat_size(gates);
-  const ShardRange range = shard_range(n, comm.rank(), comm.size());
-  const int64_t shard = range.end - range.begin;
   AdamWConfig adam_cfg;
   adam_cfg.lr = cfg.lr;
   adam_cfg.weight_decay = cfg.weight_decay;
-  AdamW adam(shard, adam_cfg);
+  // The fp32 master values and the AdamW state of this rank's shard (trainer/update.h); the
+  // parameters hold a copy, written back after every update.
+  ShardedUpdate update(gates, comm, adam_cfg);
+  AdamW& adam = update.adam();
+  const int64_t n = update.flat_size();
+  const ShardRange range = update.range();
   data::Cursor cursor{cfg.seed, 0, 0};
   int64_t step = 0;
   collectively(comm, [&] {
@@ -488,11 +470,7 @@ int run_training(const TrainConfig& cfg, dist::Comm& comm) {
                  cfg.micro_batch, plural(loader.steps_per_epoch(), "step", "steps"));
   }
 
-  // Flat views: values and gradients (padded to a multiple of the world size).
-  // The fp32 master values live here; the gates hold a copy (unflattened after every update).
-  std::vector<float> values(static_cast<size_t>(range.padded), 0.0f), grads(values.size(), 0.0f),
-      grad_shard(static_cast<size_t>(shard), 0.0f);
-  flatten_values(gates, values.data());
+  update.reload_values();  // a resumed checkpoint's values
   std::optional<ProgressDisplay> progress;
   if (main_rank) progress.emplace(cfg.steps, stderr_is_tty(), std::max<int64_t>(cfg.log_every, 1));
 
@@ -551,25 +529,15 @@ int run_training(const TrainConfig& cfg, dist::Comm& comm) {
 
     // Gradient: this rank's part → reduce-scatter → the global gradient of this rank's shard.
     std::optional<NvtxRange> phase_range(std::in_place, "reduce");
-    flatten_grads(gates, grads.data());
-    comm.reduce_scatter(grads.data(), grad_shard.data(), static_cast<size_t>(shard));
-    double sq = 0;
-    for (float g : grad_shard) sq += static_cast<double>(g) * g;
-    comm.all_reduce(&sq, 1);
-    const double grad_norm = std::sqrt(sq);
+    const double grad_norm = update.reduce_gradients();
     if (bad.empty() && !std::isfinite(grad_norm)) bad = nonfinite_gradient(gates, comm);
     if (!bad.empty())  // the losses and the norm are global: every rank stops here together
       throw CollectiveError(fmt::format("step {}: {}; stopping (the last good checkpoint is {})", step + 1, bad,
            last_saved.empty() ? (resume_dir ? *resume_dir : std::string("none")) : last_saved), main_rank);
 
-    const double factor = clip_factor(grad_norm, cfg.clip);
-    if (factor != 1.0)
-      for (float& g : grad_shard) g = static_cast<float>(g * factor);
     const double lr = schedule.at(step);
     phase_range.emplace("optimizer");
-    adam.step(values.data() + range.begin, grad_shard.data(), lr);
-    comm.all_gather(values.data() + range.begin, values.data(), static_cast<size_t>(shard));
-    unflatten_values(gates, values.data());
+    update.apply(lr, cfg.clip);
     phase_range.reset();
     ++step;
     materialize();
