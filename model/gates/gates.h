@@ -5,8 +5,9 @@
 // The gates own their parameters, their gradients and their file format (model/gates/gate_file.cpp);
 // they never know about ranks. float32 (bias gradients summed in float64). Parameters and
 // gradients are CPU tensors (the optimizer, checkpoints, all-reduce and exporters use them);
-// forward/backward run on the device of h: CPU (OpenBLAS), or CUDA against a device mirror of
-// the parameters (sync_to_device / add_device_grads_to_host; kernels/cuda/gates.cu).
+// forward/backward are written once, through kernels/' ops (ops::linear*, kernels/gate_mlp.h), and
+// run on the device of h: CPU, or CUDA against a device mirror of the parameters (sync_to_device /
+// add_device_grads_to_host).
 #pragma once
 #include <cstdint>
 #include <map>
@@ -119,11 +120,9 @@ class RetentionGates : public ParameterSet {
   explicit RetentionGates(const GateDims& dims);
   const Tensor& value(int slot) const { return params_[static_cast<size_t>(slot)].value; }
   Tensor& grad(int slot) { return params_[static_cast<size_t>(slot)].grad; }
-  // forward()/backward() for h on CUDA (model/gates/gates.cpp; a one-line error in a build
-  // without the CUDA kernels).
-  Tensor forward_cuda(int64_t layer, const Tensor& h, GateActivations* saved) const;
-  void backward_cuda(int64_t layer, const Tensor& h, const GateActivations& saved, const Tensor& dlog_beta,
-                     Tensor* dh);
+  // A parameter's value and gradient on `device`: the CPU tensors, or their device mirror.
+  const Tensor& value_on(int slot, Device device) const;
+  Tensor& grad_on(int slot, Device device);
 
   // Device values and gradients, indexed as params_. Copying drops it: two gate sets sharing
   // one device buffer would overwrite each other's values and gradients.
