@@ -105,6 +105,10 @@ def test_choices_equal_a_full_sort(seed):
                 r, s, _ = global_drops(score, pos, m, bound, exact_only)
                 assert sorted(zip(r.tolist(), s.tolist())) == brute_force(score, pos, m)
         full = np.stack([rng.permutation(W) for _ in range(S)]).astype(np.int64)  # per-head rows: every slot held
+        nan = rng.random((S, W)) < 0.1  # NaNs of both signs: only the keys order them, as policy.cpp's
+        score = np.where(nan, np.where(rng.random((S, W)) < 0.5, np.float32(np.nan), -np.float32(np.nan)), score)
+        r, s, _ = global_drops(score, full, m, exact_only=True)
+        assert sorted(zip(r.tolist(), s.tolist())) == brute_force(score, full, m)
         for k in (1, int(rng.integers(1, W))):
             got = np.sort(per_head_drops(score, full, k), 1)
             want = [sorted(s for _, s in brute_force(score[r:r + 1], full[r:r + 1], k)) for r in range(S)]

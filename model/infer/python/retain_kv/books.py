@@ -17,8 +17,9 @@ import numpy as np
 
 
 class Books:
-    def __init__(self, L, K):
+    def __init__(self, L, K, watch_nan=False):
         self.L, self.K, self.S = L, K, L * K
+        self.watch_nan = watch_nan  # the global choice's float pick cannot see NaN: note any booked
         self.pos = np.full((self.S, 0), -1, np.int64)
         self.score = np.zeros((self.S, 0), np.float32)
         self.rows = np.arange(self.S)
@@ -45,7 +46,7 @@ class Books:
             self.score = np.concatenate([self.score, np.full((self.S, pad), np.inf, np.float32)], 1)
         if self.width.count(self.width[0]) == self.L:
             w = self.width[0]
-            self.pos[:, w:w + T] = np.arange(q0, q0 + T)
+            self.pos[:, w:w + T] = q0 if T == 1 else np.arange(q0, q0 + T)
             self.score[:, w:w + T] = score
         else:
             cols = np.repeat(self.width, self.K)[:, None] + np.arange(T)
@@ -54,7 +55,8 @@ class Books:
         self.fresh += T
         self.width = [w + T for w in self.width]
         self.total += self.S * T
-        self.nan = self.nan or bool(np.isnan(score.sum()))  # (inf − inf also says NaN: harmless)
+        if self.watch_nan and not self.nan:
+            self.nan = bool(np.isnan(score.sum()))  # (inf − inf would say NaN too: harmless)
 
     def book_ranks(self, u0, ranks, sinks):
         """KVPOP: the tokens u0 … u0 + U − 1 left the window; `ranks` [U, S] are their rank keys

@@ -42,9 +42,14 @@ class _Store:
             keep = min(capacity, self.kv.shape[3])
             kv[:, :, :, :keep] = self.kv[:, :, :, :keep]
         self.kv, self.flat = kv, kv.view(-1, kv.shape[-1])
+        # On the CPU, moves go through a numpy view of the same memory (a numpy call costs a
+        # fraction of a torch one); as integers of the element's width: moves only copy bits.
+        bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[kv.element_size()]
+        self.np = kv.view(bits).numpy().reshape(2, -1, capacity, kv.shape[-1]) if kv.device.type == "cpu" else None
         self.layers = [(kv[0, l], kv[1, l]) for l in range(self.L)]
         self.views = [{} for _ in range(self.L)]  # per layer: width → (keys, values) views
-        rows = np.arange(self.L * kv.shape[2]) * capacity
+        self.rows = np.arange(self.L * kv.shape[2])
+        rows = self.rows * capacity
         self.offsets = np.stack([rows, rows + rows.size * capacity])  # [2, S] flat row of slot 0: keys, values
         self.tops = {}  # slot → every head's entry in that slot, keys then values [2·S, d] (a view)
 
@@ -65,6 +70,13 @@ class _Store:
     def move(self, rows, dst, src):
         """Moves entries within their rows (row r: slot src → slot dst), keys and values alike.
         rows None: every row once, in order, all from the same slot `src` (a decoding step)."""
+        if self.np is not None:
+            kv = self.np  # [2, S, capacity, d]
+            if rows is None:
+                kv[:, self.rows, dst] = kv[:, :, src]
+            else:
+                kv[:, rows, dst] = kv[:, rows, src]
+            return
         if rows is None:
             to = (self.offsets + dst).reshape(-1)
             frm = self.tops.get(src)

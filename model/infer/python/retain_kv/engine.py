@@ -91,7 +91,7 @@ class Retention:
         """Forget the sequence: the next forward starts a new one at position 0."""
         self.seen = 0
         self.evicted = False  # whether any entry has been dropped in this sequence
-        self.books = Books(self.L, self.K)
+        self.books = Books(self.L, self.K, watch_nan=self.policy.kind == "dbtrimkv")
         self.bound = np.inf  # dbtrimkv: where the next global choice looks first (select.global_drops)
         self.pending = [None] * self.L  # per layer, this forward: the gates' logβ [K, T] / KVPOP's (u0, keys)
         self.kvpop = ([KvpopLayerState(self.policy.layers[l], self.policy.window, self.device) for l in range(self.L)]
@@ -141,9 +141,13 @@ class Retention:
             return None
         # Built on the host from the entries' original positions (−1: an empty slot, never visible).
         pos = books.layer_pos(l)
-        qpos = np.arange(self.seen, self.seen + T)
-        keypos = np.concatenate([pos, np.broadcast_to(qpos, (self.K, T))], 1)
-        allowed = (keypos[:, None, :] <= qpos[None, :, None]) & (keypos >= 0)[:, None, :]
+        if T == 1:  # every held entry is older than the new token
+            allowed = np.ones((self.K, 1, pos.shape[1] + 1), bool)
+            allowed[:, 0, :-1] = pos >= 0
+        else:
+            qpos = np.arange(self.seen, self.seen + T)
+            keypos = np.concatenate([pos, np.broadcast_to(qpos, (self.K, T))], 1)
+            allowed = (keypos[:, None, :] <= qpos[None, :, None]) & (keypos >= 0)[:, None, :]
         wide = np.float64 if dtype == torch.float64 else np.float32  # holds finfo(dtype).min exactly
         mask = np.where(np.repeat(allowed, self.groups, 0)[None], 0, wide(torch.finfo(dtype).min))
         return {**kwargs, "attention_mask": torch.from_numpy(mask).to(self.device, dtype)}
@@ -172,8 +176,7 @@ class Retention:
         seen = self.seen + T
         t0 = time.perf_counter()
         if self.kvpop is None:
-            score = torch.cat(self.pending, 0)
-            score = (score.detach() if score.requires_grad else score).cpu().numpy()
+            score = torch.cat(self.pending, 0).numpy(force=True)  # (force: detached, on the host)
         else:
             score = np.full((self.L * self.K, T), np.inf, np.float32)  # protected until scored
         self.books.append(self.seen, score)
@@ -193,7 +196,7 @@ class Retention:
         their rank keys in place of +inf."""
         u0 = self.pending[0][0]
         if self.pending[0][1].shape[0]:
-            ranks = torch.cat([keys for _, keys in self.pending], 1).detach().cpu().numpy()  # [U, L·K]
+            ranks = torch.cat([keys for _, keys in self.pending], 1).numpy(force=True)  # [U, L·K]
             self.books.book_ranks(u0, ranks, self.policy.sinks)
 
     def _spent(self, what, T, seconds):
@@ -223,7 +226,7 @@ class Retention:
             n = books.width[0]  # every head of every layer holds n entries (per-head eviction keeps them equal)
             if n >= B + self.buffer:
                 pos = books.pos[:, :n]
-                ds = per_head_drops(self._scores(books.score[:, :n], pos, seen), pos, n - B, exact_only=books.nan)
+                ds = per_head_drops(self._scores(books.score[:, :n], pos, seen), pos, n - B)
                 if ds.shape[1] == 1 and books.fresh == 1:  # a decoding step: the new token fills the hole
                     moves = books.drop_and_fill(ds[:, 0])
                 else:

@@ -27,13 +27,14 @@ def score_key(score):
     return (bits ^ ((bits >> 31) & 0x7FFFFFFF)).astype(np.int64) << 32
 
 
-def per_head_drops(score, pos, m, exact_only=False):
-    """Slots [S, m] of the m lowest (score, position) of every row (rows hold the same count).
-    `exact_only`: NaN scores were booked, whose order only the keys have (argmin/min skip them)."""
-    if m == 1 and not exact_only:
+def per_head_drops(score, pos, m):
+    """Slots [S, m] of the m lowest (score, position) of every row (rows hold the same count)."""
+    if m == 1:
         slot = np.argmin(score, 1)
+        low = score.min(1, keepdims=True)
         # One entry per row at its row's lowest score: no tie, the choice whatever the positions.
-        if np.count_nonzero(score == score.min(1, keepdims=True)) == score.shape[0]:
+        # (A NaN makes its row's min NaN: the keys order NaNs.)
+        if np.count_nonzero(score == low) == score.shape[0] and not np.isnan(low.sum()):
             return slot[:, None]
     return np.argpartition(score_key(score) | pos, m - 1, axis=1)[:, :m]
 
