@@ -14,6 +14,7 @@ from conftest import POLICIES, RECALL, greedy, hf_generate, retain_generate
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+import retain_kv.cache
 from retain_kv import RetainCache
 from retain_kv.books import Books
 from retain_kv.select import global_drops, per_head_drops, trim_scores
@@ -146,3 +147,14 @@ def test_tied_gates_as_retain_generate(recall_model, tmp_path, policy, bias):
         got = hf_generate(recall_model, cache, prompt, 16) if chunk == 0 else greedy(recall_model, cache, prompt, 16, chunk)
         assert got == want["generated_ids"]
         assert cache.kept_positions() == want["kept_positions"]
+
+
+@pytest.mark.parametrize("policy", ["trimkv", "dbtrimkv"])
+def test_device_moves(recall_model, tmp_path, monkeypatch, policy):
+    """The key/value moves a GPU makes (torch index ops, not the CPU's numpy view), run here."""
+    monkeypatch.setattr(retain_kv.cache._Store, "host_moves", False)
+    prompt = [random.Random(5).randrange(16, 256) for _ in range(120)]
+    want = retain_generate(tmp_path, RECALL, POLICIES[policy], policy, 24, prompt, 16, 37)
+    cache = RetainCache(recall_model, POLICIES[policy], 24)
+    assert greedy(recall_model, cache, prompt, 16, 37) == want["generated_ids"]
+    assert cache.store.np is None and cache.kept_positions() == want["kept_positions"]

@@ -18,9 +18,12 @@ from .hooks import add_hooks
 
 class _Store:
     """All layers' keys and values, kv [2, L, K, capacity, d]; layer l's head h is row r = l·K + h
-    of the eviction table (books.py). Capacity: exactly what a prefill chunk needs, with 1/8
-    spare when one decoding token needs more (dbtrimkv's widest head can grow), and cut back
-    to the widths + buffer after a chunk or when over 1/4 spare."""
+    of the eviction table (books.py). Capacity: exactly what a prefill chunk needs, 1/8 more
+    when one token needs more (feeding tokens one by one, or dbtrimkv's widest head growing),
+    and cut back to the widest layer + buffer after a chunk or a per-head eviction, or when
+    over 1/4 spare: per-head policies hold exactly B + buffer slots per head once evicting."""
+
+    host_moves = True  # False: torch's index ops even on the CPU (as on a GPU; for the tests)
 
     def __init__(self, L):
         self.L, self.kv = L, None
@@ -45,19 +48,21 @@ class _Store:
         # On the CPU, moves go through a numpy view of the same memory (a numpy call costs a
         # fraction of a torch one); as integers of the element's width: moves only copy bits.
         bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[kv.element_size()]
-        self.np = kv.view(bits).numpy().reshape(2, -1, capacity, kv.shape[-1]) if kv.device.type == "cpu" else None
+        host = kv.device.type == "cpu" and self.host_moves
+        self.np = kv.view(bits).numpy().reshape(2, -1, capacity, kv.shape[-1]) if host else None
         self.layers = [(kv[0, l], kv[1, l]) for l in range(self.L)]
         self.views = [{} for _ in range(self.L)]  # per layer: width → (keys, values) views
         self.rows = np.arange(self.L * kv.shape[2])
         rows = self.rows * capacity
         self.offsets = np.stack([rows, rows + rows.size * capacity])  # [2, S] flat row of slot 0: keys, values
-        self.tops = {}  # slot → every head's entry in that slot, keys then values [2·S, d] (a view)
 
-    def fit(self, widths, buffer, chunk):
-        """After a forward: back to the widths + buffer after a chunk (T > 1), or when over 1/4 spare."""
+    def fit(self, widths, buffer, tight):
+        """After a forward: back to the widths + buffer — the most the next forwards reach before
+        an eviction — when `tight` (after a chunk, or a per-head eviction: widths then stay put),
+        or when over 1/4 spare."""
         need = max(widths) + buffer
         cap = self.kv.shape[3] if self.kv is not None else 0
-        if cap > need + need // 4 or chunk and cap > need:
+        if cap > need + need // 4 or tight and cap > need:
             self.resize(need, self.kv[0, 0])
 
     def view(self, l, width):
@@ -68,23 +73,13 @@ class _Store:
         return v
 
     def move(self, rows, dst, src):
-        """Moves entries within their rows (row r: slot src → slot dst), keys and values alike.
-        rows None: every row once, in order, all from the same slot `src` (a decoding step)."""
+        """Moves entries within their rows (row r: slot src → slot dst), keys and values alike;
+        rows None: every row, in order."""
+        rows = self.rows if rows is None else rows
         if self.np is not None:
-            kv = self.np  # [2, S, capacity, d]
-            if rows is None:
-                kv[:, self.rows, dst] = kv[:, :, src]
-            else:
-                kv[:, rows, dst] = kv[:, rows, src]
+            self.np[:, rows, dst] = self.np[:, rows, src]
             return
-        if rows is None:
-            to = (self.offsets + dst).reshape(-1)
-            frm = self.tops.get(src)
-            if frm is None:
-                frm = self.tops[src] = self.kv[:, :, :, src].reshape(-1, self.kv.shape[-1])
-            self.flat.index_copy_(0, torch.from_numpy(to).to(self.kv.device), frm)
-            return
-        at = self.offsets[:, rows]
+        at = self.offsets[:, rows]  # index_select copies the sources before index_copy_ writes
         to = torch.from_numpy((at + dst).reshape(-1)).to(self.kv.device)
         frm = torch.from_numpy((at + src).reshape(-1)).to(self.kv.device)
         self.flat.index_copy_(0, to, self.flat.index_select(0, frm))

@@ -237,7 +237,7 @@ class Retention:
         if store is not None:  # RetainCache: one tensor for every layer
             if moves is not None:
                 store.move(*moves)
-            store.fit(books.width, self.buffer, self.T > 1)
+            store.fit(books.width, self.buffer, self.T > 1 or moves is not None and self.policy.kind != "dbtrimkv")
             for l, (layer, width) in enumerate(zip(cache.layers, books.width)):
                 layer.keys, layer.values = store.view(l, width)
         elif moves is not None:

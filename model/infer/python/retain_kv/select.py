@@ -43,20 +43,22 @@ def global_drops(score, pos, m, bound=np.inf, exact_only=False):
     """(rows, slots) of the m lowest (score, position, later row first) over all rows, and a bound
     for the next decoding step's call. Empty slots score +inf. Any `bound` gives the same choice:
     when at least m entries score ≤ bound, the m lowest are among them and only they are ordered
-    (a handful, instead of every entry); otherwise every entry is. The bound returned is the 2m-th
-    lowest score: the m of those not evicted still score ≤ it one token later (TRIM-KV scores
-    only fall as q grows), so a decoding step usually orders ~2m entries. `exact_only`: NaN
-    scores were booked, whose order only the integer keys have."""
+    (a handful, not every entry); otherwise the bound is the 2m-th lowest score, from a partition
+    of all. The bound returned is the 2m-th lowest score: the m of those not evicted still score
+    ≤ it one token later (TRIM-KV scores only fall as q grows), so a decoding step usually orders
+    ~2m entries and partitions none. `exact_only`: NaN scores were booked, whose order only the
+    integer keys have."""
     if not exact_only:
-        if bound == np.inf:  # no bound yet: the 2m-th lowest score of all (one O(n) selection)
-            flat = score.reshape(-1)
-            bound = np.partition(flat, min(2 * m, flat.size) - 1)[min(2 * m, flat.size) - 1]
-        rows, slots = np.nonzero(score <= bound)
-        if rows.size >= m:
-            s = score[rows, slots]
-            order = np.lexsort((-rows, pos[rows, slots], s))
-            nxt = s[order[2 * m - 1]] if rows.size >= 2 * m else np.inf
-            return rows[order[:m]], slots[order[:m]], nxt
+        for b in (bound, None):
+            if b is None or b == np.inf:  # a bound that holds: the 2m-th lowest score of all (O(n))
+                k = min(2 * m, score.size) - 1
+                b = np.partition(score.reshape(-1), k)[k]
+            rows, slots = np.nonzero(score <= b)
+            if rows.size >= m:
+                s = score[rows, slots]
+                order = np.lexsort((-rows, pos[rows, slots], s))
+                nxt = s[order[2 * m - 1]] if rows.size >= 2 * m else np.inf
+                return rows[order[:m]], slots[order[:m]], nxt
     S, W = score.shape
     bits = max(1, int(S - 1).bit_length())
     if int(pos.max()) < 1 << (32 - bits):  # position and reversed row share the low 32 bits
