@@ -18,10 +18,12 @@ from .hooks import add_hooks
 
 class _Store:
     """All layers' keys and values, kv [2, L, K, capacity, d]; layer l's head h is row r = l·K + h
-    of the eviction table (books.py). Capacity: exactly what a prefill chunk needs, 1/8 more
-    when one token needs more (feeding tokens one by one, or dbtrimkv's widest head growing),
-    and cut back to the widest layer + buffer after a chunk or a per-head eviction, or when
-    over 1/4 spare: per-head policies hold exactly B + buffer slots per head once evicting."""
+    of the eviction table (books.py). Capacity: exactly what a prefill chunk needs, 1/64 more
+    when one token needs more (tokens fed one by one: geometric growth; dbtrimkv's widest head
+    creeping up, rarely: once in 256 steps of docs/inference.md's benchmark), cut back to the
+    widest layer + buffer after a chunk or a per-head eviction, or when over 1/4 spare:
+    per-head policies hold exactly B + buffer slots per head once evicting. Every layer has the
+    widest layer's slots (dbtrimkv's layers may differ in width)."""
 
     host_moves = True  # False: torch's index ops even on the CPU (as on a GPU; for the tests)
 
@@ -32,7 +34,7 @@ class _Store:
         """Writes a forward's keys/values [1, K, T, d] of layer l at slots [width, width + T)."""
         T = keys.shape[-2]
         if self.kv is None or width + T > self.kv.shape[3]:
-            self.resize(width + T + ((width + T) // 8 if T == 1 and self.kv is not None else 0), keys)
+            self.resize(width + T + ((width + T) // 64 if T == 1 and self.kv is not None else 0), keys)
         k, v = self.layers[l]
         k[:, width:width + T] = keys[0]
         v[:, width:width + T] = values[0]
