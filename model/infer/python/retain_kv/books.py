@@ -13,6 +13,8 @@ slot order — so the key/value tensors get O(evicted) moves, never a shift of t
 
 One table rather than one per layer: a decoding step books, chooses and moves for all layers in
 a fixed number of numpy calls (~1–4 µs each here), where a small torch call costs 5–10 µs."""
+import math
+
 import numpy as np
 
 
@@ -23,7 +25,7 @@ class Books:
         self.pos = np.full((self.S, 0), -1, np.int64)
         self.score = np.zeros((self.S, 0), np.float32)
         self.rows = np.arange(self.S)
-        self.rows2 = self.rows[:, None]
+        self.tops = {}  # (widths, capacity) → each row's first free slot as a flat index [S, 1]
         self.nan = False          # a NaN score was booked: only the exact integer keys order it
         self.base = [0] * L       # per layer: its width after the last eviction
         self.fresh = 0            # tokens appended since then, in slots [base_l, base_l + fresh)
@@ -48,15 +50,18 @@ class Books:
             w = self.width[0]
             self.pos[:, w:w + T] = q0 if T == 1 else np.arange(q0, q0 + T)
             self.score[:, w:w + T] = score
-        else:
-            cols = np.repeat(self.width, self.K)[:, None] + np.arange(T)
-            self.pos[self.rows2, cols] = np.arange(q0, q0 + T)
-            self.score[self.rows2, cols] = score
+        else:  # at each row's own top, by flat index (2-D fancy indexing costs several times more)
+            key = (tuple(self.width), self.pos.shape[1])
+            if key not in self.tops:
+                self.tops = {key: (self.rows * self.pos.shape[1] + np.repeat(self.width, self.K))[:, None]}
+            at = self.tops[key] if T == 1 else self.tops[key] + np.arange(T)
+            self.pos.reshape(-1)[at] = np.arange(q0, q0 + T)
+            self.score.reshape(-1)[at] = score
         self.fresh += T
         self.width = [w + T for w in self.width]
         self.total += self.S * T
         if self.watch_nan and not self.nan:
-            self.nan = bool(np.isnan(score.sum()))  # (inf − inf would say NaN too: harmless)
+            self.nan = math.isnan(score.sum())  # (inf − inf would say NaN too: harmless)
 
     def book_ranks(self, u0, ranks, sinks):
         """KVPOP: the tokens u0 … u0 + U − 1 left the window; `ranks` [U, S] are their rank keys
@@ -64,7 +69,7 @@ class Books:
         lo, hi = max(u0, sinks), u0 + ranks.shape[0]
         if lo < hi:
             pos = self.pos[:, :max(self.width)]
-            r, s = np.nonzero((pos >= lo) & (pos < hi))
+            r, s = np.divmod(np.flatnonzero((pos >= lo) & (pos < hi)), pos.shape[1])
             self.score[r, s] = ranks[pos[r, s] - u0, r]
             self.nan = self.nan or bool(np.isnan(ranks).any())
 
@@ -73,19 +78,20 @@ class Books:
         fresh token, in its top slot, takes the dropped slot (dropping the fresh token itself moves
         it onto itself); counts and empty slots stay. Returns the moves (rows, destination slots,
         source slots); rows None: every row in order, all from one slot."""
-        if self.base.count(self.base[0]) == self.L:
-            top = self.base[0]
-            self.pos[self.rows, ds] = self.pos[:, top]
-            self.score[self.rows, ds] = self.score[:, top]
-            self.pos[:, top], self.score[:, top] = -1, np.inf
-            rows = None
-        else:
-            rows, top = self.rows, np.repeat(self.base, self.K)
-            self.pos[rows, ds] = self.pos[rows, top]
-            self.score[rows, ds] = self.score[rows, top]
-            self.pos[rows, top], self.score[rows, top] = -1, np.inf
+        uniform = self.base.count(self.base[0]) == self.L
+        top = self.base[0] if uniform else np.repeat(self.base, self.K)
+        start = self.rows * self.pos.shape[1]
+        self._move(start + ds, start + top, start + top)
         self.fresh, self.width, self.total = 0, list(self.base), self.total - self.S
-        return rows, ds, top
+        return (None if uniform else self.rows), ds, top
+
+    def _move(self, dst, src, vacated):
+        """Table moves by flat index (2-D fancy indexing costs several times more): the entries at
+        `src` to `dst`, then the slots `vacated` emptied (a dropped fresh token is its own `dst`,
+        `src` and `vacated`: emptied; otherwise no destination is vacated)."""
+        pos, score = self.pos.reshape(-1), self.score.reshape(-1)
+        pos[dst], score[dst] = pos[src], score[src]
+        pos[vacated], score[vacated] = -1, np.inf
 
     def compact(self, dr, ds):
         """Removes the entries at rows `dr`, slots `ds` and closes the holes (see the module doc).
@@ -96,8 +102,8 @@ class Books:
         keep[dr, ds] = False
         new = keep.sum(1)
         inside = np.arange(n) < new[:, None]
-        hr, hs = np.nonzero(inside > keep)  # empty or dropped slots below the new count, row by row
-        mr, ms = np.nonzero(keep > inside)  # survivors at or above it, as many per row, row by row
+        hr, hs = np.divmod(np.flatnonzero(inside > keep), n)  # empty or dropped slots below the new count
+        mr, ms = np.divmod(np.flatnonzero(keep > inside), n)  # survivors at or above it: as many, row by row
         pos[hr, hs] = pos[mr, ms]
         score[hr, hs] = score[mr, ms]
         outside = ~inside
@@ -134,9 +140,8 @@ class Books:
                 clear_r.extend([r] * len(vacated)), clear_s.extend(vacated)
             count[r] = new
         rows, dst, src = np.array(rows, np.int64), np.array(dst, np.int64), np.array(src, np.int64)
-        pos, score = self.pos[rows, src], self.score[rows, src]  # read before clearing: a source may be cleared
-        self.pos[clear_r, clear_s], self.score[clear_r, clear_s] = -1, np.inf
-        self.pos[rows, dst], self.score[rows, dst] = pos, score
+        cap = self.pos.shape[1]
+        self._move(rows * cap + dst, rows * cap + src, np.array(clear_r, np.int64) * cap + np.array(clear_s, np.int64))
         self.base = [max(count[l * K:(l + 1) * K]) for l in range(self.L)]
         self.gapless = [min(count[l * K:(l + 1) * K]) == self.base[l] for l in range(self.L)]
         self.fresh, self.width, self.total = 0, list(self.base), self.total - len(dr)

@@ -142,15 +142,17 @@ class Retention:
             return None
         # Built on the host from the entries' original positions (−1: an empty slot, never visible).
         pos = books.layer_pos(l)
-        if T == 1:  # every held entry is older than the new token
-            allowed = np.ones((self.K, 1, pos.shape[1] + 1), bool)
-            allowed[:, 0, :-1] = pos >= 0
+        wide = np.float64 if dtype == torch.float64 else np.float32  # holds finfo(dtype).min exactly
+        lowest = wide(torch.finfo(dtype).min)
+        if T == 1:  # every held entry is older than the new token: only the empty slots are hidden
+            mask = np.zeros((self.K, self.groups, 1, pos.shape[1] + 1), wide)
+            mask[:, :, 0, :-1] = np.where(pos < 0, lowest, wide(0))[:, None, :]
+            mask = mask.reshape(1, -1, 1, pos.shape[1] + 1)  # query head h·G + g reads KV head h
         else:
             qpos = np.arange(self.seen, self.seen + T)
             keypos = np.concatenate([pos, np.broadcast_to(qpos, (self.K, T))], 1)
             allowed = (keypos[:, None, :] <= qpos[None, :, None]) & (keypos >= 0)[:, None, :]
-        wide = np.float64 if dtype == torch.float64 else np.float32  # holds finfo(dtype).min exactly
-        mask = np.where(np.repeat(allowed, self.groups, 0)[None], 0, wide(torch.finfo(dtype).min))
+            mask = np.where(np.repeat(allowed, self.groups, 0)[None], 0, lowest)
         return {**kwargs, "attention_mask": torch.from_numpy(mask).to(self.device, dtype)}
 
     def after_attention(self, module, cache):

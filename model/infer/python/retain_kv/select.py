@@ -53,7 +53,7 @@ def global_drops(score, pos, m, bound=np.inf, exact_only=False):
             if b is None or b == np.inf:  # a bound that holds: the 2m-th lowest score of all (O(n))
                 k = min(2 * m, score.size) - 1
                 b = np.partition(score.reshape(-1), k)[k]
-            rows, slots = np.nonzero(score <= b)
+            rows, slots = np.divmod(np.flatnonzero(score <= b), score.shape[1])  # (2-D nonzero: 4× slower)
             if rows.size >= m:
                 s = score[rows, slots]
                 order = np.lexsort((-rows, pos[rows, slots], s))
