@@ -63,7 +63,8 @@ def test_decoding_evictions_equal_compact(seed):
         r, s = np.nonzero(b.pos[:, :max(b.width)] >= 0)
         pick = rng.choice(r.size, int(rng.integers(1, min(r.size, 3 * b.S))), replace=False)
         ref, fast = copy.deepcopy(b), copy.deepcopy(b)
-        kv_ref, kv_fast = slots_after(b, ref.compact(r[pick], s[pick])), slots_after(b, fast.drop_decoding(r[pick], s[pick]))
+        kv_ref = slots_after(b, ref.compact(r[pick], s[pick]))
+        kv_fast = slots_after(b, fast.drop_decoding(r[pick], s[pick]))
         same_state(ref, fast, kv_ref, kv_fast)
         one = np.array([rng.choice(np.flatnonzero(b.pos[row] >= 0)) for row in range(b.S)])  # one drop per row
         ref, fast = copy.deepcopy(b), copy.deepcopy(b)
@@ -116,6 +117,18 @@ def test_choices_equal_a_full_sort(seed):
             assert got.tolist() == want
 
 
+@pytest.mark.parametrize("q", [300, (1 << 24) - 1, (1 << 24) + 12345, 1 << 30])
+def test_trim_scores_are_torchs(q):
+    """The numpy (q − i)·logβ_i is bit for bit torch's float32 × int64 product (TrimKVCache's), at
+    distances a float32 holds exactly and beyond."""
+    rng = np.random.default_rng(q)
+    log_beta = np.concatenate([-rng.random(5000) * 10 ** rng.uniform(-8, 1, 5000), [-0.0, 0.0, -np.inf]])
+    log_beta = log_beta.astype(np.float32)
+    pos = rng.integers(0, q, log_beta.size)
+    want = (torch.from_numpy(log_beta) * (q - torch.from_numpy(pos))).numpy()
+    assert np.array_equal(trim_scores(log_beta, pos, q).view(np.int32), want.view(np.int32))
+
+
 def test_bound_from_one_step_serves_the_next():
     """The bound a decoding step returns still has m entries at or below it one token later (the
     scores fall), so the next step orders only those."""
@@ -144,7 +157,8 @@ def test_tied_gates_as_retain_generate(recall_model, tmp_path, policy, bias):
     for chunk in (0, 37):
         want = retain_generate(tmp_path, RECALL, gates, policy, 24, prompt, 16, chunk)
         cache = RetainCache(recall_model, gates, 24)
-        got = hf_generate(recall_model, cache, prompt, 16) if chunk == 0 else greedy(recall_model, cache, prompt, 16, chunk)
+        got = (hf_generate(recall_model, cache, prompt, 16) if chunk == 0 else
+               greedy(recall_model, cache, prompt, 16, chunk))
         assert got == want["generated_ids"]
         assert cache.kept_positions() == want["kept_positions"]
 

@@ -11,8 +11,8 @@ scores and the policy evicts — per (layer, KV head) for trimkv and kvpop, over
 heads for dbtrimkv — for all layers at once (a layer's cache is not read again in the forward):
 the bookkeeping is one host-side table (books.py), and the key/value tensors get only the moves
 that close their holes (O(evicted·d)) and a trim to the layer's largest head. K/V memory stays
-bounded: B + buffer slots per head for per-head policies; for dbtrimkv, the widest layer's
-(cache.py: _Store).
+bounded: B + buffer slots per head under per-head policies; under dbtrimkv every layer has the
+widest layer's slots + buffer (cache.py: _Store).
 
 Every head's entries sit in slots [0, count) of the layer's [1, K, N, d] tensors, and a forward's
 new tokens above them (the rest of a head's slots, when heads differ in count under dbtrimkv,
