@@ -90,7 +90,9 @@ def test_eager_attention(tmp_path):
 @pytest.mark.parametrize("policy,buffer", [("trimkv", 1), ("kvpop", 3), ("dbtrimkv", 2)])
 def test_memory_bounded(recall_model, policy, buffer):
     """Physical eviction: after every forward each layer's key/value tensors hold at most B + buffer − 1
-    entries per head (dbtrimkv: B·L·K + its buffer in all, the tensor as wide as the largest head)."""
+    entries per head (dbtrimkv: B·L·K + its buffer in all, the tensor as wide as the largest head),
+    and the one tensor they are views of has room for no more than the widest layer + buffer
+    (+ 1/4; per-head policies: exactly B + buffer once evicting)."""
     B, L, K = 30, 2, 2
     cache = RetainCache(recall_model, POLICIES[policy], B, buffer=buffer)
     ids = torch.tensor([recall_prompt(3, 120)])
@@ -105,6 +107,12 @@ def test_memory_bounded(recall_model, policy, buffer):
                 assert sum(map(sum, counts)) <= (B + buffer - 1) * L * K
             else:
                 assert max(map(max, counts)) <= B + buffer - 1
+            room, need = cache.store.kv.shape[3], max(map(max, counts)) + buffer
+            assert all(layer.keys.untyped_storage().data_ptr() == cache.store.kv.untyped_storage().data_ptr()
+                       for layer in cache.layers)
+            assert room <= need + need // 4
+            if policy != "dbtrimkv" and t + 1 >= B + buffer:  # evicting since forward t
+                assert room == B + buffer
     if policy != "dbtrimkv":
         assert cache.layers[0].keys.shape[-2] >= B  # it did fill up
 

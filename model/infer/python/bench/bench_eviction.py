@@ -3,9 +3,10 @@
 measured as docs/benchmarks.md's bounded-decoding table measures retain-generate: the tiny random
 Qwen3 (2 layers, hidden 64, 4 query / 2 KV heads, head_dim 32), a 4700-byte prompt prefilled in
 chunks of 512 with eviction after each, then 256 greedy tokens; per policy and budget the decode
-step time, the eviction time per step (selection + compaction, the hooks' own timers) and its share
-of the step, the scoring time per step (gate MLP / KVPOP mLSTM), and the K/V the layers' tensors
-hold at the end — beside plain DynamicCache decoding of the whole sequence. Best of --repeat by
+step time, the eviction time per step (booking, choice and moves, the hooks' own timer) and its
+share of the step, the scoring time per step (gate MLP / KVPOP mLSTM), and the memory the layers'
+keys and values occupy at the end (their storages: RetainCache's one store, spare slots included)
+— beside plain DynamicCache decoding of the whole sequence. Best of --repeat by
 decode speed (the machine may be shared). One torch thread (see docs/inference.md).
 
     python model/infer/python/bench/bench_eviction.py --bin-dir build/bin --prompt-file README.md
@@ -49,6 +50,15 @@ def make_models(bin_dir, out):
     return os.path.join(out, "trimkv"), paths
 
 
+def kv_mib(cache):
+    """MiB of the distinct storages the layers' keys and values live in."""
+    storages = {}
+    for layer in cache.layers:
+        for t in (layer.keys, layer.values):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values()) / 2**20
+
+
 def run(model, cache, ids, chunk, new):
     """Prefill in chunks, then `new` greedy tokens; returns the decode wall time and steps."""
     with torch.no_grad():
@@ -82,7 +92,7 @@ def main():
         print(f"prompt {ids.shape[1]} tokens, chunks of {a.prefill_chunk}, {a.max_new} new tokens, torch "
               f"{torch.__version__}, 1 thread\n")
         print("| policy | budget | ms / decode step | eviction µs / step | eviction share | scoring µs / step | "
-              "entries per head (max) | K/V MiB |")
+              "entries per head (max) | K/V MiB allocated |")
         print("|---|---:|---:|---:|---:|---:|---:|---:|")
         rows = [("full", None)] + [(p, int(b)) for p in a.policies.split(",") for b in a.budgets.split(",")]
         for policy, budget in rows:
@@ -93,7 +103,7 @@ def main():
                 r = getattr(cache, "retention", None)  # its timers of the one-token (decoding) forwards
                 ev0, sc0 = (r.decode_evict_s, r.decode_score_s) if r is not None else (0.0, 0.0)
                 if best is None or wall < best[0]:
-                    kv = sum(l.keys.numel() + l.values.numel() for l in cache.layers) * 4 / 2**20
+                    kv = kv_mib(cache)
                     heads = max(l.keys.shape[-2] for l in cache.layers)
                     best = (wall, steps, ev0, sc0, kv, heads)
             wall, steps, ev, sc, kv, heads = best

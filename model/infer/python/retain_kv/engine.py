@@ -5,55 +5,29 @@ Before a layer's attention (pre-hook): the gates read the layer's input-RMSNorm 
 `hidden_states` the layer hands self_attn) and give each new token its logβ; when the cache's
 entries are not simply the whole causal prefix, the hook hands attention a mask of its own,
 built from every entry's original position (what retain's kv_attention does by position).
-After the attention (post-hook): the new entries are booked with their positions and scores,
-KVPOP's mLSTM reads their keys and values, and the policy evicts — per (layer, KV head) for
-trimkv and kvpop, once over all layers after the last one for dbtrimkv. Eviction fills the holes
-with the head's last entries (O(evicted·d), no shift of the rest) and trims the layer's tensors
-to its largest head: K/V memory stays bounded by (B + buffer) entries per head.
+After the attention (post-hook): KVPOP's mLSTM reads the new keys and values. After the last
+layer's attention, the forward's entries of every layer are booked with their positions and
+scores and the policy evicts — per (layer, KV head) for trimkv and kvpop, over all layers and
+heads for dbtrimkv — for all layers at once (a layer's cache is not read again in the forward):
+the bookkeeping is one host-side table (books.py), and the key/value tensors get only the moves
+that close their holes (O(evicted·d)) and a trim to the layer's largest head. K/V memory stays
+bounded: B + buffer slots per head under per-head policies; under dbtrimkv every layer has the
+widest layer's slots + buffer (cache.py: _Store).
 
-Every head's entries sit in slots [0, count) of the layer's [1, K, N, d] tensors (the rest of a
-head's slots, when heads differ in count under dbtrimkv, are masked); `pos`/`score` [K, N] go
-with them."""
+Every head's entries sit in slots [0, count) of the layer's [1, K, N, d] tensors, and a forward's
+new tokens above them (the rest of a head's slots, when heads differ in count under dbtrimkv,
+are empty and masked)."""
 import time
 
+import numpy as np
 import torch
 
+from .books import Books
 from .policy import as_policy
 from .scoring import KvpopLayerState, gate_log_beta
-from .select import global_drops, order_key, per_head_drops
+from .select import global_drops, per_head_drops, trim_scores
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
-
-
-class _Book:
-    """One layer's entry bookkeeping: positions, scores (logβ or the KVPOP rank key; NaN until
-    scored) and, when heads differ in count, which slots hold an entry."""
-
-    def __init__(self, K, device):
-        self.pos = torch.empty(K, 0, dtype=torch.long, device=device)
-        self.score = torch.empty(K, 0, dtype=torch.float32, device=device)
-        self.valid = None  # None: every slot of every head holds an entry
-
-    @property
-    def slots(self):
-        return self.pos.shape[1]
-
-    def counts(self):
-        if self.valid is not None:
-            return self.valid.sum(1)
-        return torch.full((self.pos.shape[0],), self.slots, dtype=torch.long, device=self.pos.device)
-
-    def append(self, qpos, score):
-        K = self.pos.shape[0]
-        self.pos = torch.cat([self.pos, qpos.expand(K, -1)], 1)
-        self.score = torch.cat([self.score, score], 1)
-        if self.valid is not None:
-            self.valid = torch.cat([self.valid, self.valid.new_ones(K, qpos.numel())], 1)
-
-    def kept_positions(self):
-        pos = self.pos.tolist()
-        valid = self.valid.tolist() if self.valid is not None else None
-        return [sorted(p for j, p in enumerate(row) if valid is None or valid[h][j]) for h, row in enumerate(pos)]
 
 
 class Retention:
@@ -117,9 +91,10 @@ class Retention:
     def reset(self):
         """Forget the sequence: the next forward starts a new one at position 0."""
         self.seen = 0
-        self.evicted = False  # whether any layer has dropped an entry in this sequence
-        self.books = [_Book(self.K, self.device) for _ in range(self.L)]
-        self.pending = [None] * self.L
+        self.evicted = False  # whether any entry has been dropped in this sequence
+        self.books = Books(self.L, self.K, watch_nan=self.policy.kind == "dbtrimkv")
+        self.bound = np.inf  # dbtrimkv: where the next global choice looks first (select.global_drops)
+        self.pending = [None] * self.L  # per layer, this forward: the gates' logβ [K, T] / KVPOP's (u0, keys)
         self.kvpop = ([KvpopLayerState(self.policy.layers[l], self.policy.window, self.device) for l in range(self.L)]
                       if self.policy.kind == "kvpop" else None)
 
@@ -140,15 +115,12 @@ class Retention:
                 self.budget = self.budget_arg if self.budget_arg is not None else max(1, int(T * (1 - self.ratio)))
                 self._check_budget(self.budget)
             self._check_positions(kwargs.get("position_ids"), T)
-        t0 = time.perf_counter()
-        qpos = torch.arange(self.seen, self.seen + T, device=self.device)
-        if self.policy.kind == "kvpop":
-            score = torch.full((self.K, T), float("nan"), device=self.device)
-        else:
-            score = gate_log_beta(self.policy, l, h[0]).t()
-        self.pending[l] = (qpos, score)
-        self._spent("score", T, time.perf_counter() - t0)
-        return self._mask(self.books[l], qpos, kwargs, h.dtype)
+        self.T = T  # tokens of this forward (every layer's)
+        if self.policy.kind != "kvpop":
+            t0 = time.perf_counter()
+            self.pending[l] = gate_log_beta(self.policy, l, h[0]).t()
+            self._spent("score", T, time.perf_counter() - t0)
+        return self._mask(l, T, kwargs, h.dtype)
 
     def _check_positions(self, position_ids, T):
         if position_ids is None:
@@ -159,58 +131,76 @@ class Retention:
                              f"{int(position_ids[0, -1])} but the cache has seen {self.seen} tokens: bounded "
                              f"decoding takes one sequence, in order (use a new cache for a new sequence)")
 
-    def _mask(self, book, qpos, kwargs, dtype):
-        T = qpos.numel()
-        if book.slots == 0 or (book.valid is None and (T == 1 or not self.evicted)):
+    def _mask(self, l, T, kwargs, dtype):
+        books = self.books
+        if books.width[l] == 0 or (books.gapless[l] and (T == 1 or not self.evicted)):
             # Every cached entry is visible to every new token, and the chunk is causal among itself:
             # the mask transformers made (sized by layer 0's cache: right while no layer has evicted
             # anything), or none for one token.
             if T == 1 and kwargs.get("attention_mask") is not None:
                 return {**kwargs, "attention_mask": None}
             return None
-        K = self.K
-        keypos = torch.cat([book.pos, qpos.expand(K, -1)], 1)
-        allowed = keypos[:, None, :] <= qpos[None, :, None]
-        if book.valid is not None:
-            valid = torch.cat([book.valid, book.valid.new_ones(K, T)], 1)
-            allowed &= valid[:, None, :]
-        allowed = allowed.repeat_interleave(self.groups, 0)[None]
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=self.device)
-        return {**kwargs, "attention_mask": mask.masked_fill_(~allowed, torch.finfo(dtype).min)}
+        # Built on the host from the entries' original positions (−1: an empty slot, never visible).
+        pos = books.layer_pos(l)
+        wide = np.float64 if dtype == torch.float64 else np.float32  # holds finfo(dtype).min exactly
+        lowest = wide(torch.finfo(dtype).min)
+        if T == 1:  # every held entry is older than the new token: only the empty slots are hidden
+            mask = np.zeros((self.K, self.groups, 1, pos.shape[1] + 1), wide)
+            mask[:, :, 0, :-1] = np.where(pos < 0, lowest, wide(0))[:, None, :]
+            mask = mask.reshape(1, -1, 1, pos.shape[1] + 1)  # query head h·G + g reads KV head h
+        else:
+            qpos = np.arange(self.seen, self.seen + T)
+            keypos = np.concatenate([pos, np.broadcast_to(qpos, (self.K, T))], 1)
+            allowed = (keypos[:, None, :] <= qpos[None, :, None]) & (keypos >= 0)[:, None, :]
+            mask = np.where(np.repeat(allowed, self.groups, 0)[None], 0, lowest)
+        return {**kwargs, "attention_mask": torch.from_numpy(mask).to(self.device, dtype)}
 
     def after_attention(self, module, cache):
-        """Post-hook body: books the layer's new entries, scores them, evicts."""
+        """Post-hook body: checks the layer's entries and runs KVPOP's mLSTM on its new keys and
+        values; after the last layer, books every layer's new entries and evicts (all layers at once:
+        a layer's cache is not read again in this forward)."""
         l = module.layer_idx
         layer = cache.layers[l]
-        qpos, score = self.pending[l]
-        self.pending[l] = None
-        T = qpos.numel()
-        book = self.books[l]
-        if layer.keys.shape[-2] != book.slots + T:
+        T = self.T
+        if layer.keys.shape[-2] != self.books.width[l] + T:
             raise ValueError(f"{self.policy.source}: layer {l} holds {layer.keys.shape[-2]} entries, expected "
-                             f"{book.slots + T}: the cache was changed outside the policy (one sequence per cache)")
-        book.append(qpos, score)
-        seen = self.seen + T
+                             f"{self.books.width[l] + T}: the cache was changed outside the policy (one sequence "
+                             f"per cache)")
         if self.kvpop is not None:
             t0 = time.perf_counter()
             k = layer.keys[0, :, -T:, :].transpose(0, 1)
             v = layer.values[0, :, -T:, :].transpose(0, 1)
-            u0, keys = self.kvpop[l].feed(k, v)
-            if keys.shape[0]:
-                inside = (book.pos >= u0) & (book.pos < u0 + keys.shape[0])
-                rank = keys.t().gather(1, (book.pos - u0).clamp(0, keys.shape[0] - 1))
-                book.score = torch.where(inside, rank, book.score)
+            self.pending[l] = self.kvpop[l].feed(k, v)
             self._spent("score", T, time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        if self.policy.kind == "dbtrimkv":
-            if l == self.L - 1:
-                self._evict_global(cache, seen)
-        else:
-            self._evict_layer(layer, book, seen)
-        self._spent("evict", T, time.perf_counter() - t0)
         if l == self.L - 1:
-            self.seen = seen
-            self.forwards += 1
+            self._end_forward(cache, T)
+
+    def _end_forward(self, cache, T):
+        seen = self.seen + T
+        t0 = time.perf_counter()
+        if self.kvpop is None:
+            score = torch.cat(self.pending, 0).numpy(force=True)  # (force: detached, on the host)
+        else:
+            score = np.full((self.L * self.K, T), np.inf, np.float32)  # protected until scored
+        self.books.append(self.seen, score)
+        if self.kvpop is not None:
+            t1 = time.perf_counter()
+            self._book_ranks()
+            t0 += time.perf_counter() - t1  # scoring, not eviction
+            self._spent("score", T, time.perf_counter() - t1)
+        self.pending = [None] * self.L
+        self._evict(cache, seen)
+        self._spent("evict", T, time.perf_counter() - t0)
+        self.seen = seen
+        self.forwards += 1
+
+    def _book_ranks(self):
+        """KVPOP: the tokens that left the window in this forward (the same in every layer) get
+        their rank keys in place of +inf."""
+        u0 = self.pending[0][0]
+        if self.pending[0][1].shape[0]:
+            ranks = torch.cat([keys for _, keys in self.pending], 1).numpy(force=True)  # [U, L·K]
+            self.books.book_ranks(u0, ranks, self.policy.sinks)
 
     def _spent(self, what, T, seconds):
         setattr(self, f"{what}_s", getattr(self, f"{what}_s") + seconds)
@@ -218,88 +208,76 @@ class Retention:
             setattr(self, f"decode_{what}_s", getattr(self, f"decode_{what}_s") + seconds)
 
     # ---- eviction ------------------------------------------------------------------------------
-    def _scores(self, book, seen):
-        """What the policy ranks a layer's entries by, after `seen` tokens (lower is evicted first)."""
-        if self.policy.kind == "kvpop":
-            p = self.policy
-            protected = (book.pos < p.sinks) | (book.pos > seen - p.window)
-            return torch.where(protected, torch.full_like(book.score, float("inf")), book.score)
-        # TRIM-KV: (q − i)·logβ_i with q = seen + 1, in float32 as TrimKVCache computes it (float32 ×
-        # int64 is float32: the distance is rounded to float, as the C++ does).
-        return book.score * (seen + 1 - book.pos)
+    def _evict(self, cache, seen):
+        books, S, B = self.books, self.L * self.K, self.budget
+        moves = None
+        if self.policy.kind == "dbtrimkv":
+            if books.total >= S * (B + self.buffer):
+                W = max(books.width)
+                pos = books.pos[:, :W]
+                dr, ds, self.bound = global_drops(self._scores(books.score[:, :W], pos, seen), pos,
+                                                  books.total - S * B, self.bound, exact_only=books.nan)
+                if books.fresh == 1 and dr.size == S and len(set(dr.tolist())) == S:  # one per row
+                    by_row = np.empty(S, np.int64)
+                    by_row[dr] = ds
+                    moves = books.drop_and_fill(by_row)
+                elif books.fresh == 1:
+                    moves = books.drop_decoding(dr, ds)
+                else:
+                    moves = books.compact(dr, ds)
+        else:
+            n = books.width[0]  # every head of every layer holds n entries (per-head eviction keeps them equal)
+            if n >= B + self.buffer:
+                pos = books.pos[:, :n]
+                ds = per_head_drops(self._scores(books.score[:, :n], pos, seen), pos, n - B)
+                if ds.shape[1] == 1 and books.fresh == 1:  # a decoding step: the new token fills the hole
+                    moves = books.drop_and_fill(ds[:, 0])
+                else:
+                    moves = books.compact(np.repeat(np.arange(S), ds.shape[1]), ds.reshape(-1))
+        if moves is not None:
+            self.evicted = True
+        store = getattr(cache, "store", None)
+        if store is not None:  # RetainCache: one tensor for every layer
+            if moves is not None:
+                store.move(*moves)
+            store.fit(books.width, self.buffer, self.T > 1 or moves is not None and self.policy.kind != "dbtrimkv")
+            for l, (layer, width) in enumerate(zip(cache.layers, books.width)):
+                layer.keys, layer.values = store.view(l, width)
+        elif moves is not None:
+            self._move_layers(cache, moves)
 
-    def _evict_layer(self, layer, book, seen):
-        n = book.slots  # every head holds n entries (per-head policies keep the counts equal)
-        if n < self.budget + self.buffer:
-            return
-        if n == self.budget + 1:  # a decoding step with buffer 1: one entry per head, in a few ops
-            self._drop_one(layer, book, self._scores(book, seen))
-            return
-        drops = per_head_drops(self._scores(book, seen), book.pos, n - self.budget)
-        dropped = torch.zeros_like(book.pos, dtype=torch.bool).scatter_(1, drops, True)
-        self._compact(layer, book, ~dropped)
+    def _scores(self, score, pos, seen):
+        """What the policy ranks entries by, after `seen` tokens (lower is evicted first): KVPOP's
+        rank key (booked +inf while protected), TRIM-KV's (q − i)·logβ_i with q = seen + 1."""
+        return score if self.policy.kind == "kvpop" else trim_scores(score, pos, seen + 1)
 
-    def _drop_one(self, layer, book, score):
-        """Evicts each head's worst entry (the oldest of equal scores) and moves the head's last
-        entry into its slot: O(K·d), no selection key, no sync."""
-        worst = torch.amin(score, 1, keepdim=True)
-        slot = torch.where(score == worst, book.pos, torch.iinfo(torch.long).max).argmin(1)
-        heads, last = self.heads, book.slots - 1
-        layer.keys[0, heads, slot] = layer.keys[0, :, last]
-        layer.values[0, heads, slot] = layer.values[0, :, last]
-        book.pos[heads, slot] = book.pos[:, last]
-        book.score[heads, slot] = book.score[:, last]
-        layer.keys, layer.values = layer.keys[:, :, :last], layer.values[:, :, :last]
-        book.pos, book.score = book.pos[:, :last], book.score[:, :last]
-        self.evicted = True
-
-    def _evict_global(self, cache, seen):
-        counts = [b.counts() for b in self.books]
-        total = int(sum(c.sum() for c in counts))
-        streams = self.L * self.K
-        if total < streams * (self.budget + self.buffer):
-            return
-        keys, stream, where = [], [], []
-        for l, b in enumerate(self.books):
-            valid = b.valid if b.valid is not None else torch.ones_like(b.pos, dtype=torch.bool)
-            heads, slots = valid.nonzero(as_tuple=True)
-            keys.append(order_key(self._scores(b, seen), b.pos)[heads, slots])
-            stream.append(l * self.K + heads)
-            where.append(torch.stack([torch.full_like(heads, l), heads, slots], 1))
-        drop = global_drops(torch.cat(keys), torch.cat(stream), total - streams * self.budget)
-        where = torch.cat(where)[drop]
-        for l, b in enumerate(self.books):
-            mine = where[where[:, 0] == l]
-            keep = b.valid.clone() if b.valid is not None else torch.ones_like(b.pos, dtype=torch.bool)
-            keep[mine[:, 1], mine[:, 2]] = False
-            self._compact(cache.layers[l], b, keep)
-
-    def _compact(self, layer, book, keep):
-        """Keeps the entries `keep` [K, N]: each head's survivors move into slots [0, count) —
-        the survivors beyond a head's count fill its holes — and the layer is trimmed to the
-        largest count."""
-        count = keep.sum(1)
-        self.evicted = True
-        slot = torch.arange(book.slots, device=self.device)
-        inside = slot[None, :] < count[:, None]
-        hk, hs = (~keep & inside).nonzero(as_tuple=True)   # holes, head by head in slot order
-        mk, ms = (keep & ~inside).nonzero(as_tuple=True)   # movers, as many per head as holes
-        keys, values = layer.keys, layer.values
-        if hk.numel():
-            keys[0, hk, hs] = keys[0, mk, ms]
-            values[0, hk, hs] = values[0, mk, ms]
-            book.pos[hk, hs] = book.pos[mk, ms]
-            book.score[hk, hs] = book.score[mk, ms]
-        n = int(count.max())
-        layer.keys, layer.values = keys[:, :, :n], values[:, :, :n]
-        book.pos, book.score = book.pos[:, :n], book.score[:, :n]
-        book.valid = None if bool((count == n).all()) else inside[:, :n]
+    def _move_layers(self, cache, moves):
+        """The table's moves on each layer's own key/value tensors [1, K, n, d] (a kvpress cache),
+        then the trim to the layer's new width."""
+        rows, dst, src = moves
+        if rows is None:
+            rows = np.arange(self.L * self.K)
+        src = np.broadcast_to(src, rows.shape)
+        cut = np.searchsorted(rows, self.K * np.arange(self.L + 1)).tolist()
+        for l, (layer, width) in enumerate(zip(cache.layers, self.books.width)):
+            a, b = cut[l], cut[l + 1]
+            for name in ("keys", "values"):
+                t = getattr(layer, name)
+                if b > a:
+                    if not t.is_contiguous():
+                        t = t.contiguous()
+                    n = t.shape[-2]
+                    at = (rows[a:b] - l * self.K) * n
+                    flat = t.view(-1, t.shape[-1])
+                    flat.index_copy_(0, torch.from_numpy(at + dst[a:b]).to(self.device),
+                                     flat.index_select(0, torch.from_numpy(at + src[a:b]).to(self.device)))
+                setattr(layer, name, t[:, :, :width])
 
     # ---- results -------------------------------------------------------------------------------
     def kept_positions(self):
         """Per layer and KV head, the sorted original positions the cache holds."""
-        return [b.kept_positions() for b in self.books]
+        return self.books.kept_positions()
 
     def entry_counts(self):
         """Per layer and KV head, the number of entries held."""
-        return [b.counts().tolist() for b in self.books]
+        return self.books.entry_counts()

@@ -1,0 +1,155 @@
+"""The entries of every (layer, KV head) stream of one sequence, all layers in one table — row
+r = l·K + h — on the host: positions (int64) and scores (float32: logβ for the gates, the KVPOP
+rank key, +inf while protected). A slot that holds no entry has position −1 and score +inf, so
+that no choice needs a mask.
+
+Slots are the slots of the layer's key/value tensors [1, K, width_l, d]. After an eviction each
+row holds slots [0, count_r) and base_l, the layer's width, is the largest count of its rows.
+Each forward appends its tokens at the top of every row of the layer, where a DynamicLayer
+concatenates them: until the next eviction row r holds [0, count_r) and the `fresh` slots
+[base_l, width_l). An eviction removes entries and closes the holes: every empty slot below a
+row's new count is filled, in slot order, by the row's survivors at or above the new count, in
+slot order — so the key/value tensors get O(evicted) moves, never a shift of the rest.
+
+One table rather than one per layer: a decoding step books, chooses and moves for all layers in
+a fixed number of numpy calls (~1–4 µs each here), where a small torch call costs 5–10 µs."""
+import math
+
+import numpy as np
+
+
+class Books:
+    def __init__(self, L, K, watch_nan=False):
+        self.L, self.K, self.S = L, K, L * K
+        self.watch_nan = watch_nan  # the global choice's float pick cannot see NaN: note any booked
+        self.pos = np.full((self.S, 0), -1, np.int64)
+        self.score = np.zeros((self.S, 0), np.float32)
+        self.rows = np.arange(self.S)
+        self.tops = {}  # (widths, capacity) → each row's first free slot as a flat index [S, 1]
+        self.nan = False          # a NaN score was booked: only the exact integer keys order it
+        self.base = [0] * L       # per layer: its width after the last eviction
+        self.fresh = 0            # tokens appended since then, in slots [base_l, base_l + fresh)
+        self.width = [0] * L      # per layer: base_l + fresh, the slots per head of its tensors
+        self.gapless = [True] * L  # per layer: every row's count is base_l (no empty slot below it)
+        self.count = [0] * self.S  # per row: entries in slots [0, count) (the fresh ones not counted)
+        self.total = 0            # entries held, all rows
+
+    def layer_pos(self, l):
+        """Positions [K, width_l] of layer l's slots (−1: no entry)."""
+        return self.pos[l * self.K:(l + 1) * self.K, :self.width[l]]
+
+    def append(self, q0, score):
+        """Books the T = score.shape[1] tokens at positions q0… with `score` [S, T] at the top of every row."""
+        T = score.shape[1]
+        top = max(self.width) + T
+        if top > self.pos.shape[1]:  # room for the next tokens: double, so that appends are in place
+            pad = max(top, 2 * self.pos.shape[1]) - self.pos.shape[1]
+            self.pos = np.concatenate([self.pos, np.full((self.S, pad), -1, np.int64)], 1)
+            self.score = np.concatenate([self.score, np.full((self.S, pad), np.inf, np.float32)], 1)
+        if self.width.count(self.width[0]) == self.L:
+            w = self.width[0]
+            self.pos[:, w:w + T] = q0 if T == 1 else np.arange(q0, q0 + T)
+            self.score[:, w:w + T] = score
+        else:  # at each row's own top, by flat index (2-D fancy indexing costs several times more)
+            key = (tuple(self.width), self.pos.shape[1])
+            if key not in self.tops:
+                self.tops = {key: (self.rows * self.pos.shape[1] + np.repeat(self.width, self.K))[:, None]}
+            at = self.tops[key] if T == 1 else self.tops[key] + np.arange(T)
+            self.pos.reshape(-1)[at] = np.arange(q0, q0 + T)
+            self.score.reshape(-1)[at] = score
+        self.fresh += T
+        self.width = [w + T for w in self.width]
+        self.total += self.S * T
+        if self.watch_nan and not self.nan:
+            self.nan = math.isnan(score.sum())  # (inf − inf would say NaN too: harmless)
+
+    def book_ranks(self, u0, ranks, sinks):
+        """KVPOP: the tokens u0 … u0 + U − 1 left the window; `ranks` [U, S] are their rank keys
+        (the sinks stay protected)."""
+        lo, hi = max(u0, sinks), u0 + ranks.shape[0]
+        if lo < hi:
+            pos = self.pos[:, :max(self.width)]
+            r, s = np.divmod(np.flatnonzero((pos >= lo) & (pos < hi)), pos.shape[1])
+            self.score[r, s] = ranks[pos[r, s] - u0, r]
+            self.nan = self.nan or bool(np.isnan(ranks).any())
+
+    def drop_and_fill(self, ds):
+        """compact() for a decoding step that drops one entry of every row (ds [S]): each row's
+        fresh token, in its top slot, takes the dropped slot (dropping the fresh token itself moves
+        it onto itself); counts and empty slots stay. Returns the moves (rows, destination slots,
+        source slots); rows None: every row in order, all from one slot."""
+        uniform = self.base.count(self.base[0]) == self.L
+        top = self.base[0] if uniform else np.repeat(self.base, self.K)
+        start = self.rows * self.pos.shape[1]
+        self._move(start + ds, start + top, start + top)
+        self.fresh, self.width, self.total = 0, list(self.base), self.total - self.S
+        return (None if uniform else self.rows), ds, top
+
+    def _move(self, dst, src, vacated):
+        """Table moves by flat index (2-D fancy indexing costs several times more): the entries at
+        `src` to `dst`, then the slots `vacated` emptied (a dropped fresh token is its own `dst`,
+        `src` and `vacated`: emptied; otherwise no destination is vacated)."""
+        pos, score = self.pos.reshape(-1), self.score.reshape(-1)
+        pos[dst], score[dst] = pos[src], score[src]
+        pos[vacated], score[vacated] = -1, np.inf
+
+    def compact(self, dr, ds):
+        """Removes the entries at rows `dr`, slots `ds` and closes the holes (see the module doc).
+        Returns the moves (rows, destination slots, source slots) for the tensors as they are."""
+        n = max(self.width)
+        pos, score = self.pos[:, :n], self.score[:, :n]
+        keep = pos >= 0
+        keep[dr, ds] = False
+        new = keep.sum(1)
+        inside = np.arange(n) < new[:, None]
+        hr, hs = np.divmod(np.flatnonzero(inside > keep), n)  # empty or dropped slots below the new count
+        mr, ms = np.divmod(np.flatnonzero(keep > inside), n)  # survivors at or above it: as many, row by row
+        pos[hr, hs] = pos[mr, ms]
+        score[hr, hs] = score[mr, ms]
+        outside = ~inside
+        pos[outside], score[outside] = -1, np.inf
+        per_layer = new.reshape(self.L, self.K)
+        widths = per_layer.max(1)
+        self.gapless = (per_layer == widths[:, None]).all(1).tolist()
+        self.base, self.fresh, self.total = widths.tolist(), 0, int(new.sum())
+        self.width, self.count = list(self.base), new.tolist()
+        return hr, hs, ms
+
+    def drop_decoding(self, dr, ds):
+        """compact() for a decoding step (one fresh token per row, in its layer's top slot), in
+        Python over the rows that lost an entry or have an empty slot below the top: the same
+        moves and layout without compact()'s passes over the whole table. Returns the moves."""
+        K = self.K
+        count = self.count = [c + 1 for c in self.count]  # a row that loses nothing keeps its fresh token
+        lost = {}
+        for r, s in zip(dr.tolist(), ds.tolist()):
+            lost.setdefault(r, []).append(s)
+        rows, dst, src, clear_r, clear_s = [], [], [], [], []
+        for r in sorted(set(lost).union(*(range(l * K, (l + 1) * K) for l in range(self.L) if not self.gapless[l]))):
+            c, top = count[r] - 1, self.base[r // K]
+            gone = sorted(c if s == top else s for s in lost.get(r, ()))  # the fresh token counts as slot c
+            new = c + 1 - len(gone)
+            if not gone:
+                if top > c:  # the fresh token into the first empty slot
+                    rows.append(r), dst.append(c), src.append(top), clear_r.append(r), clear_s.append(top)
+            else:
+                movers = [s for s in range(new, c + 1) if s not in gone]
+                for h, s in zip((s for s in gone if s < new), movers):
+                    rows.append(r), dst.append(h), src.append(top if s == c else s)
+                vacated = [top if s == c else s for s in range(new, c + 1)]
+                clear_r.extend([r] * len(vacated)), clear_s.extend(vacated)
+            count[r] = new
+        rows, dst, src = np.array(rows, np.int64), np.array(dst, np.int64), np.array(src, np.int64)
+        cap = self.pos.shape[1]
+        self._move(rows * cap + dst, rows * cap + src, np.array(clear_r, np.int64) * cap + np.array(clear_s, np.int64))
+        self.base = [max(count[l * K:(l + 1) * K]) for l in range(self.L)]
+        self.gapless = [min(count[l * K:(l + 1) * K]) == self.base[l] for l in range(self.L)]
+        self.fresh, self.width, self.total = 0, list(self.base), self.total - len(dr)
+        return rows, dst, src
+
+    def kept_positions(self):
+        """Per layer and head, the sorted positions held."""
+        return [[sorted(int(p) for p in row if p >= 0) for row in self.layer_pos(l)] for l in range(self.L)]
+
+    def entry_counts(self):
+        return [(self.layer_pos(l) >= 0).sum(1).tolist() for l in range(self.L)]
