@@ -11,7 +11,7 @@
 #include "kernels/ops.h"
 #include "model/qwen3.h"
 #include "model/student.h"
-#include "trainer/loss.h"
+#include "kernels/loss.h"
 
 namespace retain::trainer {
 
@@ -81,7 +81,7 @@ std::vector<MicroBatchShape> micro_batch_shapes(const std::vector<MicroBatch>& m
       if (t == 0 || doc[t - 1] != doc[t]) shape.doc_lengths.push_back(0);
       ++shape.doc_lengths.back();
     }
-    shape.loss_positions = count_nonzero(loss_positions(mb.doc, mb.target_mask));
+    shape.loss_positions = count_nonzero(ops::loss_positions(mb.doc, mb.target_mask));
     out.push_back(std::move(shape));
   }
   return out;
@@ -156,7 +156,7 @@ StepLosses compute_gradients(WeightProvider& weights, gates::RetentionGates& gat
     ids.push_back(mb.ids.on(dev));
     docs.push_back(mb.doc.on(dev));
     positions.push_back(ops::document_positions(mb.doc).on(dev));
-    loss_masks.push_back(loss_positions(mb.doc, mb.target_mask));
+    loss_masks.push_back(ops::loss_positions(mb.doc, mb.target_mask));
     counts[0] += static_cast<double>(count_nonzero(loss_masks.back()));
     counts[1] += static_cast<double>(count_tokens(mb.doc));
   }
@@ -206,7 +206,7 @@ StepLosses compute_gradients(WeightProvider& weights, gates::RetentionGates& gat
 
     phase.emplace("loss", times ? &times->loss : nullptr, dev);
     Tensor d_hidden = Tensor::empty(pass.hidden.shape(), DType::F32, dev);
-    const QualitySums q = kl_ntp_chunked(teacher_hidden, pass.hidden, weights.lm_head(), mb.ids, loss_masks[m],
+    const ops::QualitySums q = ops::kl_ntp_chunked(teacher_hidden, pass.hidden, weights.lm_head(), mb.ids, loss_masks[m],
                                          cfg.loss_chunk, kl_scale, ntp_scale, &d_hidden);
     sums[0] += q.kl;
     sums[1] += q.ntp;

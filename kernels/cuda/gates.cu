@@ -1,5 +1,5 @@
 // CUDA kernels of the retention-gate MLPs besides their GEMMs (CPU reference
-// model/gates/gates.cpp). The math lives in kernels/cuda/gates_rows.h, shared with a CPU
+// kernels/cpu/gate_mlp.cpp, dispatched by kernels/gate_mlp.cpp). The math lives in kernels/cuda/gates_rows.h, shared with a CPU
 // emulation test (tests/cuda/test_gates_rows.cpp); this file adds indexing and launches. Not yet
 // run on a GPU (none has been lent); tests/cuda/test_gates_cuda.cpp is the GPU check.
 //

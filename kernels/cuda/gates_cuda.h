@@ -1,6 +1,6 @@
 // CUDA kernels of the retention-gate MLPs (model/gates/gates.h) other than their GEMMs, which go
 // through ops::linear / linear_backward_input / linear_backward_weight. Compiled only in CUDA
-// builds: model/gates/gates.cpp includes this header and calls into it only under
+// builds: kernels/gate_mlp.cpp includes this header and calls into it only under
 // RETAIN_CUDA_KERNELS, after its own shape, dtype and device checks (every tensor here is F32 on
 // the CUDA device; shapes are not re-checked). Kernels in kernels/cuda/gates.cu, their math in
 // kernels/cuda/gates_rows.h.

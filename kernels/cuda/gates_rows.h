@@ -1,7 +1,7 @@
 // The per-element math and the bias-gradient reduction of the CUDA retention-gate kernels
 // (kernels/cuda/gates.cu), written as __host__ __device__ functions so that
 // tests/cuda/test_gates_rows.cpp runs the very same code on the CPU (each kernel emulated thread
-// by thread) against the CPU gates (model/gates/gates.cpp) in every build, GPU or not. Plain
+// by thread) against the CPU gates (kernels/cpu/gate_mlp.cpp runs these very formulas) in every build, GPU or not. Plain
 // C++17 when not compiled by nvcc. Not yet run on a GPU (none has been lent);
 // tests/cuda/test_gates_cuda.cpp is the GPU check.
 //
@@ -24,7 +24,7 @@
 
 namespace retain::cuda::gates_rows {
 
-// Tokens per float64 partial of the bias gradient. model/gates/gates.cpp uses this constant for
+// Tokens per float64 partial of the bias gradient. kernels/cpu/gate_mlp.cpp uses this constant for
 // its own blocks, so the two reductions cannot drift apart.
 inline constexpr int64_t kColumnBlock = 256;
 

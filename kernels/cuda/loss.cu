@@ -1,5 +1,5 @@
-// CUDA kernels of the fused chunked KL + NTP loss (trainer/loss.cpp runs the chunk loop and the
-// GEMMs; the CPU reference is the same file's CPU path). The per-row math lives in
+// CUDA side of the fused chunked KL + NTP loss (kernels/loss.h): its chunk loop (GEMMs through
+// ops::linear*) and row kernels; the CPU reference is kernels/cpu/loss.cpp. The per-row math lives in
 // kernels/cuda/loss_rows.h, shared with the CPU loss and with a host emulation test
 // (tests/cuda/test_loss_rows.cpp); this file adds indexing, shared memory, barriers and
 // launches. Not yet run on a GPU (none has been lent); tests/cuda/test_loss_cuda.cpp is the GPU
@@ -14,13 +14,17 @@
 // device array; no atomics, no host synchronisation.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <limits>
+#include <vector>
 
 #include "kernels/base/error.h"
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/grid.cuh"
 #include "kernels/cuda/loss_cuda.h"
 #include "kernels/cuda/loss_rows.h"
+#include "kernels/ops.h"
 
 namespace retain::cuda {
 
@@ -143,6 +147,53 @@ void kl_ntp_rows(const Tensor& teacher_logits, Tensor& student_logits, const Ten
       static_cast<const int32_t*>(list.raw()) + P + begin, c, V, grad_scales(kl_scale, ntp_scale), gradient,
       out + begin, out + P + begin);
   CUDA_CHECK(cudaGetLastError());
+}
+
+// The chunk loop of ops::kl_ntp_chunked on the device (kernels/loss.cpp describes the steps): no
+// [T, V] buffer and no host synchronisation until the one copy of the per-row losses at the end.
+ops::QualitySums kl_ntp_chunked(const Tensor& teacher_hidden, const Tensor& student_hidden, const Tensor& lm_head,
+                                const ops::LossPositions& lp, int64_t chunk, double kl_scale, double ntp_scale,
+                                Tensor* d_student_hidden) {
+  const int64_t D = teacher_hidden.dim(1), V = lm_head.dim(0), P = static_cast<int64_t>(lp.pos.size());
+  RETAIN_CHECK(teacher_hidden.dim(0) <= std::numeric_limits<int32_t>::max(),
+               "kl_ntp_chunked: {} tokens do not fit the device's int32 positions", teacher_hidden.dim(0));
+  // One upload per call: the positions, then their targets.
+  std::vector<int32_t> host(static_cast<size_t>(2 * P));
+  for (int64_t i = 0; i < P; ++i) {
+    host[static_cast<size_t>(i)] = static_cast<int32_t>(lp.pos[static_cast<size_t>(i)]);
+    host[static_cast<size_t>(P + i)] = lp.target[static_cast<size_t>(i)];
+  }
+  const Tensor list = Tensor::from_vector(host, {2, P}).to(Device::CUDA);
+
+  const int64_t C = std::min(chunk, P);
+  Tensor th = Tensor::empty({C, D}, DType::F32, Device::CUDA), sh = Tensor::empty({C, D}, DType::F32, Device::CUDA);
+  Tensor lt = Tensor::empty({C, V}, DType::F32, Device::CUDA), ls = Tensor::empty({C, V}, DType::F32, Device::CUDA);
+  Tensor dh = d_student_hidden ? Tensor::empty({C, D}, DType::F32, Device::CUDA) : Tensor();
+  Tensor row_losses = Tensor::empty({2, P}, DType::F64, Device::CUDA);
+  for (int64_t s0 = 0; s0 < P; s0 += C) {
+    const int64_t c = std::min(C, P - s0);
+    Tensor thc = th.rows(0, c), shc = sh.rows(0, c), ltc = lt.rows(0, c), lsc = ls.rows(0, c);
+    gather_loss_rows(teacher_hidden, list, s0, thc);
+    gather_loss_rows(student_hidden, list, s0, shc);
+    ops::linear(thc, lm_head, ltc);
+    ops::linear(shc, lm_head, lsc);
+    kl_ntp_rows(ltc, lsc, list, s0, kl_scale, ntp_scale, d_student_hidden != nullptr, row_losses);
+    if (!d_student_hidden) continue;
+    Tensor dhc = dh.rows(0, c);
+    ops::linear_backward_input(lsc, lm_head, dhc);
+    scatter_loss_rows(dhc, list, s0, *d_student_hidden);
+  }
+
+  // The one device→host copy; the rows summed in position order, as on the CPU.
+  const Tensor losses = row_losses.to(Device::CPU);
+  const double* kl = losses.data<double>();
+  ops::QualitySums sums;
+  sums.positions = P;
+  for (int64_t i = 0; i < P; ++i) {
+    sums.kl += kl[i];
+    sums.ntp += kl[P + i];
+  }
+  return sums;
 }
 
 }  // namespace retain::cuda

@@ -1,6 +1,7 @@
-// CUDA entry points of the fused chunked KL + NTP loss (trainer/loss.h; trainer/loss.cpp runs
-// the chunk loop, the GEMMs through ops::linear / ops::linear_backward_input, and calls these
-// under RETAIN_CUDA_KERNELS). Kernels in kernels/cuda/loss.cu, their per-row math in
+// CUDA side of the fused chunked KL + NTP loss (kernels/loss.h; kernels/loss.cpp checks the
+// arguments, lists the loss positions and dispatches CUDA tensors to kl_ntp_chunked below, which
+// runs the chunk loop with the GEMMs through ops::linear / ops::linear_backward_input and the
+// row kernels below). Kernels in kernels/cuda/loss.cu, their per-row math in
 // kernels/cuda/loss_rows.h.
 //
 // NOT YET RUN ON A GPU: no GPU has been lent to this project's sessions. The row kernel's math
@@ -14,9 +15,16 @@
 #pragma once
 #include <cstdint>
 
+#include "kernels/loss.h"
+#include "kernels/loss_positions.h"
 #include "kernels/tensor.h"
 
 namespace retain::cuda {
+
+// ops::kl_ntp_chunked for CUDA tensors, after its checks, with the host's list of positions.
+ops::QualitySums kl_ntp_chunked(const Tensor& teacher_hidden, const Tensor& student_hidden, const Tensor& lm_head,
+                                const ops::LossPositions& lp, int64_t chunk, double kl_scale, double ntp_scale,
+                                Tensor* d_student_hidden);
 
 // dst[r, :] = src[list[0, begin + r], :] for r < dst.dim(0). src F32 [T, D], dst F32 [c, D].
 void gather_loss_rows(const Tensor& src, const Tensor& list, int64_t begin, Tensor& dst);

@@ -1,6 +1,6 @@
-// The per-row math of the fused KL + NTP loss (DESIGN §4 "Quality"; trainer/loss.h), written as
+// The per-row math of the fused KL + NTP loss (DESIGN §4 "Quality"; kernels/loss.h), written as
 // __host__ __device__ functions so that one copy of every formula serves three callers: the
-// CUDA row kernel (kernels/cuda/loss.cu), the CPU loss (trainer/loss.cpp, whose results these
+// CUDA row kernel (kernels/cuda/loss.cu), the CPU loss (kernels/cpu/loss.cpp, whose results these
 // expressions reproduce bit for bit), and tests/cuda/test_loss_rows.cpp, which runs the kernel's
 // reduction thread by thread on the CPU in every build. Plain C++ when not compiled by nvcc.
 // Not yet run on a GPU (none has been lent); tests/cuda/test_loss_cuda.cpp is the GPU check.

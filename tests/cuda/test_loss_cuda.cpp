@@ -1,4 +1,4 @@
-// trainer::kl_ntp_chunked on CUDA tensors (kernels/cuda/loss.cu, the GEMMs through ops::linear*)
+// ops::kl_ntp_chunked on CUDA tensors (kernels/cuda/loss.cu, the GEMMs through ops::linear*)
 // against the same function on CPU tensors, on fresh random problems per run (the seed is printed
 // with every failure; RETAIN_TEST_SEED=n replays one): F32 and BF16 lm_head (BF16 against the CPU
 // on the bf16-rounded lm_head and hidden rows), chunk sizes from 1 to past the position count,
@@ -34,10 +34,10 @@
 #include "kernels/cuda/memory.h"
 #include "tests/cuda/cuda_test.h"
 #include "tests/error_helpers.h"
-#include "trainer/loss.h"
+#include "kernels/loss.h"
 
 using namespace retain;
-using trainer::QualitySums;
+using ops::QualitySums;
 
 namespace {
 
@@ -77,7 +77,7 @@ Problem make_problem(int64_t T, int64_t D, int64_t V, double logit_scale, std::m
     tm[t] = t % 5 == 3 ? 0 : 1;
   }
   p.ids = Tensor::from_vector(ids, {T});
-  p.mask = trainer::loss_positions(Tensor::from_vector(doc, {T}), Tensor::from_vector(tm, {T}));
+  p.mask = ops::loss_positions(Tensor::from_vector(doc, {T}), Tensor::from_vector(tm, {T}));
   return p;
 }
 
@@ -103,7 +103,7 @@ Result run_cpu(const Problem& p, const Vec& teacher, const Vec& student, const V
                double ntp_scale) {
   Tensor grad = Tensor::empty({p.T, p.D}, DType::F32);
   Result r;
-  r.sums = trainer::kl_ntp_chunked(Tensor::from_vector(teacher, {p.T, p.D}), Tensor::from_vector(student, {p.T, p.D}),
+  r.sums = ops::kl_ntp_chunked(Tensor::from_vector(teacher, {p.T, p.D}), Tensor::from_vector(student, {p.T, p.D}),
                                    Tensor::from_vector(W, {p.V, p.D}), p.ids, p.mask, chunk, kl_scale, ntp_scale,
                                    &grad);
   r.grad.assign(grad.data<float>(), grad.data<float>() + grad.numel());
@@ -118,7 +118,7 @@ Result run_gpu(const Problem& p, bool bf16, int64_t chunk, double kl_scale, doub
   const Tensor W = (bf16 ? bf16_tensor(p.W, {p.V, p.D}) : Tensor::from_vector(p.W, {p.V, p.D})).to(Device::CUDA);
   Tensor grad = Tensor::from_vector(Vec(static_cast<size_t>(p.T * p.D), 123.0f), {p.T, p.D}).to(Device::CUDA);
   Result r;
-  r.sums = trainer::kl_ntp_chunked(th, sh, W, p.ids, p.mask, chunk, kl_scale, ntp_scale, &grad);
+  r.sums = ops::kl_ntp_chunked(th, sh, W, p.ids, p.mask, chunk, kl_scale, ntp_scale, &grad);
   const Tensor host = grad.to(Device::CPU);
   r.grad.assign(host.data<float>(), host.data<float>() + host.numel());
   return r;
@@ -297,11 +297,11 @@ TEST_F(LossCuda, HoldsOneChunkOfLogits) {
     const Tensor sh = Tensor::from_vector(p.student, {p.T, p.D}).to(Device::CUDA);
     const Tensor W = (bf16 ? bf16_tensor(p.W, {p.V, p.D}) : Tensor::from_vector(p.W, {p.V, p.D})).to(Device::CUDA);
     Tensor grad = Tensor::empty({p.T, p.D}, DType::F32, Device::CUDA);
-    const QualitySums warm = trainer::kl_ntp_chunked(th, sh, W, p.ids, p.mask, C, 0.5, 0.5, &grad);
+    const QualitySums warm = ops::kl_ntp_chunked(th, sh, W, p.ids, p.mask, C, 0.5, 0.5, &grad);
     cuda::synchronize();
     const size_t before = cuda::device_memory_stats().in_use;
     cuda::reset_device_memory_peak();
-    const QualitySums got = trainer::kl_ntp_chunked(th, sh, W, p.ids, p.mask, C, 0.5, 0.5, &grad);
+    const QualitySums got = ops::kl_ntp_chunked(th, sh, W, p.ids, p.mask, C, 0.5, 0.5, &grad);
     cuda::synchronize();
     const cuda::DeviceMemoryStats after = cuda::device_memory_stats();
     EXPECT_EQ(got.kl, warm.kl);
@@ -328,7 +328,7 @@ TEST_F(LossCuda, BitwiseRepeatableAndNoGradientSameSums) {
     const Tensor th = Tensor::from_vector(p.teacher, {p.T, p.D}).to(Device::CUDA);
     const Tensor sh = Tensor::from_vector(p.student, {p.T, p.D}).to(Device::CUDA);
     const Tensor W = (bf16 ? bf16_tensor(p.W, {p.V, p.D}) : Tensor::from_vector(p.W, {p.V, p.D})).to(Device::CUDA);
-    const QualitySums c = trainer::kl_ntp_chunked(th, sh, W, p.ids, p.mask, 7, 0.5, 0.5, nullptr);
+    const QualitySums c = ops::kl_ntp_chunked(th, sh, W, p.ids, p.mask, 7, 0.5, 0.5, nullptr);
     EXPECT_EQ(c.kl, a.sums.kl);
     EXPECT_EQ(c.ntp, a.sums.ntp);
     EXPECT_EQ(c.positions, a.sums.positions);
@@ -356,16 +356,16 @@ TEST_F(LossCuda, BadInputs) {
   const Tensor W = Tensor::from_vector(p.W, {p.V, p.D});
   const Tensor thd = th.to(Device::CUDA), shd = sh.to(Device::CUDA), Wd = W.to(Device::CUDA);
   Tensor grad_cpu = Tensor::empty({p.T, p.D}, DType::F32);
-  test_support::expect_one_line_error([&] { trainer::kl_ntp_chunked(thd, shd, W, p.ids, p.mask, 4, 0.5, 0.5, nullptr); }, "one device");
-  test_support::expect_one_line_error([&] { trainer::kl_ntp_chunked(thd, sh, Wd, p.ids, p.mask, 4, 0.5, 0.5, nullptr); }, "one device");
-  test_support::expect_one_line_error([&] { trainer::kl_ntp_chunked(thd, shd, Wd, p.ids, p.mask, 4, 0.5, 0.5, &grad_cpu); }, "one device");
-  test_support::expect_one_line_error([&] { trainer::kl_ntp_chunked(thd, shd, Wd, p.ids.to(Device::CUDA), p.mask, 4, 0.5, 0.5, nullptr); },
+  test_support::expect_one_line_error([&] { ops::kl_ntp_chunked(thd, shd, W, p.ids, p.mask, 4, 0.5, 0.5, nullptr); }, "one device");
+  test_support::expect_one_line_error([&] { ops::kl_ntp_chunked(thd, sh, Wd, p.ids, p.mask, 4, 0.5, 0.5, nullptr); }, "one device");
+  test_support::expect_one_line_error([&] { ops::kl_ntp_chunked(thd, shd, Wd, p.ids, p.mask, 4, 0.5, 0.5, &grad_cpu); }, "one device");
+  test_support::expect_one_line_error([&] { ops::kl_ntp_chunked(thd, shd, Wd, p.ids.to(Device::CUDA), p.mask, 4, 0.5, 0.5, nullptr); },
                "CPU tensors");
   Tensor ids = p.ids.clone();
   int64_t t = 0;
   while (!p.mask.data<uint8_t>()[t]) ++t;
   ids.data<int32_t>()[t + 1] = 64;
-  test_support::expect_one_line_error([&] { trainer::kl_ntp_chunked(thd, shd, Wd, ids, p.mask, 4, 0.5, 0.5, nullptr); },
+  test_support::expect_one_line_error([&] { ops::kl_ntp_chunked(thd, shd, Wd, ids, p.mask, 4, 0.5, 0.5, nullptr); },
                fmt::format("target id 64 at position {}", t + 1));
 }
 

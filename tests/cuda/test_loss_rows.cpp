@@ -5,7 +5,7 @@
 // multiples of the block; logits spread over 1e4 and offset by 5e3; targets at block edges).
 // Checked, per row, against
 //   - a long-double reference (softmax by definition), within the bound below;
-//   - the CPU trainer::kl_ntp_chunked (per-row KL and NTP, and the logit gradient itself,
+//   - the CPU ops::kl_ntp_chunked (per-row KL and NTP, and the logit gradient itself,
 //     read exactly out of d_student_hidden through one-hot lm_head columns), within the sum of
 //     both orders' bounds — and bit for bit where every sum is exact.
 // What the emulation cannot check is the CUDA plumbing (launches, barriers, shared memory, the
@@ -35,7 +35,7 @@
 
 #include "kernels/cuda/loss_rows.h"
 #include "tests/cuda/cuda_test.h"
-#include "trainer/loss.h"
+#include "kernels/loss.h"
 
 using namespace retain;
 namespace lr = retain::cuda::loss_rows;
@@ -87,7 +87,7 @@ RowResult kernel_emulated(const Row& row, double kl_scale, double ntp_scale) {
 
 // ---- the CPU loss on the same row --------------------------------------------------------------
 
-// trainer::kl_ntp_chunked on T = 2 tokens, one loss position, with lm_head [V, 2 + probes]:
+// ops::kl_ntp_chunked on T = 2 tokens, one loss position, with lm_head [V, 2 + probes]:
 // columns 0 and 1 are the teacher and student logits, selected by the hidden rows (1, 0, 0, ...)
 // and (0, 1, 0, ...), so the GEMM reproduces them exactly (products with 1 and 0, sums with 0);
 // column 2 + j is one-hot at probes[j], so d_student_hidden[0, 2 + j] = g[probes[j]] exactly.
@@ -109,7 +109,7 @@ CpuRow cpu_row(const Row& row, const std::vector<int64_t>& probes, double kl_sca
   sh.data<float>()[1] = 1.0f;
   const Tensor ids = Tensor::from_vector(std::vector<int32_t>{0, row.y}, {2});
   const Tensor mask = Tensor::from_vector(std::vector<uint8_t>{1, 0}, {2});
-  const trainer::QualitySums q = trainer::kl_ntp_chunked(th, sh, W, ids, mask, 1, kl_scale, ntp_scale, &grad);
+  const ops::QualitySums q = ops::kl_ntp_chunked(th, sh, W, ids, mask, 1, kl_scale, ntp_scale, &grad);
   EXPECT_EQ(q.positions, 1);
   CpuRow out{q.kl, q.ntp, {}};
   for (size_t j = 0; j < probes.size(); ++j) out.probed.push_back(grad.data<float>()[2 + static_cast<int64_t>(j)]);

@@ -1,4 +1,4 @@
-// The chunked KL + NTP loss (trainer/loss.h) against a naive float64 implementation written
+// The chunked KL + NTP loss (kernels/loss.h) against a naive float64 implementation written
 // here from DESIGN §4 (full [T, V] logits in double, softmax by definition), its gradient
 // against that reference and against central finite differences of it, chunk-size and
 // thread-count invariance, and the loss positions.
@@ -12,10 +12,10 @@
 #include <random>
 #include <vector>
 
-#include "trainer/loss.h"
+#include "kernels/loss.h"
 
 using namespace retain;
-using namespace retain::trainer;
+using namespace retain::ops;  // kernels/loss.h
 
 namespace {
 

@@ -4,12 +4,15 @@
 // held for the whole sequence: `chunk` loss positions at a time are gathered, their teacher
 // and student logits formed (chunk × V each), and log-softmax, KL, NTP and the logit gradient
 // fused over them. The trainer divides the sums by the global count of loss positions.
+// One op, one dispatch on the device (kernels/loss.cpp): the CPU reference in kernels/cpu/loss.cpp,
+// the CUDA chunk loop and its row kernels in kernels/cuda/loss.cu; both share the per-row formulas
+// of kernels/cuda/loss_rows.h.
 #pragma once
 #include <cstdint>
 
 #include "kernels/tensor.h"
 
-namespace retain::trainer {
+namespace retain::ops {
 
 // U8 [T]: 1 where t is a loss position: t+1 < T, doc[t] >= 0, doc[t+1] == doc[t],
 // target_mask[t+1] != 0. doc I32 [T], target_mask U8 [T].
@@ -45,4 +48,4 @@ QualitySums kl_ntp_chunked(const Tensor& teacher_hidden, const Tensor& student_h
                            const Tensor& ids, const Tensor& mask, int64_t chunk, double kl_scale, double ntp_scale,
                            Tensor* d_student_hidden);
 
-}  // namespace retain::trainer
+}  // namespace retain::ops
