@@ -8,6 +8,7 @@
 
 #include <algorithm>
 
+#include "kernels/base/atomic_file.h"
 #include "kernels/base/error.h"
 
 namespace retain::data {
@@ -43,10 +44,13 @@ InputFile::InputFile(std::filesystem::path path, InputFormat format, TxtMode txt
     : path_(std::move(path)), format_(resolve_format(path_, format)), txt_mode_(txt_mode) {
   std::error_code ec;
   if (std::filesystem::is_directory(path_, ec)) fail("{}: is a directory, not an input file", path_.string());
+  fd_ = open_regular_file(path_.string());  // before anything that could block on a FIFO
   size_ = std::filesystem::file_size(path_, ec);
-  if (ec) fail("{}: cannot open: {}", path_.string(), ec.message());
-  fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd_ < 0) fail("{}: cannot open: {}", path_.string(), std::strerror(errno));
+  if (ec) {
+    ::close(fd_);
+    fd_ = -1;
+    fail("{}: cannot open: {}", path_.string(), ec.message());
+  }
   try {
     raw_.resize(kRawChunk);
     read_raw();
@@ -155,6 +159,9 @@ bool InputFile::next_line(std::string& out) {
       break;
     }
     const size_t scanned = buf_.size() - pos_;
+    if (scanned > kMaxLineBytes)
+      fail("{}:{}: a line longer than {} MiB (retain-pack's limit per record: split the document)", path_.string(),
+           line_ + 1, kMaxLineBytes >> 20);
     if (!fill()) {
       if (pos_ >= buf_.size()) return false;
       out.assign(buf_, pos_, std::string::npos);  // a last line without a newline
@@ -172,6 +179,10 @@ bool InputFile::next(InputRecord& record) {
   if (format_ == InputFormat::txt && txt_mode_ == TxtMode::file) {
     if (line_ > 0) return false;
     while (fill()) {
+      if (buf_.size() - pos_ > kMaxFileDocumentBytes)
+        fail("{}: a text document longer than {} MiB (retain-pack's limit for --txt-mode file: split the file, or "
+             "use --txt-mode line)",
+             path_.string(), kMaxFileDocumentBytes >> 20);
     }
     record.text.assign(buf_, pos_, std::string::npos);
     pos_ = buf_.size();

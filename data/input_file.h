@@ -32,8 +32,15 @@ class InputFile {
   InputFile& operator=(const InputFile&) = delete;
 
   // The next record, false at the end of the file. Throws retain::Error naming the file on a
-  // read error, a truncated/corrupt gzip stream or trailing garbage after it.
+  // read error, a truncated/corrupt gzip stream or trailing garbage after it, and on a record
+  // above the limits below (checked while reading, so a 4 MB gzip of 4 GiB without a newline
+  // stops at the limit, not at the end of memory).
   bool next(InputRecord& record);
+
+  // The longest JSON line or text line (64 MiB: a whole book is ~1 MiB, a training sequence
+  // far less), and the longest text file read as one document (--txt-mode file).
+  static constexpr size_t kMaxLineBytes = size_t{64} << 20;
+  static constexpr size_t kMaxFileDocumentBytes = size_t{1} << 30;
 
   bool is_json() const { return format_ == InputFormat::jsonl; }
   const std::filesystem::path& path() const { return path_; }

@@ -4,6 +4,7 @@
 #include <unordered_set>
 
 #include "data/tokenizer/sha256.h"
+#include "kernels/base/atomic_file.h"
 #include "kernels/base/error.h"
 #include "kernels/ops.h"
 
@@ -48,7 +49,8 @@ PackedDataset PackedDataset::open(const std::filesystem::path& path) {
   ds.name_ = path.string();
   const std::string& p = ds.name_;
   std::error_code ec;
-  if (!std::filesystem::is_regular_file(path, ec)) fail("{}: no such file", p);
+  if (!std::filesystem::exists(path, ec)) fail("{}: no such file", p);
+  require_regular_file(p);  // libhdf5 would block on a FIFO
   if (H5Fis_hdf5(p.c_str()) <= 0) fail("{}: not an HDF5 file", p);
   ds.file_ = formats::h5::Handle(H5Fopen(p.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
   if (!ds.file_.valid()) fail("{}: cannot open as HDF5", p);

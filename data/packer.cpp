@@ -14,6 +14,7 @@
 #include <map>
 #include <mutex>
 #include <set>
+#include <system_error>
 #include <thread>
 
 #include "data/packed_writer.h"
@@ -118,16 +119,16 @@ struct Chunk {
 class ParallelParser {
  public:
   ParallelParser(int threads, std::function<void(Chunk&)> work) : work_(std::move(work)) {
-    for (int i = 0; i < threads; ++i) workers_.emplace_back([this] { loop(); });
-  }
-  ~ParallelParser() {
-    {
-      std::lock_guard<std::mutex> lock(m_);
-      stop_ = true;
+    try {
+      for (int i = 0; i < threads; ++i) workers_.emplace_back([this] { loop(); });
+    } catch (const std::system_error& e) {  // the system refused a thread: stop the ones started
+      const size_t started = workers_.size();
+      stop_and_join();
+      fail("cannot start {} tokenizer threads (the system refused the {}th: {}); use fewer --threads", threads,
+           started + 1, e.what());
     }
-    work_cv_.notify_all();
-    for (auto& t : workers_) t.join();
   }
+  ~ParallelParser() { stop_and_join(); }
   ParallelParser(const ParallelParser&) = delete;
   ParallelParser& operator=(const ParallelParser&) = delete;
 
@@ -154,6 +155,15 @@ class ParallelParser {
   }
 
  private:
+  void stop_and_join() {
+    {
+      std::lock_guard<std::mutex> lock(m_);
+      stop_ = true;
+    }
+    work_cv_.notify_all();
+    for (auto& t : workers_)
+      if (t.joinable()) t.join();
+  }
   void loop() {
     for (;;) {
       std::unique_ptr<Chunk> c;
@@ -208,6 +218,9 @@ void tokenize_inputs(const Tokenizer& tok, const PackOptions& opt, SpillFile& sp
       try {
         c.results[i] = c.json ? parse_json_record(c.records[i].text, tok, chat, dopt)
                               : parse_text_record(c.records[i].text, tok, dopt);
+      } catch (const std::bad_alloc&) {
+        c.results[i].status = ParsedRecord::Status::error;
+        c.results[i].error = fmt::format("out of memory while tokenizing this record of {} bytes", c.records[i].text.size());
       } catch (const std::exception& e) {
         c.results[i].status = ParsedRecord::Status::error;
         c.results[i].error = e.what();

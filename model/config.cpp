@@ -35,6 +35,15 @@ struct Reader {
     return v;
   }
   int64_t positive_or(const char* key, int64_t dflt) const { return has(key) ? positive(key) : dflt; }
+  // A size every later allocation derives from, within retain's limit (Qwen3Config::kLimits):
+  // checked here, before any buffer sized by it exists.
+  int64_t bounded(const char* key, int64_t v) const {
+    for (const auto& [name, limit] : Qwen3Config::kLimits)
+      if (std::string_view(name) == key && v > limit)
+        fail("{}: '{}' is {}, above retain's limit of {} (the largest Qwen3 has {}; docs/reliability.md)", src, key, v,
+             limit, Qwen3Config::largest_known(key));
+    return v;
+  }
   bool boolean_or(const char* key, bool dflt) const {
     if (!has(key)) return dflt;
     if (!j.at(key).is_boolean()) fail("{}: '{}' must be true or false, got {}", src, key, j.at(key).dump());
@@ -131,14 +140,14 @@ Qwen3Config Qwen3Config::from_json(const json& j, const std::string& src) {
   if (model_type != "qwen3") fail("{}: model_type '{}' is not supported (expected \"qwen3\")", src, model_type);
 
   Qwen3Config c;
-  c.vocab_size = r.positive("vocab_size");
-  c.hidden_size = r.positive("hidden_size");
-  c.intermediate_size = r.positive("intermediate_size");
-  c.num_hidden_layers = r.positive("num_hidden_layers");
-  c.num_attention_heads = r.positive("num_attention_heads");
-  c.num_key_value_heads = r.positive_or("num_key_value_heads", c.num_attention_heads);
-  c.head_dim = r.positive_or("head_dim", 128);
-  c.max_position_embeddings = r.positive_or("max_position_embeddings", 32768);
+  c.vocab_size = r.bounded("vocab_size", r.positive("vocab_size"));
+  c.hidden_size = r.bounded("hidden_size", r.positive("hidden_size"));
+  c.intermediate_size = r.bounded("intermediate_size", r.positive("intermediate_size"));
+  c.num_hidden_layers = r.bounded("num_hidden_layers", r.positive("num_hidden_layers"));
+  c.num_attention_heads = r.bounded("num_attention_heads", r.positive("num_attention_heads"));
+  c.num_key_value_heads = r.bounded("num_key_value_heads", r.positive_or("num_key_value_heads", c.num_attention_heads));
+  c.head_dim = r.bounded("head_dim", r.positive_or("head_dim", 128));
+  c.max_position_embeddings = r.bounded("max_position_embeddings", r.positive_or("max_position_embeddings", 32768));
   if (r.has("rms_norm_eps")) c.rms_norm_eps = r.number(j.at("rms_norm_eps"), "rms_norm_eps");
   if (!(c.rms_norm_eps >= 0)) fail("{}: rms_norm_eps must be >= 0", src);
   c.tie_word_embeddings = r.boolean_or("tie_word_embeddings", false);
@@ -162,6 +171,16 @@ Qwen3Config Qwen3Config::from_json(const json& j, const std::string& src) {
   }
   c.rope = parse_rope(r, c.max_position_embeddings);
   return c;
+}
+
+int64_t Qwen3Config::largest_known(std::string_view key) {
+  static constexpr std::pair<const char*, int64_t> kLargest[] = {
+      {"vocab_size", 151936},       {"hidden_size", 5120},         {"intermediate_size", 25600},
+      {"num_hidden_layers", 94},    {"num_attention_heads", 64},   {"num_key_value_heads", 8},
+      {"head_dim", 128},            {"max_position_embeddings", 262144}};
+  for (const auto& [name, v] : kLargest)
+    if (key == name) return v;
+  return 0;
 }
 
 Qwen3Config Qwen3Config::load(const std::string& path) {

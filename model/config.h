@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <string_view>
+#include <utility>
 
 #include <nlohmann/json_fwd.hpp>
 
@@ -24,6 +26,18 @@ struct RopeConfig {
 };
 
 struct Qwen3Config {
+  // The largest value retain accepts for each size field, checked when config.json is read, before
+  // anything is allocated from it: far above every released Qwen3 (the largest, Qwen3-235B-A22B
+  // and the 2507 models, have 94 layers, hidden 4096, 64 heads, head_dim 128, vocab 151,936,
+  // 262,144 positions), far below what would exhaust memory before the checkpoint is checked.
+  static constexpr std::pair<const char*, int64_t> kLimits[] = {
+      {"vocab_size", int64_t{1} << 22},        {"hidden_size", int64_t{1} << 16},
+      {"intermediate_size", int64_t{1} << 20}, {"num_hidden_layers", 1024},
+      {"num_attention_heads", 1024},           {"num_key_value_heads", 1024},
+      {"head_dim", 1024},                      {"max_position_embeddings", int64_t{1} << 24}};
+  // The largest released Qwen3's value of a size field, for the error message.
+  static int64_t largest_known(std::string_view key);
+
   int64_t vocab_size = 0;
   int64_t hidden_size = 0;
   int64_t intermediate_size = 0;

@@ -159,16 +159,17 @@ void make_tiny_model(const std::string& dir, const TinyModelOptions& opt) {
     fail("{}: the model would hold {} parameters ({:.1f} GiB of BF16); retain-make-tiny makes test models of at "
          "most {:g} GiB (--max-gib raises it)",
          dir, params, gib, opt.max_gib);
-  // The output folder's parent must exist (as for every tool). A new folder is built beside it
-  // and renamed into place, so an interrupted run leaves no half-made model under DIR; into an
-  // existing folder each file is written atomically.
+  // The output folder's parent must exist (as for every tool). The model is built beside DIR
+  // and renamed into place, so an interrupted run leaves no half-made model, and a replaced
+  // folder keeps no stale file (gates that no longer fit the new shapes).
   std::error_code ec;
   const fs::path target = fs::absolute(dir).lexically_normal();
   if (!fs::is_directory(target.parent_path(), ec))
     fail("--out {}: the folder {} does not exist", dir, target.parent_path().string());
   if (fs::exists(target, ec) && !fs::is_directory(target, ec)) fail("--out {}: is not a directory", dir);
-  const bool fresh = !fs::exists(target, ec);
-  const fs::path build = fresh ? fs::path(target.string() + ".tmp." + std::to_string(::getpid())) : target;
+  if (fs::is_directory(target, ec) && !fs::is_empty(target, ec) && !opt.replace)
+    fail("--out {}: already exists and is not empty (pass --force to replace it)", dir);
+  const fs::path build = fs::path(target.string() + ".tmp." + std::to_string(::getpid()));
   struct Cleanup {
     fs::path p;
     bool armed;
@@ -176,8 +177,9 @@ void make_tiny_model(const std::string& dir, const TinyModelOptions& opt) {
       std::error_code e;
       if (armed) fs::remove_all(p, e);
     }
-  } cleanup{build, fresh};
-  if (fresh && !fs::create_directory(build, ec)) fail("{}: cannot create directory: {}", build.string(), ec.message());
+  } cleanup{build, true};
+  fs::remove_all(build, ec);
+  if (!fs::create_directory(build, ec)) fail("{}: cannot create directory: {}", build.string(), ec.message());
 
   // Scale each matrix by 1/sqrt(fan_in) so activations and logits stay O(1) and the
   // model's outputs depend visibly on every weight (a stronger test than HF's 0.02 init).
@@ -192,11 +194,8 @@ void make_tiny_model(const std::string& dir, const TinyModelOptions& opt) {
   write_file_atomic((build / "tokenizer.json").string(), tiny_tokenizer_json().dump(2) + "\n");
   formats::write_safetensors((build / "model.safetensors").string(), tensors, {{"format", "pt"}, {"producer", "retain-make-tiny"}});
   if (gates) gates->save((build / "gates.safetensors").string(), {{"producer", "retain-make-tiny"}});
-  if (fresh) {
-    fs::rename(build, target, ec);
-    if (ec) fail("{}: cannot create: {}", dir, ec.message());
-    cleanup.armed = false;
-  }
+  replace_directory(build.string(), target.string(), dir);
+  cleanup.armed = false;
 }
 
 }  // namespace retain

@@ -32,6 +32,9 @@ struct TinyModelOptions {
   std::optional<gates::GateKind> gate_kind;
   int64_t gate_hidden = 16;
   double gate_bias_init = 2.0;
+  // An existing, non-empty DIR is replaced only when set (retain-make-tiny --force): a trained
+  // run's folder must not lose its config.json and gates to a mistyped --out.
+  bool replace = false;
 };
 
 // The tokenizer's special tokens, right after the 256 byte tokens.
@@ -43,7 +46,9 @@ Qwen3Config tiny_config(const TinyModelOptions& opt);
 // unicode mapping, in its order), no merges, Qwen3's Split regex, NFC, special tokens.
 nlohmann::json tiny_tokenizer_json();
 // Writes config.json, model.safetensors, tokenizer.json (and gates.safetensors when
-// opt.gate_kind is set) into `dir` (created if missing).
+// opt.gate_kind is set) as the folder `dir`: built beside it and renamed into place, so `dir`
+// holds the whole model and nothing else, or is untouched. An existing empty `dir` is replaced;
+// a non-empty one only with opt.replace (else a retain::Error naming it).
 void make_tiny_model(const std::string& dir, const TinyModelOptions& opt);
 
 }  // namespace retain

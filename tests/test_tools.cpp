@@ -181,7 +181,8 @@ TEST_F(Tools, MakeTinyValidatesOptions) {
            {"--gates lstm", "--gates: unknown gate kind 'lstm'"},
            {"--gates trimkv --gate-hidden 0", "--gate-hidden must be positive"},
            {"--bias-init 3", "need --gates"},
-           {"--gates trimkv --bias-init nan", "bias init nan is not finite"}}) {
+           {"--gates trimkv --bias-init nan", "--bias-init must be a finite number, got nan"},
+           {"--yarn-factor inf", "--yarn-factor must be a finite number, got inf"}}) {
     const fs::path out = root_ / "badtiny";
     const Result r = run("retain-make-tiny --out " + out.string() + " " + args);
     EXPECT_EQ(r.code, 2) << args << ": a command-line mistake";

@@ -20,10 +20,12 @@
 #include "data/packed_dataset.h"
 #include "data/tokenizer/sha256.h"
 #include "kernels/base/atomic_file.h"
+#include "kernels/base/cli.h"
 #include "kernels/base/error.h"
 #include "kernels/base/fault.h"
 #include "model/kvpop/scorers.h"
 #include "kernels/base/nvtx.h"
+#include "kernels/base/run_lock.h"
 #include "kernels/cuda/memory.h"
 #include "kernels/device.h"
 #include "model/device_weights.h"
@@ -367,11 +369,19 @@ int run_training(const TrainConfig& cfg, dist::Comm& comm) {
   // The run directory: a fresh run refuses one that already has checkpoints. Nothing is created
   // before the first step has run (a bad --init-gates, bad token ids, a NaN in step 1 leave no
   // half-made run behind); its parent folder must exist, as for every tool's output.
+  // Rank 0 holds the run directory's lock (kernels/base/run_lock.h) until the run ends: a second
+  // run into it, or a --resume of it while this one goes, stops here naming this process.
+  std::optional<RunLock> run_lock;
   collectively(comm, [&] {
     if (!main_rank) return;
     const fs::path parent = fs::absolute(cfg.run_dir).lexically_normal().parent_path();
     if (!fs::is_directory(parent)) fail("--out {}: the folder {} does not exist", cfg.run_dir, parent.string());
     if (fs::exists(cfg.run_dir) && !fs::is_directory(cfg.run_dir)) fail("--out {}: is not a directory", cfg.run_dir);
+    std::error_code ec;
+    for (const std::string& in : {cfg.model_dir, cfg.data_path, cfg.init_gates})
+      if (!in.empty() && fs::exists(cfg.run_dir, ec) && fs::equivalent(cfg.run_dir, in, ec))
+        fail("--out {}: is also an input ({}); a run writes its config.json and checkpoints there", cfg.run_dir, in);
+    run_lock.emplace(RunLock::acquire(cfg.run_dir));
     if (fs::is_directory(cfg.run_dir)) ckpt::remove_stale_temporaries(cfg.run_dir);
   });
   // Rank 0 alone reads `latest` and tells the others: on a shared file system with stale
@@ -540,6 +550,8 @@ int run_training(const TrainConfig& cfg, dist::Comm& comm) {
     update.apply(lr, cfg.clip);
     phase_range.reset();
     ++step;
+    if (fault::overflows_after(step))  // tests only (kernels/base/fault.h): values gone to ±inf
+      for (Parameter& p : gates.parameters()) std::fill_n(p.value.data<float>(), p.value.numel(), 1e30f * 1e30f);
     materialize();
 
     const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
@@ -626,6 +638,7 @@ void dump_gradients(const TrainConfig& cfg, dist::Comm& comm) {
   Inputs in;
   std::unique_ptr<Trainee> trainee;
   collectively(comm, [&] {
+    if (comm.is_main_rank()) cli::check_output("--dump-grads", cfg.dump_grads, {cfg.model_dir, cfg.data_path, cfg.init_gates});
     in = open_inputs(cfg, comm);
     trainee = make_trainee(cfg, in);
   });

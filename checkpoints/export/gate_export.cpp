@@ -121,21 +121,7 @@ void write_trimkv_dir(const std::string& out, const gates::RetentionGates& g, co
   if (!fs::create_directory(tmp, ec)) fail("{}: cannot create {}: {}", out, tmp.string(), ec.message());
   write_file_atomic((tmp / "config.json").string(), cfg.dump(2) + "\n");
   formats::torchfile::write_torch_file((tmp / gates::kTrimkvWeightsFile).string(), export_tensors(g, dtype));
-  if (fs::exists(target, ec)) {
-    const fs::path old = target.string() + ".old." + std::to_string(::getpid());
-    fs::rename(target, old, ec);
-    if (ec) fail("{}: cannot replace: {}", out, ec.message());
-    fs::rename(tmp, target, ec);
-    if (ec) {
-      std::error_code e2;
-      fs::rename(old, target, e2);
-      fail("{}: cannot replace: {}", out, ec.message());
-    }
-    fs::remove_all(old, ec);
-  } else {
-    fs::rename(tmp, target, ec);
-    if (ec) fail("{}: cannot create: {}", out, ec.message());
-  }
+  replace_directory(tmp.string(), target.string(), out);
   cleanup.armed = false;
 }
 

@@ -160,6 +160,8 @@ int run(int argc, char** argv) {
     config = gates::trimkv_dir_model_config(src.gates_path);
     base_config = nlohmann::ordered_json::parse(read_file((fs::path(src.gates_path) / "config.json").string()));
   }
+  // --force replaces an output, never what this export reads (the gates, the run, the model).
+  cli::check_output("--out", out, {from, src.gates_path, model_dir});
   // KVPOP scorers (DESIGN §5) travel as safetensors or GGUF only.
   const bool kvpop = kvpop::holds_kvpop(src.gates_path);
   if (kvpop && format_text == "trimkv")

@@ -119,11 +119,9 @@ struct SafetensorsFile::Mapping {
 };
 
 SafetensorsFile SafetensorsFile::open(const std::string& path) {
-  Fd fd{::open(path.c_str(), O_RDONLY | O_CLOEXEC)};
-  if (fd.fd < 0) fail("{}: cannot open: {}", path, std::strerror(errno));
+  Fd fd{open_regular_file(path)};  // a FIFO or device is refused before any blocking read
   struct stat st {};
   if (::fstat(fd.fd, &st) != 0) fail("{}: cannot stat: {}", path, std::strerror(errno));
-  if (!S_ISREG(st.st_mode)) fail("{}: not a regular file", path);
   uint64_t size = static_cast<uint64_t>(st.st_size);
   // Also rules out mmap of an empty file, which fails.
   if (size < 8) fail("{}: file is {} bytes, too small for the 8-byte header length", path, size);

@@ -95,6 +95,7 @@ Tensor gather(const TensorRecord& r, const std::string& storage, const std::stri
 }  // namespace
 
 NamedTensors read_torch_file(const std::string& path) {
+  require_regular_file(path);  // libzip opens by name: a FIFO would block it
   int code = 0;
   std::unique_ptr<zip_t, ZipCloser> z(zip_open(path.c_str(), ZIP_RDONLY | ZIP_CHECKCONS, &code));
   if (!z) {

@@ -6,6 +6,7 @@
 #include <functional>
 #include <optional>
 #include <memory>
+#include <algorithm>
 #include <set>
 #include <unordered_map>
 
@@ -18,6 +19,12 @@ namespace {
 struct Value;
 using ValuePtr = std::shared_ptr<Value>;
 
+// Limits that hold for every pickle, however hostile, below what any state dict needs: a state
+// dict nests 4 deep (dict → the rebuild's argument tuple → the persistent id or a size tuple →
+// an int) and creates ~15 objects per tensor.
+constexpr int kMaxDepth = 64;              // containers inside containers
+constexpr int64_t kMaxObjects = 1 << 22;   // values pushed on the machine's stack, in all
+
 // What the machine's stack can hold. Globals are names, never resolved to anything callable.
 struct Value {
   enum Kind { None, Bool, Int, Str, Tuple, List, Dict, Global, Storage, Tensor, Mark } kind = None;
@@ -25,6 +32,25 @@ struct Value {
   std::string s;                 // Str; Global: "module.name"
   std::vector<ValuePtr> items;   // Tuple, List; Dict: key, value, key, value, …
   TensorRecord rec;              // Storage (key, dtype, numel) and Tensor
+  int depth = 0;                 // 1 + the deepest item's, as built (kMaxDepth)
+
+  Value() = default;
+  Value(const Value&) = delete;
+  Value& operator=(const Value&) = delete;
+  // Iterative: a chain of nested containers is freed with a loop, not one stack frame per level
+  // (a recursive destructor overflows the stack on a hostile pickle, whatever the depth check
+  // saw: memo references can nest a container after it was checked).
+  ~Value() {
+    std::vector<ValuePtr> pending = std::move(items);
+    while (!pending.empty()) {
+      ValuePtr v = std::move(pending.back());
+      pending.pop_back();
+      if (v.use_count() == 1) {  // the last owner: take its items before it dies, childless
+        for (ValuePtr& c : v->items) pending.push_back(std::move(c));
+        v->items.clear();
+      }
+    }
+  }
 };
 
 ValuePtr make(Value::Kind k) {
@@ -77,14 +103,14 @@ class Machine {
         }
         case '(': push(make(Value::Mark)); break;
         case ')': push(make(Value::Tuple)); break;
-        case 't': push(tuple_of(pop_mark(at))); break;
+        case 't': push(tuple_of(pop_mark(at), at)); break;
         case 0x85: case 0x86: case 0x87: {  // TUPLE1..3
           const size_t n = op - 0x84u;
           if (stack_.size() < n) err(at, "TUPLE with too few values");
           std::vector<ValuePtr> items(stack_.end() - static_cast<long>(n), stack_.end());
           stack_.resize(stack_.size() - n);
           for (const ValuePtr& x : items) check_not_mark(x, at);
-          push(tuple_of(std::move(items)));
+          push(tuple_of(std::move(items), at));
           break;
         }
         case '}': push(make(Value::Dict)); break;
@@ -188,6 +214,7 @@ class Machine {
 
   void push(ValuePtr v) {
     if (stack_.size() > 100000) err(pos_, "pickle stack deeper than 100000");
+    if (++pushed_ > kMaxObjects) err(pos_, fmt::format("more than {} objects (a state dict needs ~15 per tensor)", kMaxObjects));
     stack_.push_back(std::move(v));
   }
   ValuePtr pop(size_t at) {
@@ -218,8 +245,9 @@ class Machine {
     if (it == memo_.end()) err(at, fmt::format("memo entry {} was never stored", idx));
     return it->second;
   }
-  static ValuePtr tuple_of(std::vector<ValuePtr> items) {
+  ValuePtr tuple_of(std::vector<ValuePtr> items, size_t at) {
     ValuePtr t = make(Value::Tuple);
+    deepen(*t, items, at);
     t->items = std::move(items);
     return t;
   }
@@ -242,14 +270,19 @@ class Machine {
     v->s = name;
     return v;
   }
-  // Whether `target` is `from` or inside it. Containers hold shared_ptrs, so putting a
-  // container into itself (a memo lookup makes that possible) would be a reference cycle that
-  // is never freed; no state dict has one, so it is an error.
+  // Whether `target` is `from` or inside it, walked with an explicit stack (no recursion).
+  // Containers hold shared_ptrs, so putting a container into itself (a memo lookup makes that
+  // possible) would be a reference cycle that is never freed; no state dict has one, so it is
+  // an error.
   static bool contains(const ValuePtr& from, const Value* target, std::set<const Value*>& seen) {
-    if (from.get() == target) return true;
-    if (!seen.insert(from.get()).second) return false;
-    for (const ValuePtr& x : from->items)
-      if (contains(x, target, seen)) return true;
+    std::vector<const Value*> todo{from.get()};
+    while (!todo.empty()) {
+      const Value* v = todo.back();
+      todo.pop_back();
+      if (v == target) return true;
+      if (!seen.insert(v).second) continue;
+      for (const ValuePtr& x : v->items) todo.push_back(x.get());
+    }
     return false;
   }
   void check_no_cycle(const ValuePtr& container, const std::vector<ValuePtr>& vs, size_t at) {
@@ -257,15 +290,23 @@ class Machine {
     for (const ValuePtr& x : vs)
       if (contains(x, container.get(), seen)) err(at, fmt::format("a {} that contains itself", kind_name(container->kind)));
   }
+  // A container gaining `items` nests one deeper than its deepest item: refused past kMaxDepth.
+  void deepen(Value& container, const std::vector<ValuePtr>& items, size_t at) {
+    for (const ValuePtr& x : items) container.depth = std::max(container.depth, x->depth + 1);
+    if (container.depth > kMaxDepth)
+      err(at, fmt::format("containers nested more than {} deep (a state dict nests 4)", kMaxDepth));
+  }
   void set_items(const ValuePtr& dict, const std::vector<ValuePtr>& kv, size_t at) {
     if (dict->kind != Value::Dict) err(at, fmt::format("SETITEM on a {}", kind_name(dict->kind)));
     for (const ValuePtr& x : kv) check_not_mark(x, at);
     check_no_cycle(dict, kv, at);
+    deepen(*dict, kv, at);
     dict->items.insert(dict->items.end(), kv.begin(), kv.end());
   }
   void append(const ValuePtr& list, const std::vector<ValuePtr>& vs, size_t at) {
     if (list->kind != Value::List) err(at, fmt::format("APPEND on a {}", kind_name(list->kind)));
     check_no_cycle(list, vs, at);
+    deepen(*list, vs, at);
     list->items.insert(list->items.end(), vs.begin(), vs.end());
   }
   // A tuple or list of ints (a size or stride).
@@ -326,6 +367,7 @@ class Machine {
   size_t pos_ = 0;
   std::vector<ValuePtr> stack_;
   std::unordered_map<uint32_t, ValuePtr> memo_;
+  int64_t pushed_ = 0;
 };
 
 }  // namespace

@@ -76,12 +76,17 @@ int run(int argc, char** argv) {
     return 0;
   }
   cli::po::notify(vm);
+  cli::check_finite_numbers(vm);
 
   PackOptions o;
   if (seq_len < 2) throw cli::UsageError(fmt::format("--seq-len must be at least 2, got {}", seq_len));
   if (seq_len > INT32_MAX) throw cli::UsageError(fmt::format("--seq-len {} is too large", seq_len));
   if (inputs.empty()) throw cli::UsageError("no input files given");
-  if (threads < 1) throw cli::UsageError(fmt::format("--threads must be at least 1, got {}", threads));
+  // More threads than any machine runs tokenizers on is a typo, not a request (each reserves a
+  // stack; 40,000 exhaust the process's mappings).
+  constexpr int kMaxThreads = 1024;
+  if (threads < 1 || threads > kMaxThreads)
+    throw cli::UsageError(fmt::format("--threads must be between 1 and {}, got {}", kMaxThreads, threads));
   if (level < 0 || level > 9) throw cli::UsageError(fmt::format("--compression must be 0..9, got {}", level));
   if (packing == "concat") o.packing = Packing::concat;
   else if (packing == "bfd") o.packing = Packing::bfd;
@@ -108,6 +113,9 @@ int run(int argc, char** argv) {
   o.skip_bad = vm.count("skip-bad") > 0;
   o.interrupted = &g_interrupted;
 
+  std::vector<std::string> read = {tokenizer, model};
+  read.insert(read.end(), inputs.begin(), inputs.end());
+  cli::check_output("--out", out, read);
   const Tokenizer tok = Tokenizer::load(tokenizer);
   std::optional<ModelEos> model_eos;
   if (!model.empty()) {

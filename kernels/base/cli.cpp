@@ -3,8 +3,11 @@
 #include <unistd.h>
 
 #include <charconv>
+#include <cmath>
 #include <cstdlib>
+#include <filesystem>
 #include <iostream>
+#include <typeinfo>
 
 #include <fmt/format.h>
 #include <spdlog/sinks/stdout_color_sinks.h>
@@ -49,7 +52,37 @@ bool parse(int argc, char** argv, const std::string& usage, po::options_descript
     return false;
   }
   po::notify(vm);  // reports missing required options as po::error
+  check_finite_numbers(vm);
   return true;
+}
+
+void check_output(const char* flag, const std::string& path, const std::vector<std::string>& inputs) {
+  namespace fs = std::filesystem;
+  const fs::path target = fs::absolute(path).lexically_normal();
+  const fs::path parent = target.parent_path();
+  if (!fs::is_directory(parent)) fail("{} {}: the folder {} does not exist", flag, path, parent.string());
+  if (::access(parent.c_str(), W_OK) != 0) fail("{} {}: the folder {} is not writable", flag, path, parent.string());
+  std::error_code ec;
+  for (const std::string& in : inputs) {
+    if (in.empty() || !fs::exists(in, ec)) continue;
+    if (fs::exists(target, ec) && fs::equivalent(target, in, ec))
+      fail("{} {}: is also an input ({}); writing it would destroy it", flag, path, in);
+    if (fs::is_directory(in, ec) && fs::equivalent(parent, in, ec) && fs::exists(target, ec))
+      fail("{} {}: would replace a file inside the input folder {}; write it elsewhere", flag, path, in);
+  }
+}
+
+void check_finite_numbers(const po::variables_map& vm) {
+  for (const auto& [name, value] : vm) {
+    double x = 0;
+    if (value.value().type() == typeid(double))
+      x = value.as<double>();
+    else if (value.value().type() == typeid(float))
+      x = value.as<float>();
+    else
+      continue;
+    if (!std::isfinite(x)) throw UsageError(fmt::format("--{} must be a finite number, got {}", name, x));
+  }
 }
 
 std::vector<int64_t> parse_int_list(const std::string& text, const char* option) {

@@ -27,6 +27,17 @@ bool parse(int argc, char** argv, const std::string& usage, po::options_descript
 // to pseudo-terminals that usually end in a log file.
 void setup_logging();
 
+// An output path, checked before any work: its folder must exist and be writable (no tool
+// creates parents), and it must neither be one of `inputs` (the files and folders the tool
+// reads) nor replace a file inside an input folder — `retain-forward --out M/model.safetensors`
+// would overwrite the weights it reads with logits. A retain::Error "FLAG PATH: ..." otherwise.
+void check_output(const char* flag, const std::string& path, const std::vector<std::string>& inputs = {});
+
+// Every floating-point option in vm must be finite: "--lr inf" or "--bias-init nan" (which
+// Boost parses as numbers) is a UsageError naming the option. parse() calls it; tools that
+// store their own options (a config file, positionals) call it after po::notify.
+void check_finite_numbers(const po::variables_map& vm);
+
 // Thrown for command-line misuse; run_tool maps it to exit code 2.
 struct UsageError : std::runtime_error {
   using std::runtime_error::runtime_error;

@@ -27,6 +27,11 @@ bool hangs_at(int rank, int64_t step) {
   return step == (at.empty() ? 1 : std::atoll(at.c_str()));
 }
 
+bool overflows_after(int64_t step) {
+  static const std::string at = env("RETAIN_FAULT_OVERFLOW_AFTER_STEP");
+  return !at.empty() && step == std::atoll(at.c_str());
+}
+
 void hang_forever() {
   for (;;) ::pause();  // signals that are handled (SIGTERM's flag) return here and pause again
 }

@@ -5,6 +5,9 @@
 //                                   with ENOSPC, as on a full disk.
 //   RETAIN_FAULT_HANG_RANK=R        rank R of retain-train stops before step RETAIN_FAULT_AT_STEP
 //   RETAIN_FAULT_AT_STEP=S          (default 1): it sleeps forever, calling no collective.
+//   RETAIN_FAULT_OVERFLOW_AFTER_STEP=S  after optimizer step S retain-train's trainable values
+//                                   overflow to ±inf, as a learning rate beyond any sane one would
+//                                   make them (the command line now refuses such rates).
 #pragma once
 #include <cstdint>
 #include <string_view>
@@ -16,6 +19,9 @@ bool write_fails(std::string_view path);
 
 // True when rank `rank` is to hang before step `step` (1-based).
 bool hangs_at(int rank, int64_t step);
+
+// True when the trainable values are to overflow after optimizer step `step` (1-based).
+bool overflows_after(int64_t step);
 
 // Never returns: sleeps, calling nothing, until killed.
 [[noreturn]] void hang_forever();

@@ -137,7 +137,7 @@ int attention_bench(int argc, char** argv) {
   if (!vm.count("iters")) iters = on_gpu ? 10 : 3;
   if (!vm.count("warmup")) warmup = on_gpu ? 2 : 1;
   const std::vector<int64_t> lengths = parse_lengths(seq_text);
-  if (!json_path.empty()) check_output_folder("--json", json_path);
+  if (!json_path.empty()) cli::check_output("--json", json_path);  // before minutes of timing, not after
   if (heads <= 0 || kv_heads <= 0 || heads % kv_heads != 0)
     throw cli::UsageError(fmt::format("--heads {} must be a positive multiple of --kv-heads {}", heads, kv_heads));
   if (head_dim <= 0) throw cli::UsageError("--head-dim must be positive");

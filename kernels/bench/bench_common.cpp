@@ -140,12 +140,6 @@ std::vector<std::string> split_list(const std::string& text) {
   return out;
 }
 
-void check_output_folder(const std::string& flag, const std::string& path) {
-  const std::filesystem::path parent = std::filesystem::absolute(path).parent_path();
-  if (!std::filesystem::is_directory(parent)) fail("{} {}: the folder {} does not exist", flag, path, parent.string());
-  if (::access(parent.c_str(), W_OK) != 0) fail("{} {}: the folder {} is not writable", flag, path, parent.string());
-}
-
 double peak_rss_gb() {
   rusage usage{};
   if (getrusage(RUSAGE_SELF, &usage) != 0) return std::numeric_limits<double>::quiet_NaN();

@@ -54,9 +54,6 @@ double median_of(std::vector<double> v);
 std::vector<int64_t> parse_lengths(const std::string& text);
 std::vector<std::string> split_list(const std::string& text);
 
-// An output's folder must exist and be writable: checked before minutes of timing, not after.
-void check_output_folder(const std::string& flag, const std::string& path);
-
 double peak_rss_gb();   // this process's peak resident memory (Linux reports kilobytes)
 std::string utc_now();  // "YYYY-MM-DDTHH:MM:SSZ"
 

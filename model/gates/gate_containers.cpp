@@ -162,6 +162,7 @@ Format detect_format(const std::string& path) {
     fail("{}: a directory without {} (a gate directory is the TRIM-KV layout: config.json + {})", path,
          kTrimkvWeights, kTrimkvWeights);
   }
+  require_regular_file(path);  // a FIFO would block the read below
   char magic[4] = {};
   std::ifstream in(path, std::ios::binary);
   if (!in) fail("{}: cannot open", path);

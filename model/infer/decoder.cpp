@@ -152,6 +152,13 @@ Tensor Decoder::feed(std::span<const int32_t> ids, bool all_logits) {
   ops::rmsnorm(last, w_.final_norm(), eps, last);
   Tensor logits = Tensor::empty({last.dim(0), c.vocab_size}, DType::F32);
   ops::linear(last, w_.lm_head(), logits);
+  // A model with NaN or Inf weights (or gates) gives non-finite logits: nothing evaluated or
+  // generated from them means anything, so it stops here instead of writing "nll": null.
+  const float* lg = logits.data<float>();
+  for (int64_t i = 0; i < logits.numel(); ++i)
+    if (!std::isfinite(lg[i]))
+      fail("the model's logits are not finite ({} at token {} of position {}): its weights or gates hold NaN or Inf",
+           lg[i], i % c.vocab_size, seen_ - last.dim(0) + i / c.vocab_size);
 
   if (before_evict_) before_evict_(cache_, seen_);
   const auto ev = std::chrono::steady_clock::now();

@@ -6,6 +6,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "kernels/base/atomic_file.h"
 #include "kernels/base/error.h"
 #include "model/infer/plot.h"
 
@@ -65,6 +66,7 @@ void plot_eval_metrics(const nlohmann::json& m, const std::string& png, const st
 }
 
 void plot_training_curves(const std::string& path, const std::string& png) {
+  require_regular_file(path);
   std::ifstream f(path);
   if (!f) fail("{}: cannot read", path);
   Series total{"total", {}, {}, false}, kl{"KL", {}, {}, false}, ntp{"NTP", {}, {}, false}, cap{"capacity", {}, {}, false},

@@ -5,11 +5,14 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <limits>
 
 #include <plplot.h>
 
+#include "kernels/base/atomic_file.h"
 #include "kernels/base/error.h"
 
 namespace retain::infer {
@@ -21,7 +24,22 @@ constexpr int kPalette[][3] = {{0, 0, 0},     {31, 119, 180}, {214, 39, 40}, {44
                                {255, 127, 14}, {148, 103, 189}, {140, 86, 75}, {227, 119, 194}};
 constexpr int kColors = sizeof(kPalette) / sizeof(kPalette[0]);
 
-// One PLplot session writing a PNG under a temporary name; rename on finish().
+// Whether `path` holds a PNG from its 8-byte signature to its closing IEND chunk (length 0,
+// "IEND", CRC AE 42 60 82): what a writer cut short by a full disk never leaves.
+bool whole_png(const std::string& path) {
+  std::error_code ec;
+  const auto size = std::filesystem::file_size(path, ec);
+  if (ec || size < 8 + 12) return false;
+  std::ifstream f(path, std::ios::binary);
+  char head[8], tail[12];
+  f.read(head, 8);
+  f.seekg(static_cast<std::streamoff>(size - 12));
+  f.read(tail, 12);
+  return f && std::memcmp(head, "\x89PNG\r\n\x1a\n", 8) == 0 &&
+         std::memcmp(tail, "\0\0\0\0IEND\xae\x42\x60\x82", 12) == 0;
+}
+
+// One PLplot session writing a PNG under a temporary name; published on finish().
 class Session {
  public:
   Session(const std::string& png, int w, int h) : png_(png), tmp_(png + ".tmp." + std::to_string(::getpid())) {
@@ -38,13 +56,15 @@ class Session {
     plscol0(15, 170, 170, 170);
     plfontld(1);
   }
+  // PLplot reports no write errors (a full disk leaves an empty or cut PNG and a zero exit), so
+  // the file is checked to be a whole PNG — its signature first, the IEND chunk last — before it
+  // replaces anything at png_.
   void finish() {
     plend();
     ended_ = true;
-    std::error_code ec;
-    if (!std::filesystem::exists(tmp_)) fail("{}: the plotting library wrote nothing", png_);
-    std::filesystem::rename(tmp_, png_, ec);
-    if (ec) fail("{}: cannot write: {}", png_, ec.message());
+    if (!whole_png(tmp_))
+      fail("{}: the PNG was not written completely (is the disk full?); nothing was replaced", png_);
+    publish_file(tmp_, png_);
   }
   ~Session() {
     if (!ended_) plend();

@@ -87,10 +87,8 @@ int run(int argc, char** argv) {
     }
   }
 
-  {  // the output's folder must exist: checked before the model runs, not after
-    const std::filesystem::path parent = std::filesystem::absolute(out).parent_path();
-    if (!std::filesystem::is_directory(parent)) fail("--out {}: the folder {} does not exist", out, parent.string());
-  }
+  // Before the model runs: the output's folder exists, and the output replaces no input.
+  cli::check_output("--out", out, {model, vm.count("gates") ? gates_path : std::string()});
   auto ckpt = std::make_shared<const Qwen3Checkpoint>(Qwen3Checkpoint::open(model));
   const int64_t V = ckpt->config().vocab_size;
   for (size_t t = 0; t < ids.size(); ++t)

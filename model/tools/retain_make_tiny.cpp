@@ -20,7 +20,9 @@ constexpr const char* kUsage =
     "tokenizer.json with Qwen3's pre-tokenizer regex and <|endoftext|>, <|im_start|>,\n"
     "<|im_end|> as ids 256-258) into DIR. With --gates, also DIR/gates.safetensors:\n"
     "retention gates initialised as for training (weights N(0, 0.02)) with logit bias B\n"
-    "(default 2, so logβ ≈ −0.13 and the decay is visible; training starts from 18).";
+    "(default 2, so logβ ≈ −0.13 and the decay is visible; training starts from 18).\n"
+    "DIR is built beside itself and renamed into place; an existing non-empty DIR is refused\n"
+    "unless --force, which replaces it whole.";
 
 int run(int argc, char** argv) {
   TinyModelOptions o;
@@ -28,6 +30,7 @@ int run(int argc, char** argv) {
   cli::po::options_description opts("Options");
   opts.add_options()
       ("out", cli::po::value(&out)->required(), "output directory (its parent must exist; created if missing)")
+      ("force", "replace --out if it exists and is not empty (it is replaced whole: nothing stale stays)")
       ("layers", cli::po::value(&o.layers)->default_value(o.layers), "decoder layers")
       ("hidden", cli::po::value(&o.hidden)->default_value(o.hidden), "hidden size")
       ("heads", cli::po::value(&o.heads)->default_value(o.heads), "query heads")
@@ -74,6 +77,7 @@ int run(int argc, char** argv) {
   if (o.gate_kind && !std::isfinite(o.gate_bias_init))
     throw cli::UsageError(fmt::format("--bias-init: retention gates: bias init {} is not finite", o.gate_bias_init));
   if (o.head_dim % 2 != 0) throw cli::UsageError(fmt::format("--head-dim must be even (RoPE), got {}", o.head_dim));
+  o.replace = vm.count("force") > 0;
   make_tiny_model(out, o);
   std::cout << fmt::format(
       "retain-make-tiny: wrote {} (layers {}, hidden {}, heads {}/{} kv, head_dim {}, intermediate {}, vocab {}, "

@@ -193,8 +193,8 @@ int train_bench(int argc, char** argv) {
   const std::vector<int64_t> lengths = parse_lengths(seq_text);
   for (int64_t T : lengths)
     if (T % docs != 0) throw cli::UsageError(fmt::format("--seq {} is not a multiple of --docs {}", T, docs));
-  if (!json_path.empty()) check_output_folder("--json", json_path);
-  if (!dump_path.empty()) check_output_folder("--dump-batch", dump_path);
+  if (!json_path.empty()) cli::check_output("--json", json_path, {model_dir});  // before minutes of timing
+  if (!dump_path.empty()) cli::check_output("--dump-batch", dump_path, {model_dir});
 
   const auto model = std::make_shared<const Qwen3Checkpoint>(Qwen3Checkpoint::open(model_dir));
   const Qwen3Config& mc = model->config();

@@ -143,6 +143,7 @@ int run(int argc, char** argv, dist::Comm& host_comm, std::unique_ptr<dist::Comm
     return 0;
   }
   cli::po::notify(vm);
+  cli::check_finite_numbers(vm);  // --lr inf, --bias-init nan, in either the command line or --config
   if (!stray.empty()) throw cli::UsageError(fmt::format("unexpected argument '{}'", stray.front()));
   c.kvpop = gate == "kvpop";
   if (!c.kvpop && gate != "trimkv" && gate != "dbtrimkv")  // a command-line mistake: exit 2
@@ -172,6 +173,9 @@ int run(int argc, char** argv, dist::Comm& host_comm, std::unique_ptr<dist::Comm
   if (c.kvpop && !vm["capacity-skip"].defaulted())
     throw cli::UsageError("--capacity-skip is for the gates' capacity loss, not --gate kvpop");
   if (!(c.lr >= 0) || !(c.min_lr >= 0)) throw cli::UsageError("--lr and --min-lr must be ≥ 0");
+  // AdamW moves each parameter by about lr per step: above 10 no rate trains anything (a typo).
+  constexpr double kMaxLr = 10;
+  if (c.lr > kMaxLr) throw cli::UsageError(fmt::format("--lr {} is above {} (AdamW steps are lr-sized)", c.lr, kMaxLr));
   if (c.min_lr > c.lr)
     throw cli::UsageError(fmt::format("--min-lr {} exceeds --lr {} (the cosine decays from --lr to --min-lr)", c.min_lr, c.lr));
   for (const auto& [name, w] : {std::pair{"--kl-weight", c.kl_weight}, std::pair{"--ntp-weight", c.ntp_weight},
@@ -182,6 +186,12 @@ int run(int argc, char** argv, dist::Comm& host_comm, std::unique_ptr<dist::Comm
   if (c.warmup < 0) throw cli::UsageError(fmt::format("--warmup must be ≥ 0, got {}", c.warmup));
   if (!(c.weight_decay >= 0) || !(c.clip >= 0))
     throw cli::UsageError("--weight-decay and --clip must be ≥ 0");
+  // AdamW's decoupled decay multiplies each parameter by 1 − lr·wd every step: at or above 1 it
+  // zeroes or flips the parameters.
+  if (c.lr * c.weight_decay >= 1)
+    throw cli::UsageError(fmt::format("--weight-decay {} with --lr {}: lr × weight decay must stay below 1 (AdamW "
+                                      "scales the parameters by 1 − lr·wd each step)",
+                                      c.weight_decay, c.lr));
   if (c.save_every <= 0 || c.log_every <= 0 || c.keep_last < 0 || c.stop_after < 0 || c.seq_len < 0)
     throw cli::UsageError("--save-every and --log-every must be ≥ 1; --keep-last, --stop-after and --seq-len ≥ 0");
   if (!(timeout >= 0) || !std::isfinite(timeout))

@@ -14,6 +14,7 @@
 
 #include "data/packed_dataset.h"
 #include "kernels/base/atomic_file.h"
+#include "model/gates/gate_containers.h"
 #include "model/kvpop/scorer_containers.h"
 #include "kernels/base/cli.h"
 #include "model/infer/eval.h"
@@ -78,7 +79,8 @@ int run(int argc, char** argv) {
   opts.add_options()
       ("model", cli::po::value(&model)->required(), "Hugging Face model directory")
       ("gates", cli::po::value(&gate_args)->composing(),
-       "retention gates (trimkv, dbtrimkv) or kvpop scorers (kvpop): .safetensors or .gguf; FILE for every "
+       "retention gates (trimkv, dbtrimkv: .safetensors, .gguf, a TRIM-KV directory, .pth) or kvpop scorers "
+       "(kvpop: .safetensors, .gguf); FILE for every "
        "gated policy, or POLICY=FILE for one (repeat the option)")
       ("data", cli::po::value(&data_path), "packed dataset (.h5) to score")
       ("task", cli::po::value(&task), "built-in task: recall")
@@ -145,9 +147,11 @@ int run(int argc, char** argv) {
     po.kind = r.policy, po.budget = r.budget, po.buffer = eopt.buffer;
     check_policy_args(po, gate_files.count(r.policy) || gate_files.count(std::nullopt));
   }
-  if (!dump_only) check_output_dir(out, "--out");
-  if (vm.count("plot")) check_output_dir(plot, "--plot");
-  if (vm.count("dump-task")) check_output_dir(dump, "--dump-task");
+  std::vector<std::string> inputs = {model, data_path};
+  for (const auto& [kind, file] : gate_files) inputs.push_back(file);
+  if (!dump_only) cli::check_output("--out", out, inputs);
+  if (vm.count("plot")) cli::check_output("--plot", plot, inputs);
+  if (vm.count("dump-task")) cli::check_output("--dump-task", dump, inputs);
 
   auto ckpt = std::make_shared<const Qwen3Checkpoint>(Qwen3Checkpoint::open(model));
   // Each file once; a file holds retention gates or kvpop scorers. (std::map: stable addresses.)
@@ -156,7 +160,7 @@ int run(int argc, char** argv) {
   for (const auto& [kind, file] : gate_files) {
     if (loaded_gates.count(file) || loaded_scorers.count(file)) continue;
     if (kvpop::holds_kvpop(file)) loaded_scorers.emplace(file, kvpop::load_scorers(file, ckpt->config()).scorers);
-    else loaded_gates.emplace(file, gates::RetentionGates::load(file, ckpt->config()));
+    else loaded_gates.emplace(file, gates::load_gates(file, ckpt->config()).gates);  // any container
   }
   for (EvalRun& r : runs) {
     auto f = gate_files.find(r.policy);

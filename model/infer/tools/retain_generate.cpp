@@ -12,6 +12,7 @@
 
 #include "data/tokenizer/tokenizer.h"
 #include "kernels/base/atomic_file.h"
+#include "model/gates/gate_containers.h"
 #include "model/kvpop/scorer_containers.h"
 #include "kernels/base/cli.h"
 #include "model/infer/generate.h"
@@ -30,8 +31,8 @@ constexpr const char* kUsage =
     "                       [--prefill-chunk C] [--buffer N] [--ignore-eos] [--device cpu|cuda]\n\n"
     "Generates text with the Qwen3 checkpoint in DIR while its KV cache holds at most B entries\n"
     "per layer and KV head (DESIGN §8): the policy decides which entries stay. trimkv and\n"
-    "dbtrimkv rank tokens by the retention gates in --gates (retain-train's gates.safetensors or\n"
-    "any gate file); β only chooses evictions, attention over the kept entries is plain softmax.\n"
+    "dbtrimkv rank tokens by the retention gates in --gates (any container retain-export writes:\n"
+    "safetensors, GGUF, a TRIM-KV directory, a .pth); β only chooses evictions, attention over the kept entries is plain softmax.\n"
     "kvpop keeps the sinks, the window and the top B − sinks − window others by KVPOP score, with\n"
     "--gates a kvpop scorer file (retain-train --gate kvpop, or its safetensors/GGUF export).\n"
     "Text prompts are tokenized with DIR/tokenizer.json; the output is decoded with it. Prints the\n"
@@ -74,7 +75,7 @@ int run(int argc, char** argv) {
   uint64_t seed = 0;
   opts.add_options()
       ("model", cli::po::value(&model)->required(), "Hugging Face model directory")
-      ("gates", cli::po::value(&gates_path), "retention gates (trimkv, dbtrimkv) or kvpop scorers (kvpop): .safetensors or .gguf")
+      ("gates", cli::po::value(&gates_path), "retention gates (trimkv, dbtrimkv: .safetensors, .gguf, a TRIM-KV directory, .pth) or kvpop scorers (kvpop: .safetensors or .gguf)")
       ("policy", cli::po::value(&policy_text)->required(), "full, window, h2o, trimkv, dbtrimkv, kvpop")
       ("budget", cli::po::value(&budget), "entries per layer and KV head (not needed for full)")
       ("prompt", cli::po::value(&prompt), "prompt text")
@@ -98,6 +99,8 @@ int run(int argc, char** argv) {
   if (given != 1) throw cli::UsageError("give exactly one of --prompt, --prompt-file, --prompt-ids");
   if (max_new < 0) throw cli::UsageError("--max-new must be >= 0");
   if (chunk < 0) throw cli::UsageError("--prefill-chunk must be >= 0");
+  if (temperature < 0)  // 0 is greedy; a negative one would invert the distribution
+    throw cli::UsageError(fmt::format("--temperature must be >= 0 (0: greedy), got {}", temperature));
   PolicyOptions popt;
   popt.kind = policy_arg(policy_text, "--policy");
   popt.buffer = buffer;
@@ -106,7 +109,8 @@ int run(int argc, char** argv) {
   if (vm.count("budget") && budget < 0) throw cli::UsageError("--budget must be >= 0");
   popt.budget = std::max<int64_t>(budget, 0);
   check_policy_args(popt, vm.count("gates") > 0);  // before any loading
-  if (vm.count("json")) check_output_dir(json_path, "--json");
+  if (vm.count("json"))
+    cli::check_output("--json", json_path, {model, gates_path, vm.count("prompt-file") ? prompt_file : std::string()});
 
   auto ckpt = std::make_shared<const Qwen3Checkpoint>(Qwen3Checkpoint::open(model));
   const Qwen3Config& cfg = ckpt->config();
@@ -131,7 +135,7 @@ int run(int argc, char** argv) {
   std::optional<kvpop::Scorers> scorers;  // --gates FILE holds one or the other
   if (vm.count("gates")) {
     if (kvpop::holds_kvpop(gates_path)) scorers = kvpop::load_scorers(gates_path, cfg).scorers;
-    else gates = gates::RetentionGates::load(gates_path, cfg);
+    else gates = gates::load_gates(gates_path, cfg).gates;  // any container retain-export writes
   }
   ResidentWeightProvider weights(ckpt);
   Decoder dec(weights, gates ? &*gates : nullptr, popt, scorers ? &*scorers : nullptr);

@@ -13,6 +13,7 @@
 #include "data/tokenizer/tokenizer.h"
 #include "kernels/base/atomic_file.h"
 #include "kernels/base/cli.h"
+#include "model/gates/gate_containers.h"
 #include "model/infer/decoder.h"
 #include "model/infer/figures.h"
 #include "model/infer/plot.h"
@@ -52,7 +53,7 @@ int retention(int argc, char** argv) {
   int64_t budget = 32, max_tokens = 256;
   opts.add_options()
       ("model", cli::po::value(&model)->required(), "Hugging Face model directory")
-      ("gates", cli::po::value(&gates_path)->required(), "retention gates (.safetensors)")
+      ("gates", cli::po::value(&gates_path)->required(), "retention gates: .safetensors, .gguf, a TRIM-KV directory or .pth")
       ("text", cli::po::value(&text), "text (tokenized with DIR/tokenizer.json)")
       ("text-file", cli::po::value(&text_file), "file holding the text")
       ("ids", cli::po::value(&ids_text), "token ids instead of text")
@@ -74,10 +75,10 @@ int retention(int argc, char** argv) {
     policies.push_back(o);
   }
 
-  check_output_dir(out, "--out");
+  cli::check_output("--out", out, {model, gates_path, vm.count("text-file") ? text_file : std::string()});
   auto ckpt = std::make_shared<const Qwen3Checkpoint>(Qwen3Checkpoint::open(model));
   const Qwen3Config& cfg = ckpt->config();
-  const gates::RetentionGates gates = gates::RetentionGates::load(gates_path, cfg);
+  const gates::RetentionGates gates = gates::load_gates(gates_path, cfg).gates;  // any container retain-export writes
   std::vector<int32_t> ids;
   if (vm.count("ids")) {
     for (int64_t v : cli::parse_int_list(ids_text, "--ids")) {
@@ -164,7 +165,7 @@ int losses(int argc, char** argv) {
       ("out", cli::po::value(&out)->required(), "output PNG");
   cli::po::variables_map vm;
   if (!cli::parse(argc, argv, kUsage, opts, vm)) return 0;
-  check_output_dir(out, "--out");
+  cli::check_output("--out", out, {metrics});
   plot_training_curves(metrics, out);
   std::cerr << fmt::format("retain-plot: wrote {}\n", out);
   return 0;
@@ -178,7 +179,7 @@ int eval(int argc, char** argv) {
       ("out", cli::po::value(&out)->required(), "output PNG");
   cli::po::variables_map vm;
   if (!cli::parse(argc, argv, kUsage, opts, vm)) return 0;
-  check_output_dir(out, "--out");
+  cli::check_output("--out", out, {metrics});
   nlohmann::json m;
   try {
     m = nlohmann::json::parse(read_file(metrics));

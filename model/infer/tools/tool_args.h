@@ -35,11 +35,4 @@ inline void check_policy_args(const PolicyOptions& p, bool have_gates) {
                                       policy_name(p.kind)));
 }
 
-// An output's folder must exist (no tool creates parents).
-inline void check_output_dir(const std::string& path, const char* option) {
-  const std::filesystem::path parent = std::filesystem::path(path).parent_path();
-  if (!parent.empty() && !std::filesystem::is_directory(parent))
-    fail("{} {}: folder {} does not exist", option, path, parent.string());
-}
-
 }  // namespace retain::infer
