@@ -71,10 +71,22 @@ PackedWriter::PackedWriter(std::filesystem::path out, int64_t seq_len, int compr
   formats::h5::Handle fcpl = formats::h5::checked(H5Pcreate(H5P_FILE_CREATE), H5Pclose, name_, "creating file properties");
   formats::h5::check(H5Pset_obj_track_times(fcpl.get(), false), name_, "disabling time tracking");
   file_ = formats::h5::Handle(H5Fcreate(tmp.c_str(), H5F_ACC_TRUNC, fcpl.get(), H5P_DEFAULT), H5Fclose);
-  if (!file_.valid()) fail("{}: cannot create {} (is the directory writable?)", name_, tmp);
-  ids_ = create_dataset(file_.get(), "input_ids", H5T_STD_I32LE, seq_len, compression_level, name_);
-  docs_ = create_dataset(file_.get(), "doc_ids", H5T_STD_I32LE, seq_len, compression_level, name_);
-  mask_ = create_dataset(file_.get(), "target_mask", H5T_STD_U8LE, seq_len, compression_level, name_);
+  if (!file_.valid()) {
+    std::filesystem::remove(tmp_, ec);  // HDF5 may have made it before failing (a full disk)
+    fail("{}: cannot create {} (is the directory writable? is the disk full?)", name_, tmp);
+  }
+  try {  // a constructor that throws runs no destructor: the temporary goes here
+    ids_ = create_dataset(file_.get(), "input_ids", H5T_STD_I32LE, seq_len, compression_level, name_);
+    docs_ = create_dataset(file_.get(), "doc_ids", H5T_STD_I32LE, seq_len, compression_level, name_);
+    mask_ = create_dataset(file_.get(), "target_mask", H5T_STD_U8LE, seq_len, compression_level, name_);
+  } catch (...) {
+    mask_.reset();
+    docs_.reset();
+    ids_.reset();
+    file_.reset();
+    std::filesystem::remove(tmp_, ec);
+    throw;
+  }
 }
 
 PackedWriter::~PackedWriter() {

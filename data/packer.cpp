@@ -19,6 +19,7 @@
 
 #include "data/packed_writer.h"
 #include "data/shuffle.h"
+#include "kernels/base/atomic_file.h"
 #include "kernels/base/error.h"
 
 namespace retain::data {
@@ -201,6 +202,8 @@ void tokenize_inputs(const Tokenizer& tok, const PackOptions& opt, SpillFile& sp
   uint64_t total_bytes = 0;
   for (const auto& p : opt.inputs) {
     std::error_code ec;
+    if (std::filesystem::exists(p, ec) && !std::filesystem::is_directory(p, ec))
+      require_regular_file(p.string());  // a FIFO or device: one line naming it, before any work
     const auto n = std::filesystem::file_size(p, ec);
     if (ec) fail("{}: cannot open: {}", p.string(), ec.message());
     (void)resolve_format(p, opt.format);  // a bad name fails before any work

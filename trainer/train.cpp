@@ -452,10 +452,17 @@ int run_training(const TrainConfig& cfg, dist::Comm& comm) {
     if (materialized) return;
     collectively(comm, [&] {
       if (!main_rank) return;
-      fs::create_directory(cfg.run_dir);  // the parent exists (checked above)
-      write_file_atomic(cfg.run_dir + "/config.json", config_json.dump(2) + "\n");
-      write_file_atomic(cfg.run_dir + "/config.toml", config_toml(config_json));  // --config reads it back
-      metrics_log.emplace(cfg.run_dir + "/metrics.jsonl", start_step);
+      const bool fresh = fs::create_directory(cfg.run_dir);  // the parent exists (checked above)
+      try {
+        write_file_atomic(cfg.run_dir + "/config.json", config_json.dump(2) + "\n");
+        write_file_atomic(cfg.run_dir + "/config.toml", config_toml(config_json));  // --config reads it back
+        metrics_log.emplace(cfg.run_dir + "/metrics.jsonl", start_step);
+      } catch (...) {  // a full disk: a run that cannot start leaves no half-made folder behind
+        metrics_log.reset();
+        std::error_code ec;
+        if (fresh) fs::remove_all(cfg.run_dir, ec);
+        throw;
+      }
     });
     materialized = true;
   };

@@ -23,7 +23,7 @@ using ValuePtr = std::shared_ptr<Value>;
 // dict nests 4 deep (dict → the rebuild's argument tuple → the persistent id or a size tuple →
 // an int) and creates ~15 objects per tensor.
 constexpr int kMaxDepth = 64;              // containers inside containers
-constexpr int64_t kMaxObjects = 1 << 22;   // values pushed on the machine's stack, in all
+constexpr int64_t kMaxObjects = 1 << 20;   // values pushed on the machine's stack, in all (~120 MB)
 
 // What the machine's stack can hold. Globals are names, never resolved to anything callable.
 struct Value {
