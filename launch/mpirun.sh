@@ -37,6 +37,15 @@
 #               nodes OMP_NUM_THREADS is passed on as it is set here (if at all).
 #   oversubscribe  RETAIN_MPI_OVERSUBSCRIBE=1: more ranks than cores/slots (tests on small
 #               machines); ranks waiting in a collective then yield their core.
+#   agent       RETAIN_MPI_AGENT=CMD: how mpirun starts its daemon on the other nodes of a hostfile
+#               (MCA plm_rsh_agent; default ssh, e.g. "ssh -p 2222"). Inside a Slurm allocation
+#               mpirun uses srun by itself. launch/netns-agent.sh runs the daemon in a network
+#               namespace of this machine instead: the simulated hosts of launch/test-multinode.sh.
+#   end grace   RETAIN_MPI_END_GRACE=S (default 10): once mpirun has said the job is ending (a rank
+#               called MPI_Abort, as retain-train's --timeout watchdog does; a rank died; a host was
+#               lost) it should be gone within seconds; if it is still running S seconds later it
+#               is waiting for a host it cannot reach (a network cut), and this stops it and the
+#               launch agents (ssh) it started, with one line saying so.
 #   extra       RETAIN_MPI_EXTRA="...": more mpirun arguments, word-split, added last.
 #   wait policy OMP_WAIT_POLICY (default PASSIVE here): idle OpenMP threads sleep.
 # NCCL (retain-train --device cuda with several ranks) reads its own variables; every NCCL_*
@@ -50,10 +59,18 @@
 #   NCCL_IB_DISABLE=1         no InfiniBand/RoCE: between nodes NCCL uses TCP sockets (slow).
 #   NCCL_P2P_DISABLE=1        no direct GPU-to-GPU copies (NVLink/PCIe P2P) inside a node; data goes
 #                             through host memory (a workaround where P2P is broken, e.g. some VMs).
-# Exit status: mpirun's, except that a SIGINT/SIGTERM the ranks answer by saving and stopping
-# (retain-train, through RETAIN_STOP_FILE in TMPDIR: one host, or a TMPDIR every node shares)
-# exits 0, as a clean stop should for requeue scripts. OpenMPI's help boxes are off (--quiet),
-# so a failing rank's one-line error is the last line printed.
+# Output: the ranks' lines as they come; OpenMPI's many-line help boxes become one line each
+# (launch/mpirun-output.awk, on stderr), or none where the failing rank printed its own error,
+# which is then the last line. mpirun's lines that matter become these (stderr):
+#   launch/mpirun.sh: error: rank 1 (PID 4242 on node02) was killed by signal 9 (Killed); ...
+#   launch/mpirun.sh: error: lost host node02 (ranks 2, 3): its processes ended without a word ...
+#   launch/mpirun.sh: error: -np 5 asks for more ranks than the 2 slots of this host (one per core): ...
+# Exit status: mpirun's, except: 75 (EX_TEMPFAIL: resume from the last checkpoint) when a rank
+# was killed from outside (signal 9, 15, 1, 2) or a host was lost, 70 when a rank died of another
+# signal (a crash), 2 when -np exceeds the slots, the abort's code (75 for the watchdog) when
+# mpirun had to be stopped after the end grace; and 0 when a SIGINT/SIGTERM the ranks answer by
+# saving and stopping (retain-train, through RETAIN_STOP_FILE in TMPDIR: one host, or a TMPDIR
+# every node shares), as a clean stop should for requeue scripts.
 # Running as root (containers) adds --allow-run-as-root. OMP_NUM_THREADS, PATH,
 # LD_LIBRARY_PATH and every RETAIN_*, NCCL_* and CUDA_* variable set here are exported to
 # every rank (-x), so that remote nodes see the same settings.
@@ -231,9 +248,10 @@ fi
 # 2-thread retain-train step 14.1 s spinning vs 9.6 s passive; docs/benchmarks.md).
 exports+=("OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}")
 
-# No OpenMPI help boxes ("Primary job terminated normally, but 1 process returned…"): each
-# rank's own one-line error is then the last thing printed.
-args+=(--quiet)
+# How mpirun reaches the other nodes (ssh by default).
+if [ -n "${RETAIN_MPI_AGENT:-}" ]; then args+=(--mca plm_rsh_agent "$RETAIN_MPI_AGENT"); fi
+# No --quiet: it hides the one message that names a rank killed by a signal, and the one that says
+# -np exceeds the slots. mpirun's help boxes are shortened to a line each instead (below).
 
 if [ "${RETAIN_MPI_OVERSUBSCRIBE:-0}" = 1 ]; then
   args+=(--oversubscribe --mca mpi_yield_when_idle 1)
@@ -245,6 +263,9 @@ for name in PATH LD_LIBRARY_PATH $(compgen -e | grep -E '^(RETAIN|NCCL|CUDA)_' |
   if [ -n "${!name:-}" ]; then exports+=("$name"); fi
 done
 for e in "${exports[@]}"; do args+=(-x "$e"); done
+
+grace=${RETAIN_MPI_END_GRACE:-10}
+[[ "$grace" =~ ^[0-9]+$ ]] || die "RETAIN_MPI_END_GRACE='$grace' is not a number of seconds"
 
 if [ -n "${RETAIN_MPI_EXTRA:-}" ]; then
   read -r -a extra <<<"$RETAIN_MPI_EXTRA"
@@ -262,23 +283,127 @@ echo "$line" >&2
 
 # mpirun exits 1 once it has forwarded a SIGINT/SIGTERM, however cleanly the ranks stopped;
 # retain-train says it saved and stopped through RETAIN_STOP_FILE, and then this exits 0 (what
-# requeue scripts expect of a clean stop). mpirun runs in the background so that this shell
-# can forward the signal to it.
+# requeue scripts expect of a clean stop). $state: what this script and the output filter share.
 stop_file=$(mktemp "${TMPDIR:-/tmp}/retain-stop.XXXXXX")
-trap 'rm -f "$stop_file"' EXIT
+state=$(mktemp -d "${TMPDIR:-/tmp}/retain-mpirun.XXXXXX")
+trap 'rm -rf "$stop_file" "$state"' EXIT
 export RETAIN_STOP_FILE=$stop_file
 args=("${args[@]:0:1}" -x RETAIN_STOP_FILE "${args[@]:1}")
+
+# The hostfile as OpenMPI places ranks on it (nodes in the file's order, each filled to its
+# slots=N, or G per node with --gpus-per-node): "RANK NODE" lines in $state/map, to name the
+# ranks of a lost node. Left empty where that is not known here: a line without slots=, more
+# ranks than slots. (mpirun --display-map would say, but with it mpirun holds back all the
+# ranks' output until it exits.) Also the slots' total, for the line saying -np exceeds them.
+slots="" advice=""
+if [ -n "$hostfile" ]; then
+  total=$(awk -v np="$np" -v ppr="$gpus_per_node" -v map="$state/map" '
+    { sub(/#.*/, "") }
+    NF == 0 { next }
+    { s = ""
+      for (i = 2; i <= NF; i++) if ($i ~ /^slots=[0-9]+$/) s = substr($i, 7)
+      if (s == "") unknown = 1
+      if (!($1 in slots)) order[++n] = $1
+      slots[$1] += s
+      total += s }
+    END {
+      if (!unknown) print total
+      if (unknown && ppr == "") exit
+      r = 0
+      for (k = 1; k <= n && r < np; k++)
+        for (j = 0; j < (ppr != "" ? ppr : slots[order[k]]) && r < np; j++) { line[r] = r " " order[k]; r++ }
+      if (r == np) for (r = 0; r < np; r++) print line[r] > map
+    }' "$hostfile")
+  slots=${total:+$total slots of }$hostfile${total:-"'s slots (slots=N, else one per core of each node)"}
+  advice="run fewer ranks, give the nodes more slots (slots=N in $hostfile)"
+elif [ -n "${SLURM_JOB_ID:-}" ]; then
+  slots="tasks of this Slurm allocation" advice="run fewer ranks, or ask Slurm for more tasks"
+else
+  # OpenMPI's default: one slot per core (not per hardware thread).
+  cores=$(lscpu -p=CORE,SOCKET 2>/dev/null | grep -v '^#' | sort -u | wc -l)
+  [ "${cores:-0}" -gt 0 ] || cores=$(nproc)
+  slots="$cores slots of this host (one per core)" advice="run fewer ranks (--hostfile adds nodes)"
+fi
+advice+=", or set RETAIN_MPI_OVERSUBSCRIBE=1 to run several ranks per slot"
+
+# mpirun's stderr goes through launch/mpirun-output.awk (it writes what it saw into $state),
+# which ignores INT/TERM (a Ctrl-C reaches the whole process group) and ends with the pipe.
+# mawk (Debian's awk) fills its input buffer before it reads a line from a pipe, so that a line
+# would wait for more output, or for mpirun's exit: -W interactive makes it read line by line.
+mkfifo "$state/err"
+awk_flags=()
+if awk -W version 2>/dev/null | grep -q mawk; then awk_flags=(-W interactive); fi
+(
+  trap '' INT TERM
+  exec awk "${awk_flags[@]}" -f "$(dirname "$0")/mpirun-output.awk" -v me="$me" -v dir="$state" -v np="$np" \
+    -v slots="$slots" -v advice="$advice"
+) <"$state/err" >&2 &
+filter=$!
+# mpirun runs in the background so that this shell can forward a signal to it, and watch it.
 signalled=0
-"${args[@]}" &
+"${args[@]}" 2>"$state/err" &
 pid=$!
 trap 'signalled=1; kill -TERM $pid 2>/dev/null || true' INT TERM
-rc=0
-while :; do
-  wait $pid && rc=0 || rc=$?
-  kill -0 $pid 2>/dev/null || break  # wait returned for a trapped signal: mpirun still runs
+
+# The process's state letter (Z: exited, not yet reaped), or nothing once it is gone.
+proc_state() { local s; if read -r _ _ s _ 2>/dev/null <"/proc/$1/stat"; then echo "$s"; fi; }
+# The processes whose parent is $1.
+children_of() {
+  local f ppid
+  for f in /proc/[0-9]*/stat; do
+    if read -r _ _ _ ppid _ 2>/dev/null <"$f" && [ "$ppid" = "$1" ]; then f=${f#/proc/}; echo "${f%/stat}"; fi
+  done
+}
+
+# Wait for mpirun, watching for the end it announced (the filter's "end" file): a job that is
+# ending should be gone within seconds; mpirun still there after the grace waits for a host it
+# cannot reach (its daemons wait for it too, and its ranks were killed), so stop it.
+ended_at="" stopped_code=""
+while [ -n "$(proc_state $pid)" ] && [ "$(proc_state $pid)" != Z ]; do
+  if [ -z "$ended_at" ] && [ -s "$state/end" ]; then ended_at=$SECONDS; fi
+  if [ -n "$ended_at" ] && [ $((SECONDS - ended_at)) -ge "$grace" ]; then
+    read -r stopped_code why <"$state/end"
+    [[ "$stopped_code" =~ ^[0-9]+$ ]] || stopped_code=75
+    # Its children first: the launch agents (ssh) of the nodes it still waits for, and any rank of
+    # its own node still there; mpirun reaps them (nothing is left to init) and, its daemons gone,
+    # may finish by itself. What runs on the unreachable host ends when it notices mpirun is gone.
+    children=$(children_of $pid)
+    [ -z "$children" ] || kill -KILL $children 2>/dev/null || true
+    for _ in $(seq 10); do [ "$(proc_state $pid)" = Z ] && break; sleep 0.2; done
+    kill -KILL $pid 2>/dev/null || true
+    echo "$me: error: mpirun was still waiting ${grace} s after the job's end ($why): a host it cannot reach" \
+      "(a network cut?) kept it from finishing; stopped it and its launch agents (exit $stopped_code)" >&2
+    break
+  fi
+  sleep 0.2
 done
+rc=0
+wait $pid 2>/dev/null || rc=$?  # (no "Killed" line from bash: this script said what happened)
+# The filter ends with the pipe, unless a process on an unreachable host still holds it: then
+# what it read within 2 s is all there is.
+for _ in $(seq 20); do
+  if [ -z "$(proc_state $filter)" ] || [ "$(proc_state $filter)" = Z ]; then break; fi
+  sleep 0.1
+done
+kill -KILL $filter 2>/dev/null || true  # it ignores TERM
+wait $filter 2>/dev/null || true
+
+# A lost host, named with the ranks it ran.
+if [ -e "$state/lost" ]; then
+  host=$(cat "$state/lost")
+  ranks=""
+  if [ -s "$state/map" ]; then
+    ranks=$(awk -v h="$host" '$2 == h { r = r (n++ ? ", " : "") $1 } END { if (n) print (n > 1 ? "ranks " : "rank ") r }' \
+      "$state/map")
+  fi
+  echo "$me: error: lost host $host${ranks:+ ($ranks)}: its processes ended" \
+    "without a word (the host went down, or they were killed); the ranks on the other hosts were ended" \
+    "(exit 75: resume from the last checkpoint)" >&2
+fi
 if [ $rc -ne 0 ] && [ $signalled -eq 1 ] && grep -q '^stopped ' "$stop_file"; then
   echo "$me: stopped cleanly ($(cat "$stop_file")); continue with --resume" >&2
   exit 0
 fi
+if [ -n "$stopped_code" ]; then exit "$stopped_code"; fi
+if [ $rc -ne 0 ] && [ -s "$state/verdict" ]; then exit "$(cat "$state/verdict")"; fi
 exit $rc

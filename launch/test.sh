@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite: dependencies -> configure -> build -> every test through CTest
-# (unit tests, AddressSanitizer tests, and multi-rank tests under mpirun -np 2), retain_kv's Python
+# (unit tests, AddressSanitizer tests, and multi-rank tests under mpirun -np 2), retain-train across
+# simulated hosts over TCP (launch/test-multinode.sh: network namespaces; it says SKIPPED where they
+# cannot be made; RETAIN_MULTINODE=0 skips it), retain_kv's Python
 # tests (tests/infer/python under pytest, in the venv launch/python-env.sh caches), the GPU tests on
 # the CUDA emulator (launch/test-emu.sh; CUDA_EMU=0 skips them), then every
 # fuzz target for FUZZ_SECONDS (default 10) in its own clang build (launch/fuzz.sh, without the
@@ -10,6 +12,14 @@ cd "$(dirname "$0")/.."
 ./launch/install-deps.sh
 ./launch/build.sh
 ctest --test-dir "${BUILD_DIR:-build}" --output-on-failure --timeout 600 --parallel "$(nproc)" "$@"
+if [ "${RETAIN_MULTINODE:-1}" != 0 ]; then
+  # 2 and 3 hosts in network namespaces on a bridge, launch/mpirun.sh --hostfile through
+  # launch/netns-agent.sh: same gates as one rank, exact resume on another host count, a host
+  # killed, the network cut, a slow link (~1 min; docs/training.md).
+  ./launch/test-multinode.sh
+else
+  echo "test.sh: SKIPPED the multi-node test (RETAIN_MULTINODE=0)"
+fi
 if [ "${RETAIN_PYTEST:-1}" != 0 ]; then
   # retain_kv (model/infer/python) on stock transformers Qwen3 against the binaries just built: the
   # same tokens and kept positions as retain-generate, kvpress's pipeline, the authors' TrimKVCache

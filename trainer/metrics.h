@@ -25,8 +25,9 @@ struct StepMetrics {
   double tflops = std::numeric_limits<double>::quiet_NaN();
   double mfu = std::numeric_limits<double>::quiet_NaN();
   double peak_memory_gb = std::numeric_limits<double>::quiet_NaN();
-  // Rank 0's device time in collectives during the step (Comm::take_device_times: NCCL only):
-  // all of it, and the part compute waited for (communication that overlap did not hide).
+  // Rank 0's time in collectives during the step (Comm::take_device_times: NCCL's device time, MPI's
+  // host time; none for one rank): all of it, and the part compute waited for (communication that
+  // overlap did not hide).
   double comm_ms = std::numeric_limits<double>::quiet_NaN();
   double comm_exposed_ms = std::numeric_limits<double>::quiet_NaN();
   std::vector<double> mean_beta;        // per layer: mean exp(logβ) over tokens and KV heads

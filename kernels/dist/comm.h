@@ -46,9 +46,9 @@ class Request {
   Request() = default;
 };
 
-// Device time spent on collectives (Comm::take_device_times), in seconds; NaN = not measured.
+// Time spent on collectives (Comm::take_device_times), in seconds; NaN = not measured.
 struct CommTimes {
-  double busy_seconds = std::numeric_limits<double>::quiet_NaN();     // the comm stream in collectives
+  double busy_seconds = std::numeric_limits<double>::quiet_NaN();     // collectives in flight
   double exposed_seconds = std::numeric_limits<double>::quiet_NaN();  // compute stalled waiting for them
 };
 
@@ -118,11 +118,13 @@ class Comm {
   // ignores it. MPI: needs MPI_THREAD_MULTIPLE (a thread answers the peers' questions).
   void set_timeout(double seconds);
 
-  // The device time of the collectives completed since the last call, where the backend can
-  // measure it (NCCL, with CUDA events); NaN for host backends. busy: time the communication
-  // stream spent in collectives; exposed: time compute waited for them, i.e. what overlapping
-  // did not hide. Never blocks: a collective still running is counted at a later call. Local
-  // (any rank may call it alone).
+  // The time of the collectives completed since the last call; exposed: time compute waited for
+  // them, i.e. what overlapping did not hide. NCCL: device time, with CUDA events (busy: the
+  // communication stream in collectives). MPI: host wall time (busy: from each collective's start
+  // to when this rank saw it complete; exposed: the calling thread's time inside MPI for them, a
+  // blocking collective whole, a nonblocking one's start and wait). Local: NaN (nothing to wait
+  // for). Never blocks: a collective still running is counted at a later call. Local (any rank may
+  // call it alone).
   virtual CommTimes take_device_times() { return {}; }
 
   // Most elements handed to one backend call (bytes for broadcast and all_gather_bytes);

@@ -1,6 +1,8 @@
 // The MPI backend: host buffers, a private duplicate of MPI_COMM_WORLD whose errors return
 // (and become retain::Error through MPI_CHECK), and counts above INT_MAX sent in pieces.
 #include <algorithm>
+#include <chrono>
+#include <cstdint>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -83,20 +85,43 @@ class MpiLease {
   static inline int provided_ = 0;
 };
 
-// The watchdog's view of one collective on the main thread (nothing when it is off).
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// Where a step's communication time goes (Comm::take_device_times, on the host's clock): busy, from
+// each collective's start to the moment this rank saw it complete (a blocking one's return, a
+// nonblocking one's wait or successful test); exposed, the time the calling thread spent inside
+// MPI for them (a blocking one whole, a nonblocking one's start and wait), i.e. what computing
+// meanwhile did not hide. The trainer's thread alone touches it: collectives are made and waited
+// for there.
+struct CommClock {
+  int64_t busy_ns = 0, exposed_ns = 0;
+};
+
+// One collective call on the main thread: the watchdog's view of it (nothing when it is off), and
+// its time on the clock (busy too for a blocking call: it is the whole collective).
 class Watched {
  public:
-  Watched(CollectiveWatchdog* w, const char* op, bool counted = true) : w_(w) {
+  Watched(CollectiveWatchdog* w, const char* op, CommClock* clock, bool blocking, bool counted = true)
+      : w_(w), clock_(clock), blocking_(blocking), start_ns_(now_ns()) {
     if (w_) w_->enter(op, counted);
   }
   ~Watched() {
     if (w_) w_->leave();
+    const int64_t ns = now_ns() - start_ns_;
+    clock_->exposed_ns += ns;
+    if (blocking_) clock_->busy_ns += ns;
   }
   Watched(const Watched&) = delete;
   Watched& operator=(const Watched&) = delete;
 
  private:
   CollectiveWatchdog* w_;
+  CommClock* clock_;
+  bool blocking_;
+  int64_t start_ns_;
 };
 
 template <typename T>
@@ -126,12 +151,14 @@ class TypeGuard {
 // It must be waited for (or destroyed) before the comm that made it.
 class MpiRequest final : public Request {
  public:
-  explicit MpiRequest(CollectiveWatchdog* watchdog) : watchdog_(watchdog) {}
+  MpiRequest(CollectiveWatchdog* watchdog, CommClock* clock) : watchdog_(watchdog), clock_(clock), start_ns_(now_ns()) {}
   ~MpiRequest() override {
     // A collective cannot be abandoned; errors have nowhere to go from a destructor.
-    Watched watched(done_ ? nullptr : watchdog_, "wait for all_gather_async", false);
-    if (!done_)
+    if (!done_) {
+      Watched watched(watchdog_, "wait for all_gather_async", clock_, false, false);
       MPI_Waitall(static_cast<int>(requests_.size()), requests_.data(), MPI_STATUSES_IGNORE);
+      clock_->busy_ns += now_ns() - start_ns_;
+    }
     free_types();
   }
 
@@ -141,9 +168,12 @@ class MpiRequest final : public Request {
   void wait() override {
     if (done_) return;
     done_ = true;  // even if it fails: the destructor must not wait on a failed collective
-    Watched watched(watchdog_, "wait for all_gather_async", false);
-    MPI_CHECK(
-        MPI_Waitall(static_cast<int>(requests_.size()), requests_.data(), MPI_STATUSES_IGNORE));
+    {
+      Watched watched(watchdog_, "wait for all_gather_async", clock_, false, false);
+      MPI_CHECK(
+          MPI_Waitall(static_cast<int>(requests_.size()), requests_.data(), MPI_STATUSES_IGNORE));
+    }
+    clock_->busy_ns += now_ns() - start_ns_;
     free_types();
   }
 
@@ -154,6 +184,7 @@ class MpiRequest final : public Request {
                           MPI_STATUSES_IGNORE));
     if (flag) {
       done_ = true;
+      clock_->busy_ns += now_ns() - start_ns_;
       free_types();
     }
     return flag != 0;
@@ -169,6 +200,8 @@ class MpiRequest final : public Request {
   std::vector<MPI_Datatype> types_;
   bool done_ = false;
   CollectiveWatchdog* watchdog_;
+  CommClock* clock_;
+  int64_t start_ns_;  // when the collective was started (busy time runs from here)
 };
 
 class MpiComm final : public Comm {
@@ -188,32 +221,38 @@ class MpiComm final : public Comm {
   int size() const override { return size_; }
   std::string_view backend() const override { return "mpi"; }
 
+  // Host time (CommClock), not device time: what the MPI backend spends is the host's.
+  CommTimes take_device_times() override {
+    const CommClock c = std::exchange(clock_, {});
+    return {static_cast<double>(c.busy_ns) * 1e-9, static_cast<double>(c.exposed_ns) * 1e-9};
+  }
+
  private:
   // Every piece is at most max_chunk() <= INT_MAX elements, so the int casts below are exact.
   static int as_int(size_t n) { return static_cast<int>(n); }
 
   void do_all_gather(const float* send, float* recv, size_t count) override {
-    Watched watched(watchdog_.get(), "all_gather");
+    Watched watched(watchdog_.get(), "all_gather", &clock_, true);
     gather(send, recv, count, MPI_FLOAT, sizeof(float), nullptr);
   }
 
   std::unique_ptr<Request> do_all_gather_async(const float* send, float* recv,
                                                size_t count) override {
-    auto request = std::make_unique<MpiRequest>(watchdog_.get());
-    Watched watched(watchdog_.get(), "all_gather_async");
+    auto request = std::make_unique<MpiRequest>(watchdog_.get(), &clock_);
+    Watched watched(watchdog_.get(), "all_gather_async", &clock_, false);
     gather(send, recv, count, MPI_FLOAT, sizeof(float), request.get());
     return request;
   }
 
   void do_all_gather_bytes(const void* send, void* recv, size_t bytes) override {
-    Watched watched(watchdog_.get(), "all_gather_bytes");
+    Watched watched(watchdog_.get(), "all_gather_bytes", &clock_, true);
     gather(send, recv, bytes, MPI_BYTE, 1, nullptr);
   }
 
   std::unique_ptr<Request> do_all_gather_bytes_async(const void* send, void* recv,
                                                      size_t bytes) override {
-    auto request = std::make_unique<MpiRequest>(watchdog_.get());
-    Watched watched(watchdog_.get(), "all_gather_bytes_async");
+    auto request = std::make_unique<MpiRequest>(watchdog_.get(), &clock_);
+    Watched watched(watchdog_.get(), "all_gather_bytes_async", &clock_, false);
     gather(send, recv, bytes, MPI_BYTE, 1, request.get());
     return request;
   }
@@ -260,7 +299,7 @@ class MpiComm final : public Comm {
   }
 
   void do_reduce_scatter(const float* send, float* recv, size_t count) override {
-    Watched watched(watchdog_.get(), "reduce_scatter");
+    Watched watched(watchdog_.get(), "reduce_scatter", &clock_, true);
     if (count <= max_chunk()) {
       MPI_CHECK(MPI_Reduce_scatter_block(send, recv, as_int(count), MPI_FLOAT, MPI_SUM, comm_));
       return;
@@ -279,7 +318,7 @@ class MpiComm final : public Comm {
 
   template <typename T>
   void all_reduce_impl(T* buf, size_t count, MPI_Op op = MPI_SUM) {
-    Watched watched(watchdog_.get(), op == MPI_MAX ? "all_reduce_max" : "all_reduce");
+    Watched watched(watchdog_.get(), op == MPI_MAX ? "all_reduce_max" : "all_reduce", &clock_, true);
     for (size_t off = 0; off < count; off += max_chunk()) {
       const size_t n = std::min(max_chunk(), count - off);
       MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, buf + off, as_int(n), mpi_type<T>(), op, comm_));
@@ -292,7 +331,7 @@ class MpiComm final : public Comm {
   }
 
   void do_broadcast(void* buf, size_t bytes, int root) override {
-    Watched watched(watchdog_.get(), "broadcast");
+    Watched watched(watchdog_.get(), "broadcast", &clock_, true);
     auto* p = static_cast<char*>(buf);
     for (size_t off = 0; off < bytes; off += max_chunk()) {
       const size_t n = std::min(max_chunk(), bytes - off);
@@ -301,7 +340,7 @@ class MpiComm final : public Comm {
   }
 
   void do_barrier() override {
-    Watched watched(watchdog_.get(), "barrier");
+    Watched watched(watchdog_.get(), "barrier", &clock_, true);
     MPI_CHECK(MPI_Barrier(comm_));
   }
 
@@ -321,6 +360,7 @@ class MpiComm final : public Comm {
   int rank_ = 0;
   int size_ = 1;
   std::unique_ptr<CollectiveWatchdog> watchdog_;  // with a timeout set
+  CommClock clock_;                                // since the last take_device_times()
 };
 
 }  // namespace
