@@ -67,11 +67,24 @@ class Books:
         """KVPOP: the tokens u0 … u0 + U − 1 left the window; `ranks` [U, S] are their rank keys
         (the sinks stay protected)."""
         lo, hi = max(u0, sinks), u0 + ranks.shape[0]
+        if hi - lo == 1 and self._book_one(lo, ranks[0]):
+            return
         if lo < hi:
             pos = self.pos[:, :max(self.width)]
             r, s = np.divmod(np.flatnonzero((pos >= lo) & (pos < hi)), pos.shape[1])
             self.score[r, s] = ranks[pos[r, s] - u0, r]
             self.nan = self.nan or bool(np.isnan(ranks).any())
+
+    def _book_one(self, u, ranks):
+        """book_ranks for one token (a decoding step): its slot per row by one comparison of the
+        positions, not a search of the whole range; False (nothing booked) unless every row holds it."""
+        cap = self.pos.shape[1]
+        at = self.rows * cap + (self.pos[:, :max(self.width)] == u).argmax(1)
+        if not (self.pos.reshape(-1)[at] == u).all():
+            return False
+        self.score.reshape(-1)[at] = ranks
+        self.nan = self.nan or bool(np.isnan(ranks).any())
+        return True
 
     def drop_and_fill(self, ds):
         """compact() for a decoding step that drops one entry of every row (ds [S]): each row's
