@@ -26,6 +26,7 @@ class Books:
         self.score = np.zeros((self.S, 0), np.float32)
         self.rows = np.arange(self.S)
         self.tops = {}  # (widths, capacity) → each row's first free slot as a flat index [S, 1]
+        self._starts = (None, None)  # (capacity, each row's slot 0 as a flat index): starts()
         self.nan = False          # a NaN score was booked: only the exact integer keys order it
         self.base = [0] * L       # per layer: its width after the last eviction
         self.fresh = 0            # tokens appended since then, in slots [base_l, base_l + fresh)
@@ -78,8 +79,7 @@ class Books:
     def _book_one(self, u, ranks):
         """book_ranks for one token (a decoding step): its slot per row by one comparison of the
         positions, not a search of the whole range; False (nothing booked) unless every row holds it."""
-        cap = self.pos.shape[1]
-        at = self.rows * cap + (self.pos[:, :max(self.width)] == u).argmax(1)
+        at = self.starts() + (self.pos[:, :max(self.width)] == u).argmax(1)
         if not (self.pos.reshape(-1)[at] == u).all():
             return False
         self.score.reshape(-1)[at] = ranks
@@ -93,10 +93,21 @@ class Books:
         source slots); rows None: every row in order, all from one slot."""
         uniform = self.base.count(self.base[0]) == self.L
         top = self.base[0] if uniform else np.repeat(self.base, self.K)
-        start = self.rows * self.pos.shape[1]
-        self._move(start + ds, start + top, start + top)
+        if uniform:  # the top slots are one column: basic slices, half the calls of _move
+            at = self.starts() + ds
+            self.pos.reshape(-1)[at], self.score.reshape(-1)[at] = self.pos[:, top], self.score[:, top]
+            self.pos[:, top], self.score[:, top] = -1, np.inf
+        else:
+            start = self.starts()
+            self._move(start + ds, start + top, start + top)
         self.fresh, self.width, self.total = 0, list(self.base), self.total - self.S
         return (None if uniform else self.rows), ds, top
+
+    def starts(self):
+        """Each row's slot 0 as a flat index [S] (cached while the capacity stays)."""
+        if self._starts[0] != self.pos.shape[1]:
+            self._starts = self.pos.shape[1], self.rows * self.pos.shape[1]
+        return self._starts[1]
 
     def _move(self, dst, src, vacated):
         """Table moves by flat index (2-D fancy indexing costs several times more): the entries at

@@ -245,9 +245,12 @@ class Retention:
         return np.concatenate((kv[0], kv[1]), 1)
 
     def _spent(self, what, T, seconds):
-        setattr(self, f"{what}_s", getattr(self, f"{what}_s") + seconds)
-        if T == 1:
-            setattr(self, f"decode_{what}_s", getattr(self, f"decode_{what}_s") + seconds)
+        if what == "score":
+            self.score_s += seconds
+            self.decode_score_s += seconds if T == 1 else 0.0
+        else:
+            self.evict_s += seconds
+            self.decode_evict_s += seconds if T == 1 else 0.0
 
     # ---- eviction ------------------------------------------------------------------------------
     def _evict(self, cache, seen):
