@@ -10,6 +10,7 @@ import struct
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import POLICIES, RECALL
 from test_eviction_paths import random_books
 from transformers import DynamicCache
@@ -54,6 +55,14 @@ def test_gate_step_is_gate_log_beta(kind, D, G, K):
         want = torch.cat([gate_log_beta(policy, l, h[0]).t() for l, h in enumerate(hs)]).detach().numpy()
         assert got.shape == want.shape == (L * K, 1)
         assert np.array_equal(bits(got), bits(want))
+
+
+def test_logsigmoid_is_elementwise_wherever_the_element_sits():
+    """GateStep runs one logsigmoid for all layers' [L, 1, K]: each element must come out as in its
+    own layer's [1, K] call. (silu does not in torch 2.15: the last length mod 16 elements of a
+    call take a scalar path that differs in ~8 % of them — so GateStep keeps it per layer.)"""
+    x = torch.randn(20000 * 3, generator=torch.Generator().manual_seed(3)) * 8
+    assert torch.equal(F.logsigmoid(x), torch.cat([F.logsigmoid(c) for c in x.split(3)]))
 
 
 # ---- KVPOP -------------------------------------------------------------------------------------

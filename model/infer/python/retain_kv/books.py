@@ -61,8 +61,7 @@ class Books:
         self.fresh += T
         self.width = [w + T for w in self.width]
         self.total += self.S * T
-        if self.watch_nan and not self.nan:
-            self.nan = math.isnan(score.sum())  # (inf − inf would say NaN too: harmless)
+        self._watch(score)
 
     def book_ranks(self, u0, ranks, sinks):
         """KVPOP: the tokens u0 … u0 + U − 1 left the window; `ranks` [U, S] are their rank keys
@@ -74,7 +73,7 @@ class Books:
             pos = self.pos[:, :max(self.width)]
             r, s = np.divmod(np.flatnonzero((pos >= lo) & (pos < hi)), pos.shape[1])
             self.score[r, s] = ranks[pos[r, s] - u0, r]
-            self.nan = self.nan or bool(np.isnan(ranks).any())
+            self._watch(ranks)
 
     def _book_one(self, u, ranks):
         """book_ranks for one token (a decoding step): its slot per row by one comparison of the
@@ -83,8 +82,12 @@ class Books:
         if not (self.pos.reshape(-1)[at] == u).all():
             return False
         self.score.reshape(-1)[at] = ranks
-        self.nan = self.nan or bool(np.isnan(ranks).any())
+        self._watch(ranks)
         return True
+
+    def _watch(self, scores):
+        if self.watch_nan and not self.nan:
+            self.nan = math.isnan(scores.sum())  # (inf − inf would say NaN too: harmless)
 
     def drop_and_fill(self, ds):
         """compact() for a decoding step that drops one entry of every row (ds [S]): each row's

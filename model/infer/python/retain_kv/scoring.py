@@ -33,8 +33,8 @@ class GateStep:
     the first of its kind since the model's own ops ran — so the layers' calls run back to back,
     not one layer's in each pre-hook. Layer l's logβ [1, K] goes to row l of out [L, 1, K] (rows
     l·K + h of out_np: the eviction table's order, no concatenation), the hidden activations to
-    buffers reused by every layer. The ops are gate_log_beta's on the same shapes (addmm, silu,
-    logsigmoid): the same kernels, the same bits."""
+    buffers reused by every layer. The ops are gate_log_beta's (addmm and silu on the same shapes,
+    logsigmoid on all layers' at once): the same kernels, the same bits."""
 
     def __init__(self, policy, device):
         L, K, G = len(policy.layers), policy.kv_heads, policy.gate_hidden
@@ -46,9 +46,9 @@ class GateStep:
         self.H = torch.empty(L, 1, policy.hidden, device=device)
         self.inputs = list(self.H)                            # [1, D] views, made once
         self.hidden = torch.empty(1, G, device=device), torch.empty(1, G, device=device)
-        self.z = torch.empty(1, K, device=device)
+        self.z = torch.empty(L, 1, K, device=device)  # each layer's last linear, then one logsigmoid for all
+        self.rows = list(self.z)
         self.out = torch.empty(L, 1, K, device=device)
-        self.rows = list(self.out)
         self.out_np = self.out.numpy().reshape(L * K, 1) if device.type == "cpu" else None
 
     def keep(self, l, h):
@@ -64,9 +64,11 @@ class GateStep:
                 *inner, (w, b) = layer
                 for (wi, bi), buf in zip(inner, self.hidden):
                     torch.addmm(bi, a, wi, out=buf)
-                    a = F.silu(buf, inplace=True)
-                torch.addmm(b, a, w, out=self.z)
-                torch._C._nn.log_sigmoid(self.z, out=row)  # F.logsigmoid's kernel, with an output
+                    a = F.silu(buf, inplace=True)  # per layer: silu's last G mod 16 elements take a scalar path
+                torch.addmm(b, a, w, out=row)
+            # F.logsigmoid's kernel, with an output, for all layers at once: it computes every
+            # element the same way wherever it sits (tested), unlike silu.
+            torch._C._nn.log_sigmoid(self.z, out=self.out)
         self.h = [None] * len(self.h)
         return self.out_np if self.out_np is not None else self.out.reshape(-1, 1).cpu().numpy()
 
