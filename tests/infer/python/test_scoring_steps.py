@@ -258,3 +258,25 @@ def test_rank_heaps_choose_as_per_head_drops(monkeypatch, cap):
                 assert got[:, 0].tolist() == want.tolist()
             books.pos[np.arange(S), want], books.score[np.arange(S), want] = nxt, np.inf  # the new token's place
             nxt += 1
+
+
+@pytest.mark.parametrize("policy,budget", [("trimkv", 24), ("dbtrimkv", 30), ("kvpop", 24)])
+def test_store_holds_what_the_press_holds(recall_model, policy, budget):
+    """RetainCache's keys and values (one store, moved through its numpy view) equal RetainPress's
+    (kvpress's own tensors, moved by torch index ops) in every held slot after every forward."""
+    ids = torch.tensor([[16 + (11 * i) % 200 for i in range(110)]])
+    cache, press = RetainCache(recall_model, POLICIES[policy], budget), RetainPress(POLICIES[policy], budget)
+    plain = DynamicCache()
+    with torch.no_grad():
+        for a, b in ((0, 37), (37, 60)) + tuple((t, t + 1) for t in range(60, 110)):
+            recall_model(ids[:, a:b], past_key_values=cache, cache_position=torch.arange(a, b))
+            with press(recall_model):
+                recall_model(ids[:, a:b], past_key_values=plain, cache_position=torch.arange(a, b))
+            books = cache.retention.books
+            assert np.array_equal(books.pos, press._retention.books.pos)
+            for l in range(2):
+                held = torch.from_numpy(books.layer_pos(l) >= 0)[None, :, :, None]
+                for mine, theirs in ((cache.layers[l].keys, plain.layers[l].keys),
+                                     (cache.layers[l].values, plain.layers[l].values)):
+                    assert mine.shape == theirs.shape
+                    assert torch.equal(torch.where(held, mine, 0), torch.where(held, theirs, 0))

@@ -39,9 +39,10 @@ class Books:
         """Positions [K, width_l] of layer l's slots (−1: no entry)."""
         return self.pos[l * self.K:(l + 1) * self.K, :self.width[l]]
 
-    def append(self, q0, score):
-        """Books the T = score.shape[1] tokens at positions q0… with `score` [S, T] at the top of every row."""
-        T = score.shape[1]
+    def append(self, q0, score, T=1):
+        """Books the T = score.shape[1] tokens at positions q0… with `score` [S, T] at the top of every
+        row; score None: T protected tokens (+inf, which every free slot already holds)."""
+        T = score.shape[1] if score is not None else T
         top = max(self.width) + T
         if top > self.pos.shape[1]:  # room for the next tokens: double, so that appends are in place
             pad = max(top, 2 * self.pos.shape[1]) - self.pos.shape[1]
@@ -50,18 +51,21 @@ class Books:
         if self.width.count(self.width[0]) == self.L:
             w = self.width[0]
             self.pos[:, w:w + T] = q0 if T == 1 else np.arange(q0, q0 + T)
-            self.score[:, w:w + T] = score
+            if score is not None:
+                self.score[:, w:w + T] = score
         else:  # at each row's own top, by flat index (2-D fancy indexing costs several times more)
             key = (tuple(self.width), self.pos.shape[1])
             if key not in self.tops:
                 self.tops = {key: (self.rows * self.pos.shape[1] + np.repeat(self.width, self.K))[:, None]}
             at = self.tops[key] if T == 1 else self.tops[key] + np.arange(T)
             self.pos.reshape(-1)[at] = np.arange(q0, q0 + T)
-            self.score.reshape(-1)[at] = score
+            if score is not None:
+                self.score.reshape(-1)[at] = score
         self.fresh += T
         self.width = [w + T for w in self.width]
         self.total += self.S * T
-        self._watch(score)
+        if score is not None:
+            self._watch(score)
 
     def book_ranks(self, u0, ranks, sinks):
         """KVPOP: the tokens u0 … u0 + U − 1 left the window; `ranks` [U, S] are their rank keys

@@ -209,8 +209,8 @@ class Retention:
         elif self.kvpop is None:
             score = torch.cat(self.pending, 0).numpy(force=True)  # (force: detached, on the host)
         else:
-            score = np.full((self.L * self.K, T), np.inf, np.float32)  # protected until scored
-        self.books.append(self.seen, score)
+            score = None  # protected (+inf) until scored
+        self.books.append(self.seen, score, T)
         if self.kvpop is not None:
             t1 = time.perf_counter()
             self._book_ranks(cache)
