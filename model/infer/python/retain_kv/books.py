@@ -69,13 +69,10 @@ class Books:
 
     def book_ranks(self, u0, ranks, sinks):
         """KVPOP: the tokens u0 … u0 + U − 1 left the window; `ranks` [U, S] are their rank keys
-        (the sinks stay protected). Returns the slots [S] when one token was booked in every row
-        (a decoding step), else None."""
+        (the sinks stay protected)."""
         lo, hi = max(u0, sinks), u0 + ranks.shape[0]
-        if hi - lo == 1:
-            slots = self._book_one(lo, ranks[0])
-            if slots is not None:
-                return slots
+        if hi - lo == 1 and self._book_one(lo, ranks[0]):
+            return
         if lo < hi:
             pos = self.pos[:, :max(self.width)]
             r, s = np.divmod(np.flatnonzero((pos >= lo) & (pos < hi)), pos.shape[1])
@@ -84,15 +81,13 @@ class Books:
 
     def _book_one(self, u, ranks):
         """book_ranks for one token (a decoding step): its slot per row by one comparison of the
-        positions, not a search of the whole range. Returns the slots [S], or None (nothing booked)
-        unless every row holds it."""
-        slots = (self.pos[:, :max(self.width)] == u).argmax(1)
-        at = self.starts() + slots
+        positions, not a search of the whole range; False (nothing booked) unless every row holds it."""
+        at = self.starts() + (self.pos[:, :max(self.width)] == u).argmax(1)
         if not (self.pos.reshape(-1)[at] == u).all():
-            return None
+            return False
         self.score.reshape(-1)[at] = ranks
         self._watch(ranks)
-        return slots
+        return True
 
     def _watch(self, scores):
         if self.watch_nan and not self.nan:

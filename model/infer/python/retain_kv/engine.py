@@ -29,7 +29,7 @@ from .books import Books
 from .policy import as_policy
 from .kvpop_step import KvpopStep
 from .scoring import GateStep, KvpopState, gate_log_beta
-from .select import RankHeaps, global_drops, per_head_drops, trim_scores
+from .select import global_drops, per_head_drops, trim_scores
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 
@@ -102,7 +102,6 @@ class Retention:
         self.evicted = False  # whether any entry has been dropped in this sequence
         self.books = Books(self.L, self.K, watch_nan=self.policy.kind == "dbtrimkv")
         self.bound = np.inf  # dbtrimkv: where the next global choice looks first (select.global_drops)
-        self.heaps = None    # kvpop: each row's lowest booked entries for a decoding step's choice (RankHeaps)
         self.pending = [None] * self.L  # per layer, this forward: the gates' logβ [K, T] / KVPOP's (u0, keys)
         self.kvpop = KvpopState(self.policy, self.device) if self.policy.kind == "kvpop" else None
         self.kvpop_step = KvpopStep(self.kvpop) if self.kvpop is not None and self.kvpop.host else None
@@ -228,15 +227,8 @@ class Retention:
         if self.step:
             left = self.kvpop_step(self._step_input(cache))
             if left is not None:
-                u, ranks = left
-                slots = self.books.book_ranks(u, ranks[None, :], self.policy.sinks)
-                if self.heaps is not None and u >= self.policy.sinks:
-                    if slots is None:  # booked by the search: the heaps cannot follow
-                        self.heaps = None
-                    else:
-                        self.heaps.push(u, ranks, slots)
+                self.books.book_ranks(left[0], left[1][None, :], self.policy.sinks)
             return
-        self.heaps = None  # several tokens: the table changes beyond what the heaps follow
         u0 = self.pending[0][0]
         if self.pending[0][1].shape[0]:
             ranks = torch.cat([keys for _, keys in self.pending], 1).numpy(force=True)  # [U, L·K]
@@ -282,14 +274,10 @@ class Retention:
             n = books.width[0]  # every head of every layer holds n entries (per-head eviction keeps them equal)
             if n >= B + self.buffer:
                 pos = books.pos[:, :n]
-                ds = self._heap_drops(n) if self.step and self.kvpop is not None and n - B == 1 else None
-                if ds is None:
-                    self.heaps = None  # a choice the heaps did not make
-                    ds = per_head_drops(self._scores(books.score[:, :n], pos, seen), pos, n - B)
+                ds = per_head_drops(self._scores(books.score[:, :n], pos, seen), pos, n - B)
                 if ds.shape[1] == 1 and books.fresh == 1:  # a decoding step: the new token fills the hole
                     moves = books.drop_and_fill(ds[:, 0])
                 else:
-                    self.heaps = None
                     moves = books.compact(np.repeat(np.arange(S), ds.shape[1]), ds.reshape(-1))
         if moves is not None:
             self.evicted = True
@@ -302,20 +290,6 @@ class Retention:
                 layer.keys, layer.values = store.view(l, width)
         elif moves is not None:
             self._move_layers(cache, moves)
-
-    def _heap_drops(self, n):
-        """KVPOP, a decoding step: each row's lowest booked entry [S, 1] from the heaps (built from
-        the table when missing or dry), or None for per_head_drops to decide."""
-        for built in (False, True):
-            if self.heaps is None:
-                self.heaps, built = RankHeaps(self.books.score[:, :n], self.books.pos[:, :n]), True
-            ds = self.heaps.pop()
-            if ds is not None:
-                return ds[:, None]
-            if built:
-                return None
-            self.heaps = None  # dry: rebuilt once
-        return None
 
     def _scores(self, score, pos, seen):
         """What the policy ranks entries by, after `seen` tokens (lower is evicted first): KVPOP's

@@ -7,7 +7,6 @@ key per entry (the float32 score mapped to an order-preserving integer in the hi
 position — and across streams the reversed stream index — in the low 32); as building it takes
 seven passes, the common case first picks by the float scores alone and checks that no tie at the
 edge of the choice could change it, falling back to the keys when one could."""
-import heapq
 import math
 
 import numpy as np
@@ -72,48 +71,3 @@ def global_drops(score, pos, m, bound=np.inf, exact_only=False):
     r, s = np.nonzero(pos >= 0)
     order = np.lexsort((-r, pos[r, s], score_key(score[r, s])))[:m]
     return r[order], s[order], np.inf
-
-
-class RankHeaps:
-    """KVPOP's per-head choice in a decoding step without a pass over the table. A booked rank key
-    never changes, and a decoding step moves no entry but the new token (Books.drop_and_fill), so
-    each row's lowest booked entries can wait in a heap of (score_key(rank) | position, slot): the
-    order per_head_drops sorts by. Each heap holds at most CAP of its row's booked entries, the
-    lowest when built, and `cut`, the highest of those: an entry booked later joins only below it,
-    so the heap's lowest is the row's lowest booked entry until the heap runs dry (then: rebuilt
-    from the table, O(n), about once every CAP steps). Protected entries (+inf, not yet ranked)
-    are not booked; when a row's lowest is not below them (a +inf or +NaN rank) the answer is None
-    and per_head_drops decides. Anything that moves other entries makes the heaps stale: the
-    engine drops them."""
-
-    CAP = 64
-    INF = int(score_key(np.float32(np.inf)))  # the key of +inf at position 0
-
-    def __init__(self, score, pos):
-        key = score_key(score) | pos
-        key[(pos < 0) | (score == np.inf)] = np.iinfo(np.int64).max  # empty or protected: not booked
-        c = min(self.CAP, key.shape[1])
-        slots = np.argpartition(key, c - 1, axis=1)[:, :c]
-        low = np.take_along_axis(key, slots, 1)
-        self.heaps, self.cut = [], []
-        for k, s in zip(low.tolist(), slots.tolist()):
-            h = [(a, b) for a, b in zip(k, s) if a != np.iinfo(np.int64).max]
-            heapq.heapify(h)
-            self.heaps.append(h)
-            # A full heap may have left booked entries out, all above its highest: none may join above it.
-            self.cut.append(max(k) if len(h) == c else np.iinfo(np.int64).max)
-
-    def push(self, u, ranks, slots):
-        """Books token u's ranks F32 [S] at slots [S] (one per row)."""
-        for h, cut, b, s in zip(self.heaps, self.cut, (ranks + np.float32(0.0)).view(np.int32).tolist(),
-                                slots.tolist()):
-            key = (b ^ ((b >> 31) & 0x7FFFFFFF)) << 32 | u  # score_key | position, in Python ints
-            if key < cut:
-                heapq.heappush(h, (key, s))
-
-    def pop(self):
-        """Each row's lowest (rank, position)'s slot [S], removed from the heaps; None (nothing
-        removed) when a heap is empty or its lowest is not below the protected entries."""
-        if not all(h and h[0][0] < self.INF for h in self.heaps):
-            return None
-        return np.array([heapq.heappop(h)[1] for h in self.heaps], np.int64)
