@@ -41,7 +41,7 @@ class KvpopStep:
         self.q, self.k = self.qk[:, 0].reshape(S, d), self.qk[:, 1].reshape(S, d)
         self.v = np.ones((S, r + 1), np.float32)      # [ṽ, 1]: n's update rides on C's
         self.ig, self.lf = np.empty(S, np.float32), np.empty(S, np.float32)
-        self.g3 = np.zeros((3, S))                    # log f + m₋₁, ĩ, 0 → minus m, exponentiated: a, b, e^{−m}
+        self.g3 = np.zeros((3, S))                    # log f + m₋₁, ĩ, 0 (minus m, exponentiated: a, b, e^{−m})
         self.e3 = np.empty((3, S))
         self.bk = np.empty((S, d))
         self.silu = np.ones((S, r + 2))               # [silu(h), 1, −u]

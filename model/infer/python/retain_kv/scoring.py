@@ -113,7 +113,7 @@ class KvpopState:
         self.host = device.type == "cpu"
 
     def _project(self, l, x):
-        """x F64 [T, K, 2d] → q̃, k̃ [T, K, d], ṽ [T, K, r], ĩ, log f [T, K] of layer l, each rounded to float32."""
+        """x F64 [T, K, 2d] → q̃, k̃ [T, K, d], ṽ [T, K, r], ĩ, log f [T, K] of layer l, rounded to float32."""
         f32 = lambda t: t.float().double()  # noqa: E731  (the C++ stores the projections as float)
         q = f32(_hedgehog(torch.einsum("krx,tkx->tkr", self.Wq[l], x)))
         k = f32(_hedgehog(torch.einsum("krx,tkx->tkr", self.Wk[l], x)))
