@@ -26,6 +26,7 @@ class Books:
         self.score = np.zeros((self.S, 0), np.float32)
         self.rows = np.arange(self.S)
         self.tops = {}  # (widths, capacity) → each row's first free slot as a flat index [S, 1]
+        self._starts = (None, None)  # (capacity, each row's slot 0 as a flat index): starts()
         self.nan = False          # a NaN score was booked: only the exact integer keys order it
         self.base = [0] * L       # per layer: its width after the last eviction
         self.fresh = 0            # tokens appended since then, in slots [base_l, base_l + fresh)
@@ -38,9 +39,10 @@ class Books:
         """Positions [K, width_l] of layer l's slots (−1: no entry)."""
         return self.pos[l * self.K:(l + 1) * self.K, :self.width[l]]
 
-    def append(self, q0, score):
-        """Books the T = score.shape[1] tokens at positions q0… with `score` [S, T] at the top of every row."""
-        T = score.shape[1]
+    def append(self, q0, score, T=1):
+        """Books the T = score.shape[1] tokens at positions q0… with `score` [S, T] at the top of every
+        row; score None: T protected tokens (+inf, which every free slot already holds)."""
+        T = score.shape[1] if score is not None else T
         top = max(self.width) + T
         if top > self.pos.shape[1]:  # room for the next tokens: double, so that appends are in place
             pad = max(top, 2 * self.pos.shape[1]) - self.pos.shape[1]
@@ -49,29 +51,47 @@ class Books:
         if self.width.count(self.width[0]) == self.L:
             w = self.width[0]
             self.pos[:, w:w + T] = q0 if T == 1 else np.arange(q0, q0 + T)
-            self.score[:, w:w + T] = score
+            if score is not None:
+                self.score[:, w:w + T] = score
         else:  # at each row's own top, by flat index (2-D fancy indexing costs several times more)
             key = (tuple(self.width), self.pos.shape[1])
             if key not in self.tops:
                 self.tops = {key: (self.rows * self.pos.shape[1] + np.repeat(self.width, self.K))[:, None]}
             at = self.tops[key] if T == 1 else self.tops[key] + np.arange(T)
             self.pos.reshape(-1)[at] = np.arange(q0, q0 + T)
-            self.score.reshape(-1)[at] = score
+            if score is not None:
+                self.score.reshape(-1)[at] = score
         self.fresh += T
         self.width = [w + T for w in self.width]
         self.total += self.S * T
-        if self.watch_nan and not self.nan:
-            self.nan = math.isnan(score.sum())  # (inf − inf would say NaN too: harmless)
+        if score is not None:
+            self._watch(score)
 
     def book_ranks(self, u0, ranks, sinks):
         """KVPOP: the tokens u0 … u0 + U − 1 left the window; `ranks` [U, S] are their rank keys
         (the sinks stay protected)."""
         lo, hi = max(u0, sinks), u0 + ranks.shape[0]
+        if hi - lo == 1 and self._book_one(lo, ranks[0]):
+            return
         if lo < hi:
             pos = self.pos[:, :max(self.width)]
             r, s = np.divmod(np.flatnonzero((pos >= lo) & (pos < hi)), pos.shape[1])
             self.score[r, s] = ranks[pos[r, s] - u0, r]
-            self.nan = self.nan or bool(np.isnan(ranks).any())
+            self._watch(ranks)
+
+    def _book_one(self, u, ranks):
+        """book_ranks for one token (a decoding step): its slot per row by one comparison of the
+        positions, not a search of the whole range; False (nothing booked) unless every row holds it."""
+        at = self.starts() + (self.pos[:, :max(self.width)] == u).argmax(1)
+        if not (self.pos.reshape(-1)[at] == u).all():
+            return False
+        self.score.reshape(-1)[at] = ranks
+        self._watch(ranks)
+        return True
+
+    def _watch(self, scores):
+        if self.watch_nan and not self.nan:
+            self.nan = math.isnan(scores.sum())  # (inf − inf would say NaN too: harmless)
 
     def drop_and_fill(self, ds):
         """compact() for a decoding step that drops one entry of every row (ds [S]): each row's
@@ -80,10 +100,21 @@ class Books:
         source slots); rows None: every row in order, all from one slot."""
         uniform = self.base.count(self.base[0]) == self.L
         top = self.base[0] if uniform else np.repeat(self.base, self.K)
-        start = self.rows * self.pos.shape[1]
-        self._move(start + ds, start + top, start + top)
+        if uniform:  # the top slots are one column: basic slices, half the calls of _move
+            at = self.starts() + ds
+            self.pos.reshape(-1)[at], self.score.reshape(-1)[at] = self.pos[:, top], self.score[:, top]
+            self.pos[:, top], self.score[:, top] = -1, np.inf
+        else:
+            start = self.starts()
+            self._move(start + ds, start + top, start + top)
         self.fresh, self.width, self.total = 0, list(self.base), self.total - self.S
         return (None if uniform else self.rows), ds, top
+
+    def starts(self):
+        """Each row's slot 0 as a flat index [S] (cached while the capacity stays)."""
+        if self._starts[0] != self.pos.shape[1]:
+            self._starts = self.pos.shape[1], self.rows * self.pos.shape[1]
+        return self._starts[1]
 
     def _move(self, dst, src, vacated):
         """Table moves by flat index (2-D fancy indexing costs several times more): the entries at

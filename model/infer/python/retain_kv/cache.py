@@ -77,10 +77,14 @@ class _Store:
     def move(self, rows, dst, src):
         """Moves entries within their rows (row r: slot src → slot dst), keys and values alike;
         rows None: every row, in order."""
-        rows = self.rows if rows is None else rows
         if self.np is not None:
-            self.np[:, rows, dst] = self.np[:, rows, src]
+            if rows is None and isinstance(src, int):  # from one slot: a basic slice, not a gather
+                self.np[:, self.rows, dst] = self.np[:, :, src]
+            else:
+                rows = self.rows if rows is None else rows
+                self.np[:, rows, dst] = self.np[:, rows, src]
             return
+        rows = self.rows if rows is None else rows
         at = self.offsets[:, rows]  # index_select copies the sources before index_copy_ writes
         to = torch.from_numpy((at + dst).reshape(-1)).to(self.kv.device)
         frm = torch.from_numpy((at + src).reshape(-1)).to(self.kv.device)

@@ -5,10 +5,13 @@ Before a layer's attention (pre-hook): the gates read the layer's input-RMSNorm 
 `hidden_states` the layer hands self_attn) and give each new token its logβ; when the cache's
 entries are not simply the whole causal prefix, the hook hands attention a mask of its own,
 built from every entry's original position (what retain's kv_attention does by position).
-After the attention (post-hook): KVPOP's mLSTM reads the new keys and values. After the last
-layer's attention, the forward's entries of every layer are booked with their positions and
-scores and the policy evicts — per (layer, KV head) for trimkv and kvpop, over all layers and
-heads for dbtrimkv — for all layers at once (a layer's cache is not read again in the forward):
+After the attention (post-hook): KVPOP's mLSTM reads the new keys and values. A decoding step (one
+token, float32, and for KVPOP on the CPU) defers both to after the last layer and scores every
+layer at once (scoring.GateStep, kvpop_step.py): what such a step pays is the number of small
+calls, not their work. After the last layer's attention, the forward's entries of every layer
+are booked with their positions and scores and the policy evicts — per (layer, KV head) for
+trimkv and kvpop, over all layers and heads for dbtrimkv — for all layers at once (a layer's
+cache is not read again in the forward):
 the bookkeeping is one host-side table (books.py), and the key/value tensors get only the moves
 that close their holes (O(evicted·d)) and a trim to the layer's largest head. K/V memory stays
 bounded: B + buffer slots per head under per-head policies; under dbtrimkv every layer has the
@@ -24,7 +27,8 @@ import torch
 
 from .books import Books
 from .policy import as_policy
-from .scoring import KvpopLayerState, gate_log_beta
+from .kvpop_step import KvpopStep
+from .scoring import GateStep, KvpopState, gate_log_beta
 from .select import global_drops, per_head_drops, trim_scores
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
@@ -32,6 +36,8 @@ SUPPORTED_ATTENTION = ("sdpa", "eager")
 
 class Retention:
     """A policy, its budget and one sequence's state on one model."""
+
+    fast_steps = True  # False: a decoding step runs the general code (per layer, any T; for the tests)
 
     def __init__(self, policy, budget=None, buffer=1, compression_ratio=None):
         self.policy = as_policy(policy)
@@ -85,6 +91,8 @@ class Retention:
         self.L, self.K = config.num_hidden_layers, config.num_key_value_heads
         self.groups = config.num_attention_heads // self.K
         self.heads = torch.arange(self.K, device=self.device)
+        if self.policy.kind != "kvpop":  # a decoding step's gate MLP writes into these (scoring.GateStep)
+            self.gates = GateStep(self.policy, self.device)
         self.model_id = id(model)
         self.reset()
 
@@ -95,8 +103,11 @@ class Retention:
         self.books = Books(self.L, self.K, watch_nan=self.policy.kind == "dbtrimkv")
         self.bound = np.inf  # dbtrimkv: where the next global choice looks first (select.global_drops)
         self.pending = [None] * self.L  # per layer, this forward: the gates' logβ [K, T] / KVPOP's (u0, keys)
-        self.kvpop = ([KvpopLayerState(self.policy.layers[l], self.policy.window, self.device) for l in range(self.L)]
-                      if self.policy.kind == "kvpop" else None)
+        self.kvpop = KvpopState(self.policy, self.device) if self.policy.kind == "kvpop" else None
+        self.kvpop_step = KvpopStep(self.kvpop) if self.kvpop is not None and self.kvpop.host else None
+        # Whether this forward is a decoding step scored for all layers at once after the last
+        # (GateStep's gate MLP, KvpopStep's mLSTM step on the host); otherwise the general code.
+        self.step = False
 
     # ---- hooks ---------------------------------------------------------------------------------
     def before_attention(self, module, kwargs, fresh):
@@ -115,10 +126,15 @@ class Retention:
                 self.budget = self.budget_arg if self.budget_arg is not None else max(1, int(T * (1 - self.ratio)))
                 self._check_budget(self.budget)
             self._check_positions(kwargs.get("position_ids"), T)
-        self.T = T  # tokens of this forward (every layer's)
+            self.T = T  # tokens of this forward (every layer's)
+            self.step = (self.fast_steps and T == 1 and h.dtype == torch.float32
+                         and (self.kvpop is None or self.kvpop_step is not None))
         if self.policy.kind != "kvpop":
             t0 = time.perf_counter()
-            self.pending[l] = gate_log_beta(self.policy, l, h[0]).t()
+            if self.step:
+                self.gates.keep(l, h)
+            else:
+                self.pending[l] = gate_log_beta(self.policy, l, h[0]).t()
             self._spent("score", T, time.perf_counter() - t0)
         return self._mask(l, T, kwargs, h.dtype)
 
@@ -168,9 +184,15 @@ class Retention:
                              f"per cache)")
         if self.kvpop is not None:
             t0 = time.perf_counter()
-            k = layer.keys[0, :, -T:, :].transpose(0, 1)
-            v = layer.values[0, :, -T:, :].transpose(0, 1)
-            self.pending[l] = self.kvpop[l].feed(k, v)
+            if self.step:  # the new token's [k; v], for the step of all layers after the last
+                if getattr(getattr(cache, "store", None), "np", None) is None:  # (else read there, at once)
+                    x, d = self.kvpop_step.x[l], self.kvpop.d
+                    x[:, :d] = layer.keys.numpy(force=True)[0, :, -1]
+                    x[:, d:] = layer.values.numpy(force=True)[0, :, -1]
+            else:
+                k = layer.keys[0, :, -T:, :].transpose(0, 1)
+                v = layer.values[0, :, -T:, :].transpose(0, 1)
+                self.pending[l] = self.kvpop.feed(l, k, v)
             self._spent("score", T, time.perf_counter() - t0)
         if l == self.L - 1:
             self._end_forward(cache, T)
@@ -178,14 +200,19 @@ class Retention:
     def _end_forward(self, cache, T):
         seen = self.seen + T
         t0 = time.perf_counter()
-        if self.kvpop is None:
+        if self.kvpop is None and self.step:
+            t1 = time.perf_counter()
+            score = self.gates.run()
+            t0 += time.perf_counter() - t1  # scoring, not eviction
+            self._spent("score", T, time.perf_counter() - t1)
+        elif self.kvpop is None:
             score = torch.cat(self.pending, 0).numpy(force=True)  # (force: detached, on the host)
         else:
-            score = np.full((self.L * self.K, T), np.inf, np.float32)  # protected until scored
-        self.books.append(self.seen, score)
+            score = None  # protected (+inf) until scored
+        self.books.append(self.seen, score, T)
         if self.kvpop is not None:
             t1 = time.perf_counter()
-            self._book_ranks()
+            self._book_ranks(cache)
             t0 += time.perf_counter() - t1  # scoring, not eviction
             self._spent("score", T, time.perf_counter() - t1)
         self.pending = [None] * self.L
@@ -194,18 +221,36 @@ class Retention:
         self.seen = seen
         self.forwards += 1
 
-    def _book_ranks(self):
+    def _book_ranks(self, cache):
         """KVPOP: the tokens that left the window in this forward (the same in every layer) get
         their rank keys in place of +inf."""
+        if self.step:
+            left = self.kvpop_step(self._step_input(cache))
+            if left is not None:
+                self.books.book_ranks(left[0], left[1][None, :], self.policy.sinks)
+            return
         u0 = self.pending[0][0]
         if self.pending[0][1].shape[0]:
             ranks = torch.cat([keys for _, keys in self.pending], 1).numpy(force=True)  # [U, L·K]
             self.books.book_ranks(u0, ranks, self.policy.sinks)
 
+    def _step_input(self, cache):
+        """A decoding step's new [k; v] F32 [L·K, 2d]: from RetainCache's store in one read (the
+        token sits in slot width − 1 of every row: kvpop evicts per head, the widths are equal),
+        else as the hooks wrote it layer by layer."""
+        store = getattr(cache, "store", None)
+        if store is None or store.np is None:
+            return self.kvpop_step.x.reshape(self.L * self.K, -1)
+        kv = store.np[:, :, self.books.width[0] - 1].view(np.float32)  # [2, L·K, d] (the store's bits as floats)
+        return np.concatenate((kv[0], kv[1]), 1)
+
     def _spent(self, what, T, seconds):
-        setattr(self, f"{what}_s", getattr(self, f"{what}_s") + seconds)
-        if T == 1:
-            setattr(self, f"decode_{what}_s", getattr(self, f"decode_{what}_s") + seconds)
+        if what == "score":
+            self.score_s += seconds
+            self.decode_score_s += seconds if T == 1 else 0.0
+        else:
+            self.evict_s += seconds
+            self.decode_evict_s += seconds if T == 1 else 0.0
 
     # ---- eviction ------------------------------------------------------------------------------
     def _evict(self, cache, seen):

@@ -27,6 +27,52 @@ def gate_log_beta(policy, layer, h):
     return F.logsigmoid(z)
 
 
+class GateStep:
+    """A decoding step's gate MLP for every layer, run after the last layer's attention with the
+    fewest torch calls: a small torch call costs 5–10 µs here, and several times that when it is
+    the first of its kind since the model's own ops ran — so the layers' calls run back to back,
+    not one layer's in each pre-hook. Layer l's logβ [1, K] goes to row l of out [L, 1, K] (rows
+    l·K + h of out_np: the eviction table's order, no concatenation), the hidden activations to
+    buffers reused by every layer. The ops are gate_log_beta's (addmm and silu on the same shapes,
+    logsigmoid on all layers' at once): the same kernels, the same bits."""
+
+    def __init__(self, policy, device):
+        L, K, G = len(policy.layers), policy.kv_heads, policy.gate_hidden
+        pairs = [("linear1.weight", "linear1.bias"), ("linear2.weight", "bias")] if policy.kind == "trimkv" else [
+            ("linear1.weight", "linear1.bias"), ("linear2.weight", "linear2.bias"), ("linear3.weight", "bias")]
+        # Per layer [(Wᵀ, bias)] of each linear: Wᵀ the transposed view F.linear hands addmm.
+        self.weights = [[(p[w].t(), p[b]) for w, b in pairs] for p in policy.layers]
+        self.h = [None] * L                                   # each layer's gate input [1, 1, D]
+        self.H = torch.empty(L, 1, policy.hidden, device=device)
+        self.inputs = list(self.H)                            # [1, D] views, made once
+        self.hidden = torch.empty(1, G, device=device), torch.empty(1, G, device=device)
+        self.z = torch.empty(L, 1, K, device=device)  # each layer's last linear, then one logsigmoid for all
+        self.rows = list(self.z)
+        self.out = torch.empty(L, 1, K, device=device)
+        self.out_np = self.out.numpy().reshape(L * K, 1) if device.type == "cpu" else None
+
+    def keep(self, l, h):
+        """Layer l's gate input h F32 [1, 1, D]: the input-RMSNorm output, which Qwen3's decoder
+        layer only reads (the residual sum is a new tensor), so a reference is enough."""
+        self.h[l] = h
+
+    def run(self):
+        """Every layer's logβ; returns them [L·K, 1] on the host (a view on the CPU)."""
+        with torch.no_grad():  # (kvpress's pipeline runs with grad on; out= takes no autograd)
+            torch.cat(self.h, out=self.H)
+            for a, layer, row in zip(self.inputs, self.weights, self.rows):
+                *inner, (w, b) = layer
+                for (wi, bi), buf in zip(inner, self.hidden):
+                    torch.addmm(bi, a, wi, out=buf)
+                    a = F.silu(buf, inplace=True)  # per layer: silu's last G mod 16 elements take a scalar path
+                torch.addmm(b, a, w, out=row)
+            # F.logsigmoid's kernel, with an output, for all layers at once: it computes every
+            # element the same way wherever it sits (tested), unlike silu.
+            torch._C._nn.log_sigmoid(self.z, out=self.out)
+        self.h = [None] * len(self.h)
+        return self.out_np if self.out_np is not None else self.out.reshape(-1, 1).cpu().numpy()
+
+
 def log_gamma(theta):
     """log γ(θ) = log 0.999 + (log 0.999999 − log 0.999)·σ(θ), float64."""
     a, b = math.log(0.999), math.log(0.999999)
@@ -38,38 +84,46 @@ def _hedgehog(z):
     return torch.cat([torch.softmax(z, -1), torch.softmax(-z, -1)], -1)
 
 
-class KvpopLayerState:
-    """One layer's scorers, all KV heads at once: C [K, d, r], n [K, d], m [K] (float64)."""
+class KvpopState:
+    """All layers' scorers: C and n in one tensor Cn [L, K, d, r + 1] (C = Cn[..., :r], n =
+    Cn[..., r]), m [L, K] (float64), and q̂ = q̃/√d of the last w tokens in a ring [w, L, K, d]
+    (token p in slot p mod w; q̃ rounded to float32). A forward of several tokens advances one
+    layer at a time in the chunk closed form (feed); on the CPU a decoding step advances every
+    layer at once in numpy (kvpop_step.py), on the same memory."""
 
     CHUNK = 64  # tokens per closed-form step: O(K·CHUNK²·d) work and memory
 
-    def __init__(self, params, window, device):
-        p = {k: v.to(device) for k, v in params.items()}
-        self.Wq, self.Wk, self.Wv = (p[k].double() for k in ("q_proj.weight", "k_proj.weight", "v_proj.weight"))
-        self.wi, self.wf = p["igate.weight"].double(), p["fgate.weight"].double()
-        self.bi, self.bf = p["igate.bias"].double(), p["fgate.bias"].double()
-        self.wo, self.bo = p["out.weight"].double(), p["out.bias"].double()
-        self.log_gamma = log_gamma(p["decay"])
-        K, r, x = self.Wq.shape
-        self.d, self.r, self.w = x // 2, r, window
-        self.C = torch.zeros(K, self.d, r, dtype=torch.float64, device=device)
-        self.n = torch.zeros(K, self.d, dtype=torch.float64, device=device)
-        self.m = torch.zeros(K, dtype=torch.float64, device=device)
-        self.recent_q = None  # q̃ [≤ w, K, d] (float32 values) of the last w tokens, oldest first
-        self.fed = 0
+    def __init__(self, policy, device):
+        L, K, self.w = len(policy.layers), policy.kv_heads, policy.window
+        self.L, self.K = L, K
+        names = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "igate.weight", "fgate.weight", "igate.bias",
+                 "fgate.bias", "out.weight", "out.bias")
+        p = {n: torch.stack([layer[n] for layer in policy.layers]).to(device).double() for n in names}
+        self.Wq, self.Wk, self.Wv = p["q_proj.weight"], p["k_proj.weight"], p["v_proj.weight"]  # [L, K, r, 2d]
+        self.wi, self.wf, self.bi, self.bf = p["igate.weight"], p["fgate.weight"], p["igate.bias"], p["fgate.bias"]
+        self.wo, self.bo = p["out.weight"], p["out.bias"]
+        self.log_gamma = torch.stack([log_gamma(layer["decay"].to(device)) for layer in policy.layers])  # [L, K]
+        r = self.Wq.shape[2]
+        self.d, self.r = 2 * r, r
+        f64 = dict(dtype=torch.float64, device=device)
+        self.Cn = torch.zeros(L, K, self.d, r + 1, **f64)
+        self.m = torch.zeros(L, K, **f64)
+        self.ring = torch.zeros(self.w, L, K, self.d, **f64)
+        self.fed = [0] * L
+        self.host = device.type == "cpu"
 
-    def _project(self, x):
-        """x F64 [T, K, 2d] → q̃, k̃ [T, K, d], ṽ [T, K, r], ĩ, log f [T, K], each rounded to float32."""
+    def _project(self, l, x):
+        """x F64 [T, K, 2d] → q̃, k̃ [T, K, d], ṽ [T, K, r], ĩ, log f [T, K] of layer l, rounded to float32."""
         f32 = lambda t: t.float().double()  # noqa: E731  (the C++ stores the projections as float)
-        q = f32(_hedgehog(torch.einsum("krx,tkx->tkr", self.Wq, x)))
-        k = f32(_hedgehog(torch.einsum("krx,tkx->tkr", self.Wk, x)))
-        v = f32(torch.einsum("krx,tkx->tkr", self.Wv, x))
-        ig = f32(GATE_CAP * torch.tanh(((x * self.wi).sum(-1) + self.bi) / GATE_CAP))
-        lf = f32(F.logsigmoid(GATE_CAP * torch.tanh(((x * self.wf).sum(-1) + self.bf) / GATE_CAP)))
+        q = f32(_hedgehog(torch.einsum("krx,tkx->tkr", self.Wq[l], x)))
+        k = f32(_hedgehog(torch.einsum("krx,tkx->tkr", self.Wk[l], x)))
+        v = f32(torch.einsum("krx,tkx->tkr", self.Wv[l], x))
+        ig = f32(GATE_CAP * torch.tanh(((x * self.wi[l]).sum(-1) + self.bi[l]) / GATE_CAP))
+        lf = f32(F.logsigmoid(GATE_CAP * torch.tanh(((x * self.wf[l]).sum(-1) + self.bf[l]) / GATE_CAP)))
         return q, k, v, ig, lf
 
-    def feed(self, k, v):
-        """Feeds the next tokens' k, v [T, K, d]. Returns (u0, keys F32 [U, K]): the rank keys
+    def feed(self, l, k, v):
+        """Feeds layer l's next tokens' k, v [T, K, d]. Returns (u0, keys F32 [U, K]): the rank keys
         score_u − u·log γ of the tokens u0 … u0 + U − 1 that left the window (U may be 0).
 
         Chunks of CHUNK tokens in closed form (the recurrence unrolled, as mLSTM's chunkwise
@@ -77,37 +131,42 @@ class KvpopLayerState:
         m_t = F_t + max(m₀, max_{s≤t}(ĩ_s − F_s)), and C_t = e^{F_t+m₀−m_t}·C₀ + Σ_{s≤t} e^{F_t−F_s+ĩ_s−m_t}
         k̃_s ṽ_sᵀ (n_t likewise) — the sequential recurrence of kvpop_state.cpp, summed in another order."""
         x = torch.cat([k, v], -1).double()
-        q, kt, vt, ig, lf = self._project(x)
-        T, dev = x.shape[0], x.device
-        queries = torch.cat([self.recent_q, q]) if self.recent_q is not None else q  # tokens base … fed + T − 1
-        base = self.fed - (self.recent_q.shape[0] if self.recent_q is not None else 0)
-        u0, keys = max(self.fed - self.w + 1, 0), []
+        q, kt, vt, ig, lf = self._project(l, x)
+        T, dev, fed, w = x.shape[0], x.device, self.fed[l], self.w
+        base = max(fed - w, 0)
         inv_sqrt_d = 1.0 / math.sqrt(self.d)
+        q = q * inv_sqrt_d  # q̂, the readout's query
+        queries = torch.cat([self.ring[torch.arange(base, fed, device=dev) % w, l], q])  # tokens base … fed + T − 1
+        u0, keys = max(fed - w + 1, 0), []
+        C, n_, m_ = self.Cn[l, :, :, :-1].contiguous(), self.Cn[l, :, :, -1].contiguous(), self.m[l]
         for c0 in range(0, T, self.CHUNK):
             n = min(self.CHUNK, T - c0)
             lfc, igc = lf[c0:c0 + n].t(), ig[c0:c0 + n].t()               # [K, n]
             kc, vc = kt[c0:c0 + n].transpose(0, 1), vt[c0:c0 + n].transpose(0, 1)  # [K, n, d], [K, n, r]
             F = torch.cumsum(lfc, 1)
-            m = F + torch.maximum(self.m[:, None], torch.cummax(igc - F, 1).values)
+            m = F + torch.maximum(m_[:, None], torch.cummax(igc - F, 1).values)
             causal = torch.ones(n, n, dtype=torch.bool, device=dev).tril()
             expo = F[:, :, None] - F[:, None, :] + igc[:, None, :] - m[:, :, None]
             W = torch.exp(torch.where(causal, expo, torch.full_like(expo, -math.inf)))  # [K, t, s]
-            e0 = torch.exp(F + self.m[:, None] - m)                          # weight of the state before
-            u = torch.arange(self.fed, self.fed + n, device=dev) - self.w + 1  # who leaves the window at t
+            e0 = torch.exp(F + m_[:, None] - m)                              # weight of the state before
+            u = torch.arange(fed, fed + n, device=dev) - w + 1               # who leaves the window at t
             ts = (u >= 0).nonzero().flatten()
             if ts.numel():
-                Q = queries[u[ts] - base].transpose(0, 1) * inv_sqrt_d      # [K, nt, d]
+                Q = queries[u[ts] - base].transpose(0, 1)                   # [K, nt, d]
                 A = torch.einsum("kid,ksd->kis", Q, kc) * W[:, ts, :]
-                num = e0[:, ts, None] * torch.einsum("kdr,kid->kir", self.C, Q) + torch.einsum("kis,ksr->kir", A, vc)
-                nq = e0[:, ts] * torch.einsum("kd,kid->ki", self.n, Q) + A.sum(-1)
+                num = e0[:, ts, None] * torch.einsum("kdr,kid->kir", C, Q) + torch.einsum("kis,ksr->kir", A, vc)
+                nq = e0[:, ts] * torch.einsum("kd,kid->ki", n_, Q) + A.sum(-1)
                 den = torch.maximum(nq.abs(), torch.exp(-m[:, ts])) + READOUT_EPS
                 h = num / den[..., None]
-                score = self.bo[:, None] + (self.wo[:, None, :] * h * torch.sigmoid(h)).sum(-1)  # [K, nt]
-                keys.append((score - u[ts].double()[None, :] * self.log_gamma[:, None]).float().t())
+                score = self.bo[l, :, None] + (self.wo[l, :, None, :] * h * torch.sigmoid(h)).sum(-1)  # [K, nt]
+                keys.append((score - u[ts].double()[None, :] * self.log_gamma[l, :, None]).float().t())
             last = W[:, -1, :]
-            self.C = e0[:, -1, None, None] * self.C + torch.einsum("ks,ksd,ksr->kdr", last, kc, vc)
-            self.n = e0[:, -1, None] * self.n + torch.einsum("ks,ksd->kd", last, kc)
-            self.m = m[:, -1]
-            self.fed += n
-        self.recent_q = queries[-self.w:]
-        return u0, (torch.cat(keys) if keys else torch.empty(0, self.m.shape[0], device=dev))
+            C = e0[:, -1, None, None] * C + torch.einsum("ks,ksd,ksr->kdr", last, kc, vc)
+            n_ = e0[:, -1, None] * n_ + torch.einsum("ks,ksd->kd", last, kc)
+            m_.copy_(m[:, -1])
+            fed += n
+        self.Cn[l, :, :, :-1], self.Cn[l, :, :, -1] = C, n_
+        keep = min(T, w)  # the last w queries stay in the ring
+        self.ring[torch.arange(fed - keep, fed, device=dev) % w, l] = q[-keep:]
+        self.fed[l] = fed
+        return u0, (torch.cat(keys) if keys else torch.empty(0, self.K, device=dev))

@@ -7,6 +7,8 @@ key per entry (the float32 score mapped to an order-preserving integer in the hi
 position — and across streams the reversed stream index — in the low 32); as building it takes
 seven passes, the common case first picks by the float scores alone and checks that no tie at the
 edge of the choice could change it, falling back to the keys when one could."""
+import math
+
 import numpy as np
 
 EXACT_DIST = 1 << 24  # below it a float32 holds every integer: q − i rounds the same computed either way
@@ -34,7 +36,7 @@ def per_head_drops(score, pos, m):
         low = score.min(1, keepdims=True)
         # One entry per row at its row's lowest score: no tie, the choice whatever the positions.
         # (A NaN makes its row's min NaN: the keys order NaNs.)
-        if np.count_nonzero(score == low) == score.shape[0] and not np.isnan(low.sum()):
+        if np.count_nonzero(score == low) == score.shape[0] and not math.isnan(low.sum()):
             return slot[:, None]
     return np.argpartition(score_key(score) | pos, m - 1, axis=1)[:, :m]
 
