@@ -19,9 +19,13 @@ import numpy as np
 
 
 class Books:
-    def __init__(self, L, K, watch_nan=False):
+    def __init__(self, L, K, watch_nan=False, track=False):
         self.L, self.K, self.S = L, K, L * K
         self.watch_nan = watch_nan  # the global choice's float pick cannot see NaN: note any booked
+        # KVPOP (track): where each decoding step's token was put — a column of the table, or its
+        # flat index per row — for booking its rank when it leaves the window (_book_one) without
+        # searching the table; forgotten by any other move or a new capacity.
+        self.track, self.placed, self.last = track, {}, None
         self.pos = np.full((self.S, 0), -1, np.int64)
         self.score = np.zeros((self.S, 0), np.float32)
         self.rows = np.arange(self.S)
@@ -48,9 +52,13 @@ class Books:
             pad = max(top, 2 * self.pos.shape[1]) - self.pos.shape[1]
             self.pos = np.concatenate([self.pos, np.full((self.S, pad), -1, np.int64)], 1)
             self.score = np.concatenate([self.score, np.full((self.S, pad), np.inf, np.float32)], 1)
+            self.placed = {}
+        self.last = q0 if T == 1 and self.track else None
         if self.width.count(self.width[0]) == self.L:
             w = self.width[0]
             self.pos[:, w:w + T] = q0 if T == 1 else np.arange(q0, q0 + T)
+            if self.last is not None:
+                self.placed[q0] = w
             if score is not None:
                 self.score[:, w:w + T] = score
         else:  # at each row's own top, by flat index (2-D fancy indexing costs several times more)
@@ -59,6 +67,8 @@ class Books:
                 self.tops = {key: (self.rows * self.pos.shape[1] + np.repeat(self.width, self.K))[:, None]}
             at = self.tops[key] if T == 1 else self.tops[key] + np.arange(T)
             self.pos.reshape(-1)[at] = np.arange(q0, q0 + T)
+            if self.last is not None:
+                self.placed[q0] = at[:, 0]
             if score is not None:
                 self.score.reshape(-1)[at] = score
         self.fresh += T
@@ -80,8 +90,19 @@ class Books:
             self._watch(ranks)
 
     def _book_one(self, u, ranks):
-        """book_ranks for one token (a decoding step): its slot per row by one comparison of the
-        positions, not a search of the whole range; False (nothing booked) unless every row holds it."""
+        """book_ranks for one token (a decoding step): at the slots where it was put, if it is still
+        there (a column: basic slices), else its slot per row by one comparison of the positions,
+        not a search of the whole range; False (nothing booked) unless every row holds it."""
+        at = self.placed.pop(u, None)
+        if isinstance(at, int):
+            if (self.pos[:, at] == u).all():
+                self.score[:, at] = ranks
+                self._watch(ranks)
+                return True
+        elif at is not None and (self.pos.reshape(-1)[at] == u).all():
+            self.score.reshape(-1)[at] = ranks
+            self._watch(ranks)
+            return True
         at = self.starts() + (self.pos[:, :max(self.width)] == u).argmax(1)
         if not (self.pos.reshape(-1)[at] == u).all():
             return False
@@ -106,7 +127,10 @@ class Books:
             self.pos[:, top], self.score[:, top] = -1, np.inf
         else:
             start = self.starts()
-            self._move(start + ds, start + top, start + top)
+            at = start + ds
+            self._move(at, start + top, start + top)
+        if self.last is not None:  # the fresh token (if dropped, at holds no entry: _book_one searches)
+            self.placed[self.last] = at
         self.fresh, self.width, self.total = 0, list(self.base), self.total - self.S
         return (None if uniform else self.rows), ds, top
 
@@ -127,6 +151,7 @@ class Books:
     def compact(self, dr, ds):
         """Removes the entries at rows `dr`, slots `ds` and closes the holes (see the module doc).
         Returns the moves (rows, destination slots, source slots) for the tensors as they are."""
+        self.placed = {}
         n = max(self.width)
         pos, score = self.pos[:, :n], self.score[:, :n]
         keep = pos >= 0
@@ -150,6 +175,7 @@ class Books:
         """compact() for a decoding step (one fresh token per row, in its layer's top slot), in
         Python over the rows that lost an entry or have an empty slot below the top: the same
         moves and layout without compact()'s passes over the whole table. Returns the moves."""
+        self.placed = {}
         K = self.K
         count = self.count = [c + 1 for c in self.count]  # a row that loses nothing keeps its fresh token
         lost = {}

@@ -100,7 +100,7 @@ class Retention:
         """Forget the sequence: the next forward starts a new one at position 0."""
         self.seen = 0
         self.evicted = False  # whether any entry has been dropped in this sequence
-        self.books = Books(self.L, self.K, watch_nan=self.policy.kind == "dbtrimkv")
+        self.books = Books(self.L, self.K, watch_nan=self.policy.kind == "dbtrimkv", track=self.policy.kind == "kvpop")
         self.bound = np.inf  # dbtrimkv: where the next global choice looks first (select.global_drops)
         self.pending = [None] * self.L  # per layer, this forward: the gates' logβ [K, T] / KVPOP's (u0, keys)
         self.kvpop = KvpopState(self.policy, self.device) if self.policy.kind == "kvpop" else None
