@@ -63,10 +63,10 @@ class Books:
                 self.score[:, w:w + T] = score
         else:  # at each row's own top, by flat index (2-D fancy indexing costs several times more)
             key = (tuple(self.width), self.pos.shape[1])
-            if key not in self.tops:
-                self.tops = {key: (self.rows * self.pos.shape[1] + np.repeat(self.width, self.K))[:, None]}
+            if key not in self.tops:  # (dbtrimkv's widths change on most decoding steps)
+                self.tops = {key: (self.starts() + np.repeat(self.width, self.K))[:, None]}
             at = self.tops[key] if T == 1 else self.tops[key] + np.arange(T)
-            self.pos.reshape(-1)[at] = np.arange(q0, q0 + T)
+            self.pos.reshape(-1)[at] = q0 if T == 1 else np.arange(q0, q0 + T)
             if self.last is not None:
                 self.placed[q0] = at[:, 0]
             if score is not None:
@@ -111,8 +111,9 @@ class Books:
         return True
 
     def _watch(self, scores):
-        if self.watch_nan and not self.nan:
-            self.nan = math.isnan(scores.sum())  # (inf − inf would say NaN too: harmless)
+        if self.watch_nan and not self.nan:  # (inf − inf would say NaN too: harmless)
+            # Python's sum of the list: in a decoding step, cheaper than the first numpy reduction
+            self.nan = math.isnan(sum(scores.ravel().tolist()) if scores.size <= 1024 else scores.sum())
 
     def drop_and_fill(self, ds):
         """compact() for a decoding step that drops one entry of every row (ds [S]): each row's
@@ -196,9 +197,11 @@ class Books:
                 vacated = [top if s == c else s for s in range(new, c + 1)]
                 clear_r.extend([r] * len(vacated)), clear_s.extend(vacated)
             count[r] = new
+        cap = self.pos.shape[1]  # flat indices in Python: a handful, where each numpy call costs µs
+        self._move(np.array([r * cap + s for r, s in zip(rows, dst)], np.int64),
+                   np.array([r * cap + s for r, s in zip(rows, src)], np.int64),
+                   np.array([r * cap + s for r, s in zip(clear_r, clear_s)], np.int64))
         rows, dst, src = np.array(rows, np.int64), np.array(dst, np.int64), np.array(src, np.int64)
-        cap = self.pos.shape[1]
-        self._move(rows * cap + dst, rows * cap + src, np.array(clear_r, np.int64) * cap + np.array(clear_s, np.int64))
         self.base = [max(count[l * K:(l + 1) * K]) for l in range(self.L)]
         self.gapless = [min(count[l * K:(l + 1) * K]) == self.base[l] for l in range(self.L)]
         self.fresh, self.width, self.total = 0, list(self.base), self.total - len(dr)
