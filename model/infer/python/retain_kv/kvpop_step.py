@@ -19,7 +19,7 @@ float64 goes through numpy's buffered casting, several times the cost of a plain
 
 Numerics, as kvpop_state.cpp (the reference): float64 throughout, the projections, the input and
 forget gates rounded to float32 as the C++ stores them, the rank key score_u − u·log γ rounded to
-float32 (where the table books it). m, C and n are the C++'s expressions term for term (m =
+float32. m, C and n are the C++'s expressions term for term (m =
 max(log f + m₋₁, ĩ), a = e^{log f + m₋₁ − m}, b = e^{ĩ − m}, C = a·C + (b·k̃)·ṽᵀ); logsigmoid is
 numpy's logaddexp, the C++'s two branches; softmax(−z) is e^{min z − z} over its sum, as the C++.
 The dot products (projections with their biases, readout, w_o·silu(h)) sum in another order —
@@ -84,7 +84,7 @@ class KvpopStep:
         self.silu = np.ones((S, 1, r + 2))             # [silu(h), 1, −u]
         self.s, self.neg_u = self.silu[:, 0, :r], self.silu[:, 0, r + 1]
         self.key = np.empty((S, 1, 1))
-        self.keys = self.key.reshape(S)
+        self.keys = np.empty(S, np.float32)
 
     def read(self, kv):
         """The new token's k, v of every row from kv [2, S, d] (any float dtype, any strides)."""
@@ -92,9 +92,8 @@ class KvpopStep:
 
     def __call__(self, x=None):
         """x F32 [S, 2d]: the new token's [k; v] per row (None: already in place, by read() or
-        through self.x). Returns (u, keys F64 [S]) for the token u that leaves the window, or None
-        while none does (the first w − 1 tokens); the keys are float64 values to round to float32
-        (the table's float32 scores round them as they book them; float32 keys: np.float32(keys))."""
+        through self.x). Returns (u, keys F32 [S]) for the token u that leaves the window, or None
+        while none does (the first w − 1 tokens); keys is a buffer the next step overwrites."""
         if x is not None:
             self.xa[:, :2 * self.d] = x
         st, w = self.state, self.w
@@ -141,4 +140,5 @@ class KvpopStep:
         np.divide(h, s, out=s)                                   # h / (1 + e^{−h}), the C++'s silu
         self.neg_u[...] = -u
         np.matmul(self.silu, self.out, out=self.key)
-        return u, self.keys
+        np.copyto(self.keys, self.key.reshape(-1))              # rounded to float32 (a contiguous cast: cheaper
+        return u, self.keys                                      # than one inside the table's fancy assignment)
