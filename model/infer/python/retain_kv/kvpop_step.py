@@ -2,7 +2,7 @@
 through DESIGN §5's projections, one step of the stabilized mLSTM and the readout of the token
 leaving the window — numpy on the memory of scoring.KvpopState's tensors.
 
-Why numpy, all layers at once, into preallocated buffers: a step of this work is ~30 tiny array
+Why numpy, all layers at once, into preallocated buffers: a step of this work is ~34 tiny array
 operations, and on a CPU their cost is the calls, not the arithmetic (a small torch call costs
 5–10 µs, a numpy call ~1–3 µs, several times more when its code was pushed out of the caches by
 the model's forward). The chunk closed form that prefill uses costs ~60 torch calls per layer.
@@ -76,7 +76,8 @@ class KvpopStep:
         self.upd = np.empty((S, d, r + 1))
         self.inv_sqrt_d = 1.0 / math.sqrt(d)
         # w_o·silu(h) + b_o − u·log γ as one dot product: [silu(h), 1, −u] · [w_o, b_o, log γ].
-        self.out = np.concatenate([rows(state.wo), rows(state.bo)[:, None], rows(state.log_gamma)[:, None]], 1)[:, :, None]
+        out = [rows(state.wo), rows(state.bo)[:, None], rows(state.log_gamma)[:, None]]
+        self.out = np.concatenate(out, 1)[:, :, None]
         self.num = np.empty((S, 1, r + 1))             # Cᵀq̂_u, nᵀq̂_u
         self.h, self.den = self.num[:, 0, :r], np.empty((S, 1))
         self.nq = self.num[:, 0, r:]
