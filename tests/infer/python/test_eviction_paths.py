@@ -15,6 +15,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import retain_kv.cache
+import retain_kv.select
 from retain_kv import RetainCache
 from retain_kv.books import Books
 from retain_kv.select import global_drops, per_head_drops, trim_scores
@@ -95,8 +96,10 @@ def tie_prone(rng, S, W):
     return score, pos
 
 
+@pytest.mark.parametrize("few", [64, 0])  # the candidates ordered in Python, or by numpy's lexsort
 @pytest.mark.parametrize("seed", range(4))
-def test_choices_equal_a_full_sort(seed):
+def test_choices_equal_a_full_sort(seed, few, monkeypatch):
+    monkeypatch.setattr(retain_kv.select, "FEW", few)
     rng = np.random.default_rng(seed)
     for _ in range(300):
         S, W = int(rng.integers(1, 6)), int(rng.integers(2, 12))

@@ -189,7 +189,50 @@ def test_book_one_is_book_ranks():
         assert np.array_equal(fast.pos, slow.pos) and np.array_equal(bits(fast.score), bits(slow.score))
 
 
-# ---- a whole decoding run ------------------------------------------------------------------------
+def test_book_one_books_where_the_token_was_put(monkeypatch):
+    """A decoding step's token is booked at the column or slots it was put in (append, drop_and_fill),
+    without a search of the table; when it is no longer there (dropped, or moved by compact), the
+    search books it as before, or nothing when a row lost it."""
+    rng, real_starts, hits = np.random.default_rng(4), Books.starts, 0
+    for _ in range(100):
+        L, K, q = int(rng.integers(1, 4)), int(rng.integers(1, 4)), 0
+        b = Books(L, K, track=True)
+        b.append(q, None, int(rng.integers(2, 9)))
+        b.compact(np.zeros(0, np.int64), np.zeros(0, np.int64))  # after a prefill chunk
+        q = b.width[0]
+        searched = []
+        monkeypatch.setattr(Books, "starts", lambda self: searched.append(1) or real_starts(self))
+        for step in range(30):
+            b.append(q, None)
+            if step % 4:  # each row drops a held entry (every 5th step, one row its fresh token), as the engine
+                n = max(b.width)
+                ds = np.array([rng.choice(np.flatnonzero(row >= 0)) for row in b.pos[:, :n]])
+                if step % 5 == 0:
+                    row = int(rng.integers(0, b.S))
+                    ds[row] = int(np.flatnonzero(b.pos[row] == q)[0])
+                monkeypatch.setattr(Books, "starts", real_starts)
+                if b.fresh == 1:
+                    b.drop_and_fill(ds)
+                else:  # (forgets where tokens were put)
+                    b.compact(np.arange(b.S), ds)
+                monkeypatch.setattr(Books, "starts", lambda self: searched.append(1) or real_starts(self))
+            u = int(rng.integers(max(0, q - 5), q + 1))
+            ranks = rng.standard_normal(b.S)
+            want = Books(L, K)
+            want.__dict__.update({k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in b.__dict__.items()})
+            want.track, want.placed = False, {}
+            held = all(u in row for row in b.pos)
+            fast = u in b.placed and held
+            want.book_ranks(u, ranks[None], 0)
+            searched.clear()
+            b.book_ranks(u, ranks[None], 0)
+            assert np.array_equal(b.pos, want.pos) and np.array_equal(bits(b.score), bits(want.score))
+            if fast:
+                assert not searched  # found where it was put
+                hits += 1
+            q += 1
+    assert hits > 300
+
 
 def booked_run(model, policy, budget, press, monkeypatch, fast):
     """Prefill 90 tokens in chunks of 37, then 40 one-token forwards; the table after each."""

@@ -19,9 +19,13 @@ import numpy as np
 
 
 class Books:
-    def __init__(self, L, K, watch_nan=False):
+    def __init__(self, L, K, watch_nan=False, track=False):
         self.L, self.K, self.S = L, K, L * K
         self.watch_nan = watch_nan  # the global choice's float pick cannot see NaN: note any booked
+        # KVPOP (track): where each decoding step's token was put — a column of the table, or its
+        # flat index per row — for booking its rank when it leaves the window (_book_one) without
+        # searching the table; forgotten by any other move or a new capacity.
+        self.track, self.placed, self.last = track, {}, None
         self.pos = np.full((self.S, 0), -1, np.int64)
         self.score = np.zeros((self.S, 0), np.float32)
         self.rows = np.arange(self.S)
@@ -48,17 +52,23 @@ class Books:
             pad = max(top, 2 * self.pos.shape[1]) - self.pos.shape[1]
             self.pos = np.concatenate([self.pos, np.full((self.S, pad), -1, np.int64)], 1)
             self.score = np.concatenate([self.score, np.full((self.S, pad), np.inf, np.float32)], 1)
+            self.placed = {}
+        self.last = q0 if T == 1 and self.track else None
         if self.width.count(self.width[0]) == self.L:
             w = self.width[0]
             self.pos[:, w:w + T] = q0 if T == 1 else np.arange(q0, q0 + T)
+            if self.last is not None:
+                self.placed[q0] = w
             if score is not None:
                 self.score[:, w:w + T] = score
         else:  # at each row's own top, by flat index (2-D fancy indexing costs several times more)
             key = (tuple(self.width), self.pos.shape[1])
-            if key not in self.tops:
-                self.tops = {key: (self.rows * self.pos.shape[1] + np.repeat(self.width, self.K))[:, None]}
+            if key not in self.tops:  # (dbtrimkv's widths change on most decoding steps)
+                self.tops = {key: (self.starts() + np.repeat(self.width, self.K))[:, None]}
             at = self.tops[key] if T == 1 else self.tops[key] + np.arange(T)
-            self.pos.reshape(-1)[at] = np.arange(q0, q0 + T)
+            self.pos.reshape(-1)[at] = q0 if T == 1 else np.arange(q0, q0 + T)
+            if self.last is not None:
+                self.placed[q0] = at[:, 0]
             if score is not None:
                 self.score.reshape(-1)[at] = score
         self.fresh += T
@@ -80,8 +90,19 @@ class Books:
             self._watch(ranks)
 
     def _book_one(self, u, ranks):
-        """book_ranks for one token (a decoding step): its slot per row by one comparison of the
-        positions, not a search of the whole range; False (nothing booked) unless every row holds it."""
+        """book_ranks for one token (a decoding step): at the slots where it was put, if it is still
+        there (a column: basic slices), else its slot per row by one comparison of the positions,
+        not a search of the whole range; False (nothing booked) unless every row holds it."""
+        at = self.placed.pop(u, None)
+        if isinstance(at, int):
+            if (self.pos[:, at] == u).all():
+                self.score[:, at] = ranks
+                self._watch(ranks)
+                return True
+        elif at is not None and (self.pos.reshape(-1)[at] == u).all():
+            self.score.reshape(-1)[at] = ranks
+            self._watch(ranks)
+            return True
         at = self.starts() + (self.pos[:, :max(self.width)] == u).argmax(1)
         if not (self.pos.reshape(-1)[at] == u).all():
             return False
@@ -90,8 +111,9 @@ class Books:
         return True
 
     def _watch(self, scores):
-        if self.watch_nan and not self.nan:
-            self.nan = math.isnan(scores.sum())  # (inf − inf would say NaN too: harmless)
+        if self.watch_nan and not self.nan:  # (inf − inf would say NaN too: harmless)
+            # Python's sum of the list: in a decoding step, cheaper than the first numpy reduction
+            self.nan = math.isnan(sum(scores.ravel().tolist()) if scores.size <= 1024 else scores.sum())
 
     def drop_and_fill(self, ds):
         """compact() for a decoding step that drops one entry of every row (ds [S]): each row's
@@ -106,7 +128,10 @@ class Books:
             self.pos[:, top], self.score[:, top] = -1, np.inf
         else:
             start = self.starts()
-            self._move(start + ds, start + top, start + top)
+            at = start + ds
+            self._move(at, start + top, start + top)
+        if self.last is not None:  # the fresh token (if dropped, at holds no entry: _book_one searches)
+            self.placed[self.last] = at
         self.fresh, self.width, self.total = 0, list(self.base), self.total - self.S
         return (None if uniform else self.rows), ds, top
 
@@ -127,6 +152,7 @@ class Books:
     def compact(self, dr, ds):
         """Removes the entries at rows `dr`, slots `ds` and closes the holes (see the module doc).
         Returns the moves (rows, destination slots, source slots) for the tensors as they are."""
+        self.placed = {}
         n = max(self.width)
         pos, score = self.pos[:, :n], self.score[:, :n]
         keep = pos >= 0
@@ -150,6 +176,7 @@ class Books:
         """compact() for a decoding step (one fresh token per row, in its layer's top slot), in
         Python over the rows that lost an entry or have an empty slot below the top: the same
         moves and layout without compact()'s passes over the whole table. Returns the moves."""
+        self.placed = {}
         K = self.K
         count = self.count = [c + 1 for c in self.count]  # a row that loses nothing keeps its fresh token
         lost = {}
@@ -170,9 +197,11 @@ class Books:
                 vacated = [top if s == c else s for s in range(new, c + 1)]
                 clear_r.extend([r] * len(vacated)), clear_s.extend(vacated)
             count[r] = new
+        cap = self.pos.shape[1]  # flat indices in Python: a handful, where each numpy call costs µs
+        self._move(np.array([r * cap + s for r, s in zip(rows, dst)], np.int64),
+                   np.array([r * cap + s for r, s in zip(rows, src)], np.int64),
+                   np.array([r * cap + s for r, s in zip(clear_r, clear_s)], np.int64))
         rows, dst, src = np.array(rows, np.int64), np.array(dst, np.int64), np.array(src, np.int64)
-        cap = self.pos.shape[1]
-        self._move(rows * cap + dst, rows * cap + src, np.array(clear_r, np.int64) * cap + np.array(clear_s, np.int64))
         self.base = [max(count[l * K:(l + 1) * K]) for l in range(self.L)]
         self.gapless = [min(count[l * K:(l + 1) * K]) == self.base[l] for l in range(self.L)]
         self.fresh, self.width, self.total = 0, list(self.base), self.total - len(dr)

@@ -100,7 +100,7 @@ class Retention:
         """Forget the sequence: the next forward starts a new one at position 0."""
         self.seen = 0
         self.evicted = False  # whether any entry has been dropped in this sequence
-        self.books = Books(self.L, self.K, watch_nan=self.policy.kind == "dbtrimkv")
+        self.books = Books(self.L, self.K, watch_nan=self.policy.kind == "dbtrimkv", track=self.policy.kind == "kvpop")
         self.bound = np.inf  # dbtrimkv: where the next global choice looks first (select.global_drops)
         self.pending = [None] * self.L  # per layer, this forward: the gates' logβ [K, T] / KVPOP's (u0, keys)
         self.kvpop = KvpopState(self.policy, self.device) if self.policy.kind == "kvpop" else None
@@ -188,7 +188,7 @@ class Retention:
                 if getattr(getattr(cache, "store", None), "np", None) is None:  # (else read there, at once)
                     x, d = self.kvpop_step.x[l], self.kvpop.d
                     x[:, :d] = layer.keys.numpy(force=True)[0, :, -1]
-                    x[:, d:] = layer.values.numpy(force=True)[0, :, -1]
+                    x[:, d:2 * d] = layer.values.numpy(force=True)[0, :, -1]
             else:
                 k = layer.keys[0, :, -T:, :].transpose(0, 1)
                 v = layer.values[0, :, -T:, :].transpose(0, 1)
@@ -225,7 +225,8 @@ class Retention:
         """KVPOP: the tokens that left the window in this forward (the same in every layer) get
         their rank keys in place of +inf."""
         if self.step:
-            left = self.kvpop_step(self._step_input(cache))
+            self._step_input(cache)
+            left = self.kvpop_step()
             if left is not None:
                 self.books.book_ranks(left[0], left[1][None, :], self.policy.sinks)
             return
@@ -235,14 +236,12 @@ class Retention:
             self.books.book_ranks(u0, ranks, self.policy.sinks)
 
     def _step_input(self, cache):
-        """A decoding step's new [k; v] F32 [L·K, 2d]: from RetainCache's store in one read (the
-        token sits in slot width − 1 of every row: kvpop evicts per head, the widths are equal),
-        else as the hooks wrote it layer by layer."""
+        """A decoding step's new [k; v] into KvpopStep's input: from RetainCache's store in one read
+        (the token sits in slot width − 1 of every row: kvpop evicts per head, the widths are
+        equal), else already there (the hooks wrote it layer by layer)."""
         store = getattr(cache, "store", None)
-        if store is None or store.np is None:
-            return self.kvpop_step.x.reshape(self.L * self.K, -1)
-        kv = store.np[:, :, self.books.width[0] - 1].view(np.float32)  # [2, L·K, d] (the store's bits as floats)
-        return np.concatenate((kv[0], kv[1]), 1)
+        if store is not None and store.np is not None:
+            self.kvpop_step.read(store.np[:, :, self.books.width[0] - 1].view(np.float32))  # [2, L·K, d] as floats
 
     def _spent(self, what, T, seconds):
         if what == "score":

@@ -2,17 +2,29 @@
 through DESIGN §5's projections, one step of the stabilized mLSTM and the readout of the token
 leaving the window — numpy on the memory of scoring.KvpopState's tensors.
 
-Why numpy, all layers at once, into preallocated buffers: a step of this work is ~40 tiny array
+Why numpy, all layers at once, into preallocated buffers: a step of this work is ~34 tiny array
 operations, and on a CPU their cost is the calls, not the arithmetic (a small torch call costs
 5–10 µs, a numpy call ~1–3 µs, several times more when its code was pushed out of the caches by
 the model's forward). The chunk closed form that prefill uses costs ~60 torch calls per layer.
+So the step is laid out for the fewest calls, each on one dtype (a call that mixes float32 and
+float64 goes through numpy's buffered casting, several times the cost of a plain loop):
+
+- one matmul gives every row's [W_q x; W_k x; W_v x; 1; w_i·x + b_i; w_f·x + b_f; 0] from
+  x = [k; v; 1] (float64, as the C++ sums; the biases ride on x's 1), one negation −W_q x, −W_k x
+  before them;
+- φ = [softmax(z); softmax(−z)] of q and k in place (5 calls: ufunc reduces, not np.max and
+  np.sum, whose Python wrappers cost more than the work), the gates in place (4);
+- one round trip through float32 rounds q̃, k̃, ṽ, ĩ and log f as the C++ stores them;
+- then float64 only: m, a, b, e^{−m} (4 calls), C and n (4), q̂ into the ring (1), the readout (10).
 
 Numerics, as kvpop_state.cpp (the reference): float64 throughout, the projections, the input and
 forget gates rounded to float32 as the C++ stores them, the rank key score_u − u·log γ rounded to
-float32. m, C and n are the C++'s expressions term for term (m = max(log f + m₋₁, ĩ), a =
-e^{log f + m₋₁ − m}, b = e^{ĩ − m}, C = a·C + (b·k̃)·ṽᵀ); logsigmoid is numpy's logaddexp, the
-C++'s two branches. The dot products (projections, readout, w_o·silu(h)) sum in another order —
-the ~1e-16 relative differences, as the chunk form's, vanish in the float32 roundings."""
+float32. m, C and n are the C++'s expressions term for term (m =
+max(log f + m₋₁, ĩ), a = e^{log f + m₋₁ − m}, b = e^{ĩ − m}, C = a·C + (b·k̃)·ṽᵀ); logsigmoid is
+numpy's logaddexp, the C++'s two branches; softmax(−z) is e^{min z − z} over its sum, as the C++.
+The dot products (projections with their biases, readout, w_o·silu(h)) sum in another order —
+the ~1e-16 relative differences, as the chunk form's, vanish in the float32 roundings (tested
+against a loop-for-loop copy of the C++)."""
 import math
 
 import numpy as np
@@ -28,69 +40,106 @@ class KvpopStep:
         self.state, self.r, self.d, self.w = state, r, d, w
         rows = lambda t: t.numpy().reshape(S, *t.shape[2:])  # noqa: E731  (views: the state's memory)
         self.Cn, self.m, self.ring = rows(state.Cn), rows(state.m), state.ring.numpy().reshape(w, S, d)
-        # One matmul for all projections, rows [W_q; W_k; W_v; w_i; w_f] (float64: the C++ sums in
-        # double; read once a step, cold after the model's forward, so no padding rows).
-        W = [state.Wq, state.Wk, state.Wv, state.wi[:, :, None], state.wf[:, :, None]]
-        self.W = torch.cat(W, 2).reshape(S, 3 * r + 2, 2 * d).numpy()
-        self.gate_bias = np.stack([rows(state.bi), rows(state.bf)], 1)             # [S, 2]
-        self.gate_sign = np.array([GATE_CAP, -GATE_CAP])                           # → ĩ, −f̃
-        # w_o·silu(h) + b_o − u·log γ as one dot product: [silu(h), 1, −u] · [w_o, b_o, log γ].
-        self.out = np.concatenate([rows(state.wo), rows(state.bo)[:, None], rows(state.log_gamma)[:, None]], 1)
-        self.y = np.empty((S, 2, 2, r))               # z and −z of q and k side by side: [S, (q, k), (±), r]
-        self.qk = np.empty((S, 2, 2, r), np.float32)  # φ(z) = q̃, k̃ as the C++ stores them
-        self.q, self.k = self.qk[:, 0].reshape(S, d), self.qk[:, 1].reshape(S, d)
-        self.v = np.ones((S, r + 1), np.float32)      # [ṽ, 1]: n's update rides on C's
-        self.ig, self.lf = np.empty(S, np.float32), np.empty(S, np.float32)
-        self.g3 = np.zeros((3, S))                    # log f + m₋₁, ĩ, 0 (minus m, exponentiated: a, b, e^{−m})
-        self.e3 = np.empty((3, S))
+        self.ring2 = self.ring.reshape(w, S, 2, r)
+        # One matmul for every projection, into z[:, 2r:]: rows [W_q; W_k; W_v; (1); [w_i, b_i]; [w_f, b_f];
+        # (0)] of x = [k; v; 1] (float64: the C++ sums in double; read once a step, cold after the
+        # model's forward). (1) gives ṽ's 1 (n's update rides on C's), (0) the 0 of e^{0 − m}.
+        # z[:, :2r] takes −W_q x, −W_k x by one negation: φ's groups are then −q, −k, q, k.
+        x = 2 * d
+        W = torch.zeros(L, K, 3 * r + 4, x + 1, dtype=torch.float64)
+        W[:, :, :3 * r, :x] = torch.cat([state.Wq, state.Wk, state.Wv], 2).cpu()
+        W[:, :, 3 * r, x] = 1.0
+        W[:, :, 3 * r + 1, :x], W[:, :, 3 * r + 1, x] = state.wi.cpu(), state.bi.cpu()
+        W[:, :, 3 * r + 2, :x], W[:, :, 3 * r + 2, x] = state.wf.cpu(), state.bf.cpu()
+        self.W = W.reshape(S, 3 * r + 4, x + 1).numpy()
+        self.xa = np.ones((S, x + 1))                  # [k; v; 1] per row
+        self.x = self.xa.reshape(L, K, x + 1)          # per layer, for hooks that write it layer by layer
+        self.kv = self.xa[:, :x].reshape(S, 2, d)      # k and v, for a read from [2, S, d]
+        self.xa3 = self.xa[:, :, None]
+        self.z = np.empty((S, 5 * r + 4))
+        self.z3, self.z32 = self.z[:, 2 * r:, None], np.empty((S, 5 * r + 4), np.float32)
+        self.neg, self.pos = self.z[:, :2 * r], self.z[:, 2 * r:4 * r]
+        self.phi = phi = self.z[:, :4 * r].reshape(S, 4, r)  # z of −q, −k, q, k → their softmax
+        self.top = np.empty((S, 4, 1))                 # their max, then their sum
+        # q̃ = [softmax(q); softmax(−q)], k̃ likewise (the C++'s order), as views [S, 2, r]
+        self.q, self.k, self.v1 = phi[:, 2::-2], phi[:, 3::-2], self.z[:, 4 * r:5 * r + 1]
+        self.g = self.z[:, 5 * r + 1:]                 # ĩ, f̃, 0 → ĩ, −log f, 0 → ĩ, log f + m₋₁, 0
+        self.nlf = self.g[:, 1]
+        self.ig = self.g[:, 0]
+        self.gate_scale = np.array([GATE_CAP, -GATE_CAP, 1.0])  # c·tanh(·/c) → ĩ, −f̃, 0
+        self.e = np.empty((S, 3))                      # b, a, e^{−m}
+        self.b, self.a = self.e[:, 0, None, None], self.e[:, 1, None, None]
+        self.m1 = self.m[:, None]
         self.bk = np.empty((S, d))
-        self.silu = np.ones((S, r + 2))               # [silu(h), 1, −u]
-        self.x = np.zeros((L, K, 2 * d), np.float32)  # the new token's [k; v], when not read from a cache store
+        self.bk3, self.bk2 = self.bk[:, :, None], self.bk.reshape(S, 2, r)
+        self.v13 = self.v1[:, None, :]
+        self.upd = np.empty((S, d, r + 1))
+        self.inv_sqrt_d = 1.0 / math.sqrt(d)
+        # w_o·silu(h) + b_o − u·log γ as one dot product: [silu(h), 1, −u] · [w_o, b_o, log γ].
+        out = [rows(state.wo), rows(state.bo)[:, None], rows(state.log_gamma)[:, None]]
+        self.out = np.concatenate(out, 1)[:, :, None]
+        self.num = np.empty((S, 1, r + 1))             # Cᵀq̂_u, nᵀq̂_u
+        self.h, self.den = self.num[:, 0, :r], np.empty((S, 1))
+        self.nq = self.num[:, 0, r:]
+        self.em1 = self.e[:, 2:]
+        self.silu = np.ones((S, 1, r + 2))             # [silu(h), 1, −u]
+        self.s, self.neg_u = self.silu[:, 0, :r], self.silu[:, 0, r + 1]
+        self.key = np.empty((S, 1, 1))
+        self.keys = np.empty(S, np.float32)
 
-    def __call__(self, x):
-        """x F32 [S, 2d]: the new token's [k; v] per row. Returns (u, keys F32 [S]) for the token u
-        that leaves the window, or None while none does (the first w − 1 tokens)."""
-        st, r, w = self.state, self.r, self.w
+    def read(self, kv):
+        """The new token's k, v of every row from kv [2, S, d] (any float dtype, any strides)."""
+        np.copyto(self.kv, kv.transpose(1, 0, 2))
+
+    def __call__(self, x=None):
+        """x F32 [S, 2d]: the new token's [k; v] per row (None: already in place, by read() or
+        through self.x). Returns (u, keys F32 [S]) for the token u that leaves the window, or None
+        while none does (the first w − 1 tokens); keys is a buffer the next step overwrites."""
+        if x is not None:
+            self.xa[:, :2 * self.d] = x
+        st, w = self.state, self.w
         t = st.fed[0]
-        z = np.matmul(self.W, x[:, :, None])[:, :, 0]           # [S, 3r + 2] float64 (x is cast)
-        y = self.y
-        y[:, :, 0] = z[:, :2 * r].reshape(-1, 2, r)
-        np.negative(y[:, :, 0], out=y[:, :, 1])
-        y -= y.max(-1, keepdims=True)                            # the C++'s z − max and min − z
-        np.exp(y, out=y)
-        np.divide(y, y.sum(-1, keepdims=True), out=self.qk)     # φ(z) = [softmax(z); softmax(−z)]
-        self.v[:, :r] = z[:, 2 * r:3 * r]
-        g = z[:, 3 * r:]
-        g += self.gate_bias
+        z, phi, top, g, e = self.z, self.phi, self.top, self.g, self.e
+        np.matmul(self.W, self.xa3, out=self.z3)
+        np.negative(self.pos, out=self.neg)
+        np.maximum.reduce(phi, 2, keepdims=True, out=top)      # (the ufunc's reduce: np.max's wrapper costs µs)
+        np.subtract(phi, top, out=phi)                           # the C++'s z − max and min − z
+        np.exp(phi, out=phi)
+        np.add.reduce(phi, 2, keepdims=True, out=top)
+        np.divide(phi, top, out=phi)                             # φ(z) = [softmax(z); softmax(−z)]
         g /= GATE_CAP
         np.tanh(g, out=g)
-        g *= self.gate_sign                                      # ĩ = c·tanh(·/c), −f̃
-        self.ig[:] = g[:, 0]
-        np.negative(np.logaddexp(0.0, g[:, 1]), out=self.lf)    # log f = logsigmoid(f̃) = −log(1 + e^{−f̃})
-        g3, e3, m = self.g3, self.e3, self.m
-        np.add(self.lf, m, out=g3[0])
-        g3[1] = self.ig
-        np.maximum(g3[0], g3[1], out=m)                          # m = max(log f + m₋₁, ĩ)
-        np.subtract(g3, m, out=e3)
-        np.exp(e3, out=e3)                                       # a, b, e^{−m}
-        np.multiply(e3[1][:, None], self.k, out=self.bk)
-        self.Cn *= e3[0][:, None, None]
-        self.Cn += self.bk[:, :, None] * self.v[:, None, :]     # C = a·C + (b·k̃)ṽᵀ, n = a·n + b·k̃
-        np.multiply(self.q, 1.0 / math.sqrt(self.d), out=self.ring[t % w], dtype=np.float64)  # q̂, as feed's
+        g *= self.gate_scale                                     # ĩ = c·tanh(·/c), −f̃ (and 0)
+        np.logaddexp(0.0, self.nlf, out=self.nlf)                # −log f = −logsigmoid(f̃) = log(1 + e^{−f̃})
+        np.copyto(self.z32, z)                                   # q̃, k̃, ṽ, ĩ, log f as the C++ stores them
+        np.copyto(z, self.z32)
+        m = self.m
+        np.subtract(m, self.nlf, out=self.nlf)                   # log f + m₋₁
+        np.maximum(self.nlf, self.ig, out=m)                     # m = max(log f + m₋₁, ĩ)
+        np.subtract(g, self.m1, out=e)
+        np.exp(e, out=e)                                         # b, a, e^{−m}
+        np.multiply(self.b, self.k, out=self.bk2)
+        Cn = self.Cn
+        Cn *= self.a
+        np.multiply(self.bk3, self.v13, out=self.upd)
+        Cn += self.upd                                           # C = a·C + (b·k̃)ṽᵀ, n = a·n + b·k̃
+        np.multiply(self.q, self.inv_sqrt_d, out=self.ring2[t % w])  # q̂, as feed's
         st.fed = [t + 1] * st.L
         u = t - w + 1
         if u < 0:
             return None
-        num = np.matmul(self.ring[u % w][:, None, :], self.Cn)[:, 0]  # [S, r + 1]: Cᵀq̂_u, nᵀq̂_u
-        den = np.abs(num[:, r])
-        np.maximum(den, e3[2], out=den)
+        np.matmul(self.ring[u % w][:, None, :], Cn, out=self.num)
+        den = self.den
+        np.abs(self.nq, out=den)
+        np.maximum(den, self.em1, out=den)
         den += READOUT_EPS
-        h = num[:, :r]
-        h /= den[:, None]
-        silu = self.silu[:, :r]
-        np.negative(h, out=silu)
-        np.exp(silu, out=silu)
-        silu += 1.0
-        np.divide(h, silu, out=silu)                             # h / (1 + e^{−h}), the C++'s silu
-        self.silu[:, r + 1] = -u
-        return u, np.matmul(self.silu[:, None, :], self.out[:, :, None])[:, 0, 0].astype(np.float32)
+        h, s = self.h, self.s
+        h /= den
+        np.negative(h, out=s)
+        np.exp(s, out=s)
+        s += 1.0
+        np.divide(h, s, out=s)                                   # h / (1 + e^{−h}), the C++'s silu
+        self.neg_u[...] = -u
+        np.matmul(self.silu, self.out, out=self.key)
+        np.copyto(self.keys, self.key.reshape(-1))              # rounded to float32 (a contiguous cast: cheaper
+        return u, self.keys                                      # than one inside the table's fancy assignment)

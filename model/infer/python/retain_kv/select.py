@@ -12,6 +12,7 @@ import math
 import numpy as np
 
 EXACT_DIST = 1 << 24  # below it a float32 holds every integer: q − i rounds the same computed either way
+FEW = 64  # global_drops orders at most this many candidates in Python (each numpy call costs µs in a step)
 
 
 def trim_scores(log_beta, pos, q):
@@ -31,12 +32,13 @@ def score_key(score):
 
 def per_head_drops(score, pos, m):
     """Slots [S, m] of the m lowest (score, position) of every row (rows hold the same count)."""
-    if m == 1:
-        slot = np.argmin(score, 1)
-        low = score.min(1, keepdims=True)
+    if m == 1:  # (the methods and the ufunc's reduce, not np.argmin/np.min's Python wrappers; the
+        # handful of minima summed in Python: in a decoding step each numpy call costs µs)
+        slot = score.argmin(1)
+        low = np.minimum.reduce(score, 1, keepdims=True)
         # One entry per row at its row's lowest score: no tie, the choice whatever the positions.
         # (A NaN makes its row's min NaN: the keys order NaNs.)
-        if np.count_nonzero(score == low) == score.shape[0] and not math.isnan(low.sum()):
+        if np.count_nonzero(score == low) == score.shape[0] and not math.isnan(sum(low.ravel().tolist())):
             return slot[:, None]
     return np.argpartition(score_key(score) | pos, m - 1, axis=1)[:, :m]
 
@@ -55,7 +57,15 @@ def global_drops(score, pos, m, bound=np.inf, exact_only=False):
             if b is None or b == np.inf:  # a bound that holds: the 2m-th lowest score of all (O(n))
                 k = min(2 * m, score.size) - 1
                 b = np.partition(score.reshape(-1), k)[k]
-            rows, slots = np.divmod(np.flatnonzero(score <= b), score.shape[1])  # (2-D nonzero: 4× slower)
+            at = np.flatnonzero(score <= b)  # (2-D nonzero: 4× slower)
+            if m <= at.size <= FEW:  # a handful (a decoding step): ordered in Python, not ~8 numpy calls
+                W = score.shape[1]
+                keys = sorted((float(score[r, c]), int(pos[r, c]), -r, r, c) for r, c in
+                              (divmod(i, W) for i in at.tolist()))  # (stable: flat order, as lexsort's)
+                nxt = np.float32(keys[2 * m - 1][0]) if len(keys) >= 2 * m else np.inf
+                return (np.array([k[3] for k in keys[:m]], np.int64), np.array([k[4] for k in keys[:m]], np.int64),
+                        nxt)
+            rows, slots = np.divmod(at, score.shape[1])
             if rows.size >= m:
                 s = score[rows, slots]
                 order = np.lexsort((-rows, pos[rows, slots], s))
