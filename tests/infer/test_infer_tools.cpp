@@ -119,6 +119,8 @@ TEST_F(InferTools, GenerateErrors) {
   expect_error(base + " --policy h2o --budget 1", "below the minimum 2", 2, js);
   expect_error(base + " --policy lru --budget 8", "unknown policy 'lru'", 2, js);
   expect_error(base + " --policy window --budget 8 --buffer 0", "--buffer must be at least 1", 2, js);
+  expect_error(base + " --policy trimkv --budget 8 --lookahead=-1", "--lookahead must be >= 0, got -1", 2, js);
+  expect_error(base + " --policy window --budget 8 --lookahead 3", "--lookahead is for --policy trimkv or dbtrimkv", 2, js);
   expect_error("retain-generate --model " + tiny() + " --prompt-ids \"1 2 3\" --policy full --json " +
                    (root() / "missing" / "x.json").string(),
                "does not exist", 1, root() / "missing" / "x.json");
@@ -200,6 +202,8 @@ TEST_F(InferTools, EvalErrors) {
   expect_error(base + " --policy dbtrimkv --budget 8 --gates trimkv=" + gates(), "--policy dbtrimkv ranks tokens", 2, m);
   expect_error(base + " --policy trimkv --budget 8 --gates " + gates() + " --gates " + gates(), "two files for every policy", 2, m);
   expect_error(base + " --policy trimkv --budget 8 --gates trimkv=", "no file after", 2, m);
+  expect_error(base + " --policy trimkv --budget 8 --gates " + gates() + " --lookahead=-2", "--lookahead must be >= 0, got -2", 2, m);
+  expect_error(base + " --policy window,h2o --budget 8 --lookahead 2", "--lookahead is for --policy trimkv or dbtrimkv", 2, m);
   expect_error("retain-eval --model " + tiny() + " --task recall --context 32 --pairs 20 --policy full --out " + m.string(),
                "do not fit", 1, m);
   expect_error("retain-eval --model " + tiny() + " --data " + (root() / "missing.h5").string() + " --policy full --out " + m.string(),

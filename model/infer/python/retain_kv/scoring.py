@@ -73,9 +73,9 @@ class GateStep:
         return self.out_np if self.out_np is not None else self.out.reshape(-1, 1).cpu().numpy()
 
 
-def log_gamma(theta):
-    """log γ(θ) = log 0.999 + (log 0.999999 − log 0.999)·σ(θ), float64."""
-    a, b = math.log(0.999), math.log(0.999999)
+def log_gamma(theta, decay_min=0.999, decay_max=0.999999):
+    """log γ(θ) = log γ_min + (log γ_max − log γ_min)·σ(θ), float64 (default: [0.999, 0.999999])."""
+    a, b = math.log(decay_min), math.log(decay_max)
     return a + (b - a) / (1.0 + torch.exp(-theta.double()))
 
 
@@ -102,7 +102,8 @@ class KvpopState:
         self.Wq, self.Wk, self.Wv = p["q_proj.weight"], p["k_proj.weight"], p["v_proj.weight"]  # [L, K, r, 2d]
         self.wi, self.wf, self.bi, self.bf = p["igate.weight"], p["fgate.weight"], p["igate.bias"], p["fgate.bias"]
         self.wo, self.bo = p["out.weight"], p["out.bias"]
-        self.log_gamma = torch.stack([log_gamma(layer["decay"].to(device)) for layer in policy.layers])  # [L, K]
+        self.log_gamma = torch.stack([log_gamma(layer["decay"].to(device), policy.decay_min, policy.decay_max)
+                                      for layer in policy.layers])  # [L, K]
         r = self.Wq.shape[2]
         self.d, self.r = 2 * r, r
         f64 = dict(dtype=torch.float64, device=device)
