@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "data/formats/safetensors.h"
+#include "model/kvpop/scorer_containers.h"
 #include "tests/trainer/train_helpers.h"
 
 namespace retain::trainer::test {
@@ -224,6 +225,13 @@ TEST_F(KvpopRuns, NewOptionsAreKeptByResumeAndFiles) {
   EXPECT_EQ(end.metadata().at("decay_every"), "3");
   EXPECT_EQ(end.metadata().at("decay_min"), "0.9");
   EXPECT_EQ(end.metadata().at("decay_max"), "0.99");
+  // The export of a run (GGUF) carries the decay; reading it back gives the run's.
+  r = run(bin("retain-export") + " --from " + full + " --model " + kModel + " --format gguf --out " + (dir_ / "x.gguf"),
+          dir_);
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("decay every 3 in [0.9, 0.99]"), std::string::npos) << r.out;
+  EXPECT_EQ(kvpop::load_scorers(dir_ / "x.gguf", Qwen3Config::load(kModel + "/config.json")).scorers.decay(),
+            (kvpop::Decay{3, 0.9, 0.99}));
   // Other betas, same everything else: another trajectory.
   r = train(plain, 4, "--save-every 2 --decay-every 3 --decay-min 0.9 --decay-max 0.99");
   ASSERT_EQ(r.code, 0) << r.err;
