@@ -189,6 +189,27 @@ TEST_F(InferTools, EvalRecallMetricsAndPlot) {
   EXPECT_TRUE(is_png(png2));
 }
 
+// --lookahead reaches retain-eval's policies and its metrics: the recorded value, and a long
+// lookahead scoring differently from the default on the same samples (the decisions differ;
+// their brute-force check is Decoder.LookaheadKeptSetsMatchBruteForce).
+TEST_F(InferTools, EvalLookahead) {
+  auto eval = [&](const std::string& extra, const fs::path& m) {
+    const Result r = run("retain-eval --model " + tiny() + " --gates " + gates() +
+                         " --task recall --policy trimkv,dbtrimkv --budget 6 --samples 2 --context 48 --pairs 3 --out " +
+                         m.string() + extra);
+    EXPECT_EQ(r.code, 0) << r.err;
+    return nlohmann::json::parse(read_file(m.string()));
+  };
+  const nlohmann::json a = eval("", root() / "la1.json"), b = eval(" --lookahead 100000", root() / "la2.json");
+  EXPECT_FALSE(a.contains("lookahead"));
+  EXPECT_EQ(b["lookahead"].get<int>(), 100000);
+  ASSERT_EQ(a["results"].size(), b["results"].size());
+  bool differ = false;
+  for (size_t i = 0; i < a["results"].size(); ++i)
+    differ = differ || a["results"][i]["nll"].get<double>() != b["results"][i]["nll"].get<double>();
+  EXPECT_TRUE(differ) << "--lookahead 100000 scored the same as the default";
+}
+
 TEST_F(InferTools, EvalErrors) {
   const fs::path m = root() / "bad_metrics.json";
   const std::string base = "retain-eval --model " + tiny() + " --task recall --samples 1 --context 32 --pairs 2 --out " + m.string();
