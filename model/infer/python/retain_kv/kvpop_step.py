@@ -34,7 +34,7 @@ class KvpopStep:
         self.W = torch.cat(W, 2).reshape(S, 3 * r + 2, 2 * d).numpy()
         self.gate_bias = np.stack([rows(state.bi), rows(state.bf)], 1)             # [S, 2]
         self.gate_sign = np.array([GATE_CAP, -GATE_CAP])                           # → ĩ, −f̃
-        # w_o·silu(h) + b_o − u·log γ as one dot product: [silu(h), 1, −u] · [w_o, b_o, log γ].
+        # w_o·silu(h) + b_o − ⌊u/n⌋·log γ as one dot product: [silu(h), 1, −⌊u/n⌋] · [w_o, b_o, log γ].
         self.out = np.concatenate([rows(state.wo), rows(state.bo)[:, None], rows(state.log_gamma)[:, None]], 1)
         self.y = np.empty((S, 2, 2, r))               # z and −z of q and k side by side: [S, (q, k), (±), r]
         self.qk = np.empty((S, 2, 2, r), np.float32)  # φ(z) = q̃, k̃ as the C++ stores them
@@ -92,5 +92,5 @@ class KvpopStep:
         np.exp(silu, out=silu)
         silu += 1.0
         np.divide(h, silu, out=silu)                             # h / (1 + e^{−h}), the C++'s silu
-        self.silu[:, r + 1] = -u
+        self.silu[:, r + 1] = -(u // st.every)                  # −⌊u/n⌋: the rank key's decay steps
         return u, np.matmul(self.silu[:, None, :], self.out[:, :, None])[:, 0, 0].astype(np.float32)

@@ -41,6 +41,7 @@ class Policy:
     topk: int = 0
     decay_min: float = 0.999  # kvpop: the range log γ is mapped into (metadata decay_min/decay_max;
     decay_max: float = 0.999999  # absent: the KVPOP paper's, retain-train's default)
+    decay_every: int = 1      # kvpop: ŝ_i(q) = score_i + ⌊(q − i)/n⌋·log γ (metadata decay_every; absent: 1)
     metadata: dict = field(default_factory=dict)
 
     def min_budget(self):
@@ -241,16 +242,14 @@ def _kvpop(path, tensors, meta):
             _fail(path, f"metadata {key} = {meta[key]!r} is negative")
     if geometry["window"] < 1:
         _fail(path, f"metadata window must be at least 1, got {geometry['window']}")
-    # The decay (retain-train --decay-every/--decay-min/--decay-max; docs/formats.md). This package
-    # applies the range; a decay stepping every n > 1 tokens it refuses rather than rank wrongly.
+    # The decay (retain-train --decay-every/--decay-min/--decay-max; docs/formats.md).
     every = meta.get("decay_every", "1")
     try:
-        every = int(every)
+        geometry["decay_every"] = int(every)
     except ValueError:
         _fail(path, f"metadata decay_every = {every!r} is not an integer")
-    if every != 1:
-        _fail(path, f"kvpop scorers with decay_every {every}: retain_kv ranks with decay_every 1 only "
-                    f"(use retain-generate / retain-eval for these scorers)")
+    if geometry["decay_every"] < 1:
+        _fail(path, f"metadata decay_every must be at least 1, got {geometry['decay_every']}")
     for key in ("decay_min", "decay_max"):
         if key in meta:
             try:
