@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "data/formats/safetensors.h"
+#include "kernels/base/atomic_file.h"
 #include "model/kvpop/scorer_containers.h"
 #include "tests/trainer/train_helpers.h"
 
@@ -155,6 +156,28 @@ TEST_F(KvpopRuns, ResumeAfterStopAfterIsExact) {
   r = train(parts, 5, "--resume", 1, " --gate kvpop --window 6 --sinks 2 --topk 4 --global-batch 4 --seed 3");
   EXPECT_NE(r.code, 0);
   EXPECT_NE(r.err.find("topk: 3 in the checkpoint, 4 now"), std::string::npos) << r.err;
+}
+
+// A kvpop checkpoint written before issue 38 (its state.json config has none of the new keys)
+// was trained with Adam betas 0.9/0.999, n = 1, the default range and raw targets: it resumes
+// with --target-cutoff raw, and the new default (effective) is refused as another run.
+TEST_F(KvpopRuns, CheckpointsFromBeforeTheOptionsResumeAsTheRawRule) {
+  const std::string run_dir = dir_ / "old";
+  Result r = train(run_dir, 4, "--save-every 2 --stop-after 2 --target-cutoff raw");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const std::string state = run_dir + "/checkpoints/step-00000002/state.json";
+  nlohmann::json j = nlohmann::json::parse(read_file(state));
+  for (const char* k : {"adam_beta1", "adam_beta2", "decay_every", "decay_min", "decay_max", "target_cutoff"}) {
+    ASSERT_TRUE(j["config"].contains(k)) << k;
+    j["config"].erase(k);
+  }
+  write_file_atomic(state, j.dump(2));
+  r = train(run_dir, 4, "--save-every 2 --resume");
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.err.find("target_cutoff: \"raw\" in the checkpoint, \"effective\" now"), std::string::npos) << r.err;
+  r = train(run_dir, 4, "--save-every 2 --resume --target-cutoff raw");
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(latest_step(run_dir), 4);
 }
 
 TEST_F(KvpopRuns, KvpopOptionsAreCheckedOnTheCommandLine) {
