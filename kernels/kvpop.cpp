@@ -9,6 +9,8 @@
 #include <tuple>
 #include <unordered_set>
 
+#include <fmt/format.h>
+
 #include "kernels/cpu/kvpop_cpu.h"
 #include "kernels/require_cpu.h"
 #ifdef RETAIN_CUDA_KERNELS
@@ -98,9 +100,26 @@ bool has_score(const int32_t* doc, int64_t T, int64_t w, int64_t u) {
   return true;
 }
 
-double log_gamma(double theta) {
-  const double A = std::log(0.999), B = std::log(0.999999);
+std::string decay_problem(const Decay& d) {
+  if (d.every < 1) return fmt::format("decay every = {} must be ≥ 1", d.every);
+  if (!std::isfinite(d.gamma_min) || !std::isfinite(d.gamma_max) || !(d.gamma_min > 0) ||
+      !(d.gamma_min <= d.gamma_max) || !(d.gamma_max <= 1))
+    return fmt::format("decay range [{}, {}] must satisfy 0 < min ≤ max ≤ 1", d.gamma_min, d.gamma_max);
+  return {};
+}
+
+namespace {
+double sigmoid(double x) { return x >= 0 ? 1 / (1 + std::exp(-x)) : std::exp(x) / (1 + std::exp(x)); }
+}  // namespace
+
+double log_gamma(double theta, const Decay& d) {
+  const double A = std::log(d.gamma_min), B = std::log(d.gamma_max);
   return A + (B - A) / (1 + std::exp(-theta));
+}
+
+double log_gamma_derivative(double theta, const Decay& d) {
+  const double A = std::log(d.gamma_min), B = std::log(d.gamma_max), sg = sigmoid(theta);
+  return (B - A) * sg * (1 - sg);
 }
 
 Projected project(const Tensor& x, const HeadParams& p) {
@@ -190,7 +209,7 @@ Tensor future_attention_target(const Tensor& q, const Tensor& k, const Tensor& l
 }
 
 std::vector<Decision> select_decisions(const Tensor& log_m, const Tensor& doc, int64_t w, int64_t sinks,
-                                       int64_t k) {
+                                       int64_t k, const TargetRule& rule) {
   const char* op = "kvpop::select_decisions";
   if (log_m.ndim() != 1) fail("{}: log_m must be F32 [T], got {}", op, shape_str(log_m.shape()));
   const int64_t T = log_m.dim(0);
@@ -205,12 +224,15 @@ std::vector<Decision> select_decisions(const Tensor& log_m, const Tensor& doc, i
   for (int64_t t = 0; t < T; ++t)
     if (dp[t] >= 0 && t + w < T && dp[t + w] == dp[t] && !std::isfinite(lm[t]))
       fail("{}: log_m[{}] = {} is not finite although token {} has a target", op, t, lm[t], t);
-  return cpu::kvpop::select_decisions(lm, dp, T, w, sinks, k);
+  if (rule.effective && (rule.every < 1 || !std::isfinite(rule.log_gamma) || rule.log_gamma > 0))
+    fail("{}: effective targets need every ≥ 1 and a finite log γ ≤ 0, got {} and {}", op, rule.every, rule.log_gamma);
+  return cpu::kvpop::select_decisions(lm, dp, T, w, sinks, k, rule);
 }
 
 namespace {
 void check_loss(const char* op, const Tensor& score, const Tensor& theta, const std::vector<Decision>& decisions,
-                double margin_scale, double tau) {
+                double margin_scale, double tau, const Decay& decay) {
+  if (const std::string problem = decay_problem(decay); !problem.empty()) fail("{}: {}", op, problem);
   if (score.ndim() != 1) fail("{}: score must be F32 [T], got {}", op, shape_str(score.shape()));
   expect(op, "score", score, {score.dim(0)});
   expect(op, "theta", theta, {1});
@@ -223,18 +245,19 @@ void check_loss(const char* op, const Tensor& score, const Tensor& theta, const 
 }  // namespace
 
 double pair_loss(const Tensor& score, const Tensor& theta, const std::vector<Decision>& decisions,
-                 double margin_scale, double tau) {
-  check_loss("kvpop::pair_loss", score, theta, decisions, margin_scale, tau);
-  return cpu::kvpop::pair_loss(score.data<float>(), theta.data<float>()[0], decisions, margin_scale, tau);
+                 double margin_scale, double tau, const Decay& decay) {
+  check_loss("kvpop::pair_loss", score, theta, decisions, margin_scale, tau, decay);
+  return cpu::kvpop::pair_loss(score.data<float>(), theta.data<float>()[0], decisions, margin_scale, tau, decay);
 }
 
 void pair_loss_backward(const Tensor& score, const Tensor& theta, const std::vector<Decision>& decisions,
-                        double margin_scale, double tau, double grad_scale, Tensor& dscore, Tensor& dtheta) {
-  check_loss("kvpop::pair_loss_backward", score, theta, decisions, margin_scale, tau);
+                        double margin_scale, double tau, double grad_scale, Tensor& dscore, Tensor& dtheta,
+                        const Decay& decay) {
+  check_loss("kvpop::pair_loss_backward", score, theta, decisions, margin_scale, tau, decay);
   dscore = Tensor::empty({score.dim(0)}, DType::F32);
   double dt = 0;
   cpu::kvpop::pair_loss_backward(score.data<float>(), theta.data<float>()[0], decisions, margin_scale, tau,
-                                 grad_scale, score.dim(0), dscore.data<float>(), dt);
+                                 grad_scale, score.dim(0), dscore.data<float>(), dt, decay);
   dtheta = Tensor::from_vector<float>({static_cast<float>(dt)}, {1});
 }
 

@@ -13,6 +13,7 @@
 // the recurrent state restarts at each run's first token (DESIGN §5).
 #pragma once
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "kernels/tensor.h"
@@ -67,31 +68,64 @@ Projected mlstm_scores_backward(const Projected& P, const Tensor& doc, int64_t w
 Tensor future_attention_target(const Tensor& q, const Tensor& k, const Tensor& lse, const Tensor& doc,
                                int64_t w, float scale);
 
+// The decay of the effective score (DESIGN §5; KVPOP paper §2 and Table 2):
+//   log γ(θ) = log γ_min + (log γ_max − log γ_min)·σ(θ),   ŝ_i(q) = score_i + ⌊(q − i)/every⌋·log γ.
+// The defaults are the paper's range [0.999, 0.999999] and every = 1 (retain's rule before
+// --decay-every: (q − i)·log γ). retain-train's --decay-every, --decay-min, --decay-max.
+struct Decay {
+  int64_t every = 1;
+  double gamma_min = 0.999, gamma_max = 0.999999;
+  // Spelled out: kernels/cuda/kvpop.cu includes this header as C++17.
+  bool operator==(const Decay& o) const {
+    return every == o.every && gamma_min == o.gamma_min && gamma_max == o.gamma_max;
+  }
+  bool operator!=(const Decay& o) const { return !(*this == o); }
+};
+// "" when usable (every ≥ 1, 0 < gamma_min ≤ gamma_max ≤ 1, all finite), else what is wrong.
+std::string decay_problem(const Decay& decay);
+// ⌊(q − i)/every⌋ for a key i ≤ q.
+inline int64_t decay_steps(int64_t q, int64_t i, int64_t every) { return (q - i) / every; }
+
+// Which target the boundary decision ranks by (retain-train --target-cutoff). raw: log m_i;
+// effective (the KVPOP paper §2.1, "computed from target effective scores"): log m_i +
+// ⌊(q − i)/every⌋·log_gamma, the same decay as the predicted scores with the scorer's current
+// log γ (no gradient through it); y and the margin are then taken on these effective targets.
+struct TargetRule {
+  bool effective = false;
+  double log_gamma = 0;
+  int64_t every = 1;
+};
+
 // (d.) One boundary decision of DESIGN §5 (sequence indices).
 struct Decision {
   int64_t q;      // the query
   int64_t t_new;  // = q − w, the key that becomes eligible
   int64_t b;      // the k-th best other eligible key by target log m
-  int32_t y;      // +1 if log_m[t_new] > log_m[b], else −1
-  float margin;   // |log_m[t_new] − log_m[b]|
+  int32_t y;      // +1 if log_m[t_new] > log_m[b], else −1 (effective targets under TargetRule::effective)
+  float margin;   // |log_m[t_new] − log_m[b]| (likewise)
 };
 // For every query q whose t_new = q − w is in q's document with position ≥ sinks and has at
 // least k other eligible keys (positions sinks ≤ p(i) < p(t_new)), in increasing q. log_m F32
 // [T] (one head's row of future_attention_target). A Fenwick tree over the ranks of log m:
-// O(T log T). k ≥ 1, sinks ≥ 0, w ≥ 1.
+// O(T log T). k ≥ 1, sinks ≥ 0, w ≥ 1. With rule.effective the ranking at q depends on q only
+// through q mod every: one Fenwick pass per residue, O(every·T log T).
 std::vector<Decision> select_decisions(const Tensor& log_m, const Tensor& doc, int64_t w, int64_t sinks,
-                                       int64_t k);
+                                       int64_t k, const TargetRule& rule = {});
 
-// log γ(θ) = log 0.999 + (log 0.999999 − log 0.999)·σ(θ).
-double log_gamma(double theta);
+// log γ(θ) = log γ_min + (log γ_max − log γ_min)·σ(θ) (the defaults: log 0.999, log 0.999999).
+double log_gamma(double theta, const Decay& decay = {});
+// d log γ / dθ = (log γ_max − log γ_min)·σ(θ)·(1 − σ(θ)).
+double log_gamma_derivative(double theta, const Decay& decay = {});
 
-// Σ over decisions of ℓ = a·softplus(−y·(ŝ_new(q) − ŝ_b(q))/τ), ŝ_i(q) = score_i + (q − i)·log γ,
-// with a = margin·margin_scale when margin_scale > 0 (the trainer passes 1 / the global batch's
-// mean margin) and a = 1 when margin_scale == 0 (--no-margin-weight). score F32 [T].
+// Σ over decisions of ℓ = a·softplus(−y·(ŝ_new(q) − ŝ_b(q))/τ), ŝ_i(q) = score_i +
+// ⌊(q − i)/decay.every⌋·log γ(θ), with a = margin·margin_scale when margin_scale > 0 (the trainer
+// passes 1 / the global batch's mean margin) and a = 1 when margin_scale == 0 (--no-margin-weight).
+// score F32 [T].
 double pair_loss(const Tensor& score, const Tensor& theta, const std::vector<Decision>& decisions,
-                 double margin_scale, double tau);
+                 double margin_scale, double tau, const Decay& decay = {});
 // grad_scale·∂(Σℓ)/∂score → dscore F32 [T] (overwritten), and ∂/∂θ → dtheta F32 [1] (overwritten).
 void pair_loss_backward(const Tensor& score, const Tensor& theta, const std::vector<Decision>& decisions,
-                        double margin_scale, double tau, double grad_scale, Tensor& dscore, Tensor& dtheta);
+                        double margin_scale, double tau, double grad_scale, Tensor& dscore, Tensor& dtheta,
+                        const Decay& decay = {});
 
 }  // namespace retain::kvpop

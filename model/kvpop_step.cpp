@@ -35,10 +35,12 @@ Projected projected_to(const Projected& P, Device dev) {
 
 }  // namespace
 
-TeacherPass teacher_pass(WeightProvider& weights, const Tensor& ids, const Tensor& doc, const StepSettings& s) {
+TeacherPass teacher_pass(WeightProvider& weights, const Tensor& ids, const Tensor& doc, const StepSettings& s,
+                         const std::vector<std::vector<double>>* target_log_gamma) {
   const Qwen3Config& c = weights.config();
   RETAIN_CHECK(s.topk >= 1 && s.window >= 1 && s.sinks >= 0, "kvpop::teacher_pass: window {} sinks {} topk {}",
                s.window, s.sinks, s.topk);
+  RETAIN_CHECK(!s.effective_cutoff || target_log_gamma, "kvpop::teacher_pass: effective targets need log γ");
   const int64_t T = ids.dim(0), K = c.num_key_value_heads, hd = c.head_dim, H = c.num_attention_heads;
   // The frozen model and the targets run where the weights are (DESIGN §2); what the scorers
   // and the decisions need comes back to the host: k, v, log m, per layer.
@@ -78,8 +80,11 @@ TeacherPass teacher_pass(WeightProvider& weights, const Tensor& ids, const Tenso
           xk.data<float>()[t * 2 * hd + hd + e] = v_host.data<float>()[(t * K + kv) * hd + e];
         }
       pass.x.back().push_back(xk);
+      TargetRule rule;
+      if (s.effective_cutoff)
+        rule = {true, target_log_gamma->at(static_cast<size_t>(l)).at(static_cast<size_t>(kv)), s.decay.every};
       pass.decisions.back().push_back(
-          select_decisions(log_m.rows(kv, kv + 1).reshape({T}), pass.doc, s.window, s.sinks, s.topk));
+          select_decisions(log_m.rows(kv, kv + 1).reshape({T}), pass.doc, s.window, s.sinks, s.topk, rule));
       for (const Decision& dc : pass.decisions.back().back()) pass.margin_sum += dc.margin;
       pass.num_decisions += static_cast<int64_t>(pass.decisions.back().back().size());
     }
@@ -107,18 +112,20 @@ double scorer_step(const TeacherPass& pass, const std::vector<std::vector<HeadPa
       const Projected P_run = projected_to(P, pass.device);
       const Tensor w_o = p.w_o.on(pass.device), b_o = p.b_o.on(pass.device);
       const Tensor score = mlstm_scores(P_run, pass.doc_on_device, s.window, w_o, b_o).on(Device::CPU);
-      loss += grad_scale * pair_loss(score, p.theta, ds, margin_scale, s.tau);
+      loss += grad_scale * pair_loss(score, p.theta, ds, margin_scale, s.tau, s.decay);
       if (agreed) {
-        // ŝ_new(q) − ŝ_b(q) = score[t_new] − score[b] + (b − t_new)·log γ
-        const double lg = log_gamma(p.theta.data<float>()[0]);
+        // ŝ_new(q) − ŝ_b(q) = score[t_new] − score[b] + (⌊(q − t_new)/n⌋ − ⌊(q − b)/n⌋)·log γ
+        const double lg = log_gamma(p.theta.data<float>()[0], s.decay);
         const float* sc = score.data<float>();
+        const int64_t n = s.decay.every;
         for (const Decision& dc : ds) {
-          const double diff = static_cast<double>(sc[dc.t_new]) - sc[dc.b] + static_cast<double>(dc.b - dc.t_new) * lg;
+          const double diff = static_cast<double>(sc[dc.t_new]) - sc[dc.b] +
+                              static_cast<double>(decay_steps(dc.q, dc.t_new, n) - decay_steps(dc.q, dc.b, n)) * lg;
           if ((dc.y > 0 && diff > 0) || (dc.y < 0 && diff < 0)) ++*agreed;
         }
       }
       Tensor dscore, dtheta, dw_o, db_o;
-      pair_loss_backward(score, p.theta, ds, margin_scale, s.tau, grad_scale, dscore, dtheta);
+      pair_loss_backward(score, p.theta, ds, margin_scale, s.tau, grad_scale, dscore, dtheta, s.decay);
       const Projected dP_run =
           mlstm_scores_backward(P_run, pass.doc_on_device, s.window, w_o, b_o, dscore.on(pass.device), dw_o, db_o);
       const Projected dP = projected_to(dP_run, Device::CPU);

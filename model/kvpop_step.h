@@ -20,6 +20,8 @@ struct StepSettings {
   int64_t sinks = 4;    // s
   int64_t topk = 0;     // k of the top-k eligible keys (B − s − w); must be ≥ 1
   double tau = 1.0;
+  Decay decay{};                  // the effective score's decay (--decay-every, --decay-min/max)
+  bool effective_cutoff = false;  // --target-cutoff effective: decisions from log m + the decay
 };
 
 // What the teacher pass keeps for one sequence: per layer l and KV head κ, the scorer input
@@ -39,7 +41,10 @@ struct TeacherPass {
 // One dense teacher forward (plain attention) of ids/doc I32 [T] (on any device; the pass runs
 // on the weights' device): per layer, lse from ops::gated_attention with log β ≡ 0, log m =
 // future_attention_target, the decisions.
-TeacherPass teacher_pass(WeightProvider& weights, const Tensor& ids, const Tensor& doc, const StepSettings& s);
+// With s.effective_cutoff, target_log_gamma[l][κ] is the log γ the targets decay with (the
+// scorers' current one; required then).
+TeacherPass teacher_pass(WeightProvider& weights, const Tensor& ids, const Tensor& doc, const StepSettings& s,
+                         const std::vector<std::vector<double>>* target_log_gamma = nullptr);
 
 // Scorer forward and backward on one sequence: returns grad_scale·Σℓ (with grad_scale =
 // 1 / global decisions this sequence's share of L_kvpop) and ADDS grad_scale·∂(Σℓ)/∂params

@@ -12,8 +12,17 @@ KvpopLosses compute_kvpop_gradients(WeightProvider& weights, kvpop::Scorers& sco
   // Teacher passes first: the normalizers need every decision of the global batch.
   std::vector<kvpop::TeacherPass> passes;
   double sums[3] = {0, 0, 0};  // decisions, margin sum, tokens
+  // Effective targets rank with the scorers' current log γ (before this step's update).
+  std::vector<std::vector<double>> target_log_gamma;
+  if (settings.effective_cutoff)
+    for (const auto& layer : scorers.head_values()) {
+      target_log_gamma.emplace_back();
+      for (const kvpop::HeadParams& h : layer)
+        target_log_gamma.back().push_back(kvpop::log_gamma(h.theta.data<float>()[0], settings.decay));
+    }
   for (const MicroBatch& mb : micro_batches) {
-    passes.push_back(kvpop::teacher_pass(weights, mb.ids, mb.doc, settings));
+    passes.push_back(kvpop::teacher_pass(weights, mb.ids, mb.doc, settings,
+                                         settings.effective_cutoff ? &target_log_gamma : nullptr));
     sums[0] += static_cast<double>(passes.back().num_decisions);
     sums[1] += passes.back().margin_sum;
     for (int64_t t = 0; t < mb.doc.numel(); ++t) sums[2] += mb.doc.data<int32_t>()[t] >= 0 ? 1.0 : 0.0;
@@ -45,12 +54,12 @@ KvpopLosses compute_kvpop_gradients(WeightProvider& weights, kvpop::Scorers& sco
   return out;
 }
 
-double mean_gamma(const kvpop::Scorers& scorers) {
+double mean_gamma(const kvpop::Scorers& scorers, const kvpop::Decay& decay) {
   double sum = 0;
   int64_t n = 0;
   for (const auto& layer : scorers.head_values())
     for (const kvpop::HeadParams& h : layer) {
-      sum += std::exp(kvpop::log_gamma(h.theta.data<float>()[0]));
+      sum += std::exp(kvpop::log_gamma(h.theta.data<float>()[0], decay));
       ++n;
     }
   return n ? sum / static_cast<double>(n) : 0.0;

@@ -33,6 +33,6 @@ KvpopLosses compute_kvpop_gradients(WeightProvider& weights, kvpop::Scorers& sco
                                     bool margin_weight, dist::Comm& comm);
 
 // Mean decay γ = exp(log γ(θ)) over every layer and KV head (the log line's γ).
-double mean_gamma(const kvpop::Scorers& scorers);
+double mean_gamma(const kvpop::Scorers& scorers, const kvpop::Decay& decay = {});
 
 }  // namespace retain::trainer

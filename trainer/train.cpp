@@ -253,6 +253,8 @@ class KvpopTrainee : public Trainee {
     settings_.window = cfg.window;
     settings_.sinks = cfg.sinks;
     settings_.topk = cfg.topk;
+    settings_.decay = decay_of(cfg);
+    settings_.effective_cutoff = cfg.target_cutoff == "effective";
     const kvpop::PolicyGeometry geometry{cfg.window, cfg.sinks, cfg.topk};
     if (cfg.init_gates.empty()) {
       scorers_ = kvpop::Scorers::init(kvpop::Scorers::dims_for(mc), geometry, cfg.seed);
@@ -260,7 +262,9 @@ class KvpopTrainee : public Trainee {
       scorers_ = kvpop::load_scorers(cfg.init_gates, mc).scorers;  // safetensors or GGUF
       scorers_.set_geometry(geometry);
     }
+    scorers_.set_decay(settings_.decay);  // and this run's decay (θ keeps its value, read in the new range)
   }
+  static kvpop::Decay decay_of(const TrainConfig& c) { return {c.decay_every, c.decay_min, c.decay_max}; }
   ParameterSet& params() override { return scorers_; }
   void load(const std::string& path) override {
     scorers_ = kvpop::Scorers::load(path, mc_);
@@ -270,10 +274,14 @@ class KvpopTrainee : public Trainee {
            scorers_.geometry()->window, scorers_.geometry()->sinks, scorers_.geometry()->topk, want.window, want.sinks,
            want.topk);
     scorers_.set_geometry(want);
+    if (scorers_.decay() != settings_.decay)
+      fail("{}: scorers for decay every {} in [{}, {}], but this run has every {} in [{}, {}]", path,
+           scorers_.decay().every, scorers_.decay().gamma_min, scorers_.decay().gamma_max, settings_.decay.every,
+           settings_.decay.gamma_min, settings_.decay.gamma_max);
   }
   std::string step(WeightProvider& weights, const std::vector<MicroBatch>& mbs, bool, StepMetrics& m,
                    dist::Comm& comm) override {
-    m.gamma = mean_gamma(scorers_);  // before this step's update, like the loss and the agreement
+    m.gamma = mean_gamma(scorers_, settings_.decay);  // before this step's update, like the loss and the agreement
     last_ = compute_kvpop_gradients(weights, scorers_, mbs, settings_, cfg_.margin_weight, comm);
     m.kvpop = true;
     m.loss = last_.loss;
@@ -299,6 +307,10 @@ class KvpopTrainee : public Trainee {
                  {"sinks", std::to_string(cfg_.sinks)},
                  {"topk", std::to_string(cfg_.topk)},
                  {"margin_weight", cfg_.margin_weight ? "1" : "0"},
+                 {"decay_every", std::to_string(cfg_.decay_every)},
+                 {"decay_min", fmt::format("{}", cfg_.decay_min)},
+                 {"decay_max", fmt::format("{}", cfg_.decay_max)},
+                 {"target_cutoff", cfg_.target_cutoff},
                  {"decisions", std::to_string(last_.decisions)},
                  {"margin_sum", fmt::format("{}", last_.margin_sum)},
                  {"agreed", std::to_string(last_.agreed)}});
@@ -407,6 +419,8 @@ int run_training(const TrainConfig& cfg, dist::Comm& comm) {
   AdamWConfig adam_cfg;
   adam_cfg.lr = cfg.lr;
   adam_cfg.weight_decay = cfg.weight_decay;
+  adam_cfg.beta1 = cfg.adam_beta1;
+  adam_cfg.beta2 = cfg.adam_beta2;
   // The fp32 master values and the AdamW state of this rank's shard (trainer/update.h); the
   // parameters hold a copy, written back after every update.
   ShardedUpdate update(gates, comm, adam_cfg);

@@ -1,5 +1,8 @@
 #include "trainer/train_config.h"
 
+#include <string_view>
+#include <utility>
+
 #include <fmt/format.h>
 
 namespace retain::trainer {
@@ -23,6 +26,8 @@ nlohmann::json to_json(const TrainConfig& c) {
       {"min_lr", c.min_lr},
       {"warmup", c.warmup},
       {"weight_decay", c.weight_decay},
+      {"adam_beta1", c.adam_beta1},
+      {"adam_beta2", c.adam_beta2},
       {"clip", c.clip},
       {"steps", c.steps},
       {"global_batch", c.global_batch},
@@ -45,6 +50,10 @@ nlohmann::json to_json(const TrainConfig& c) {
     j["sinks"] = c.sinks;
     j["topk"] = c.topk;
     j["margin_weight"] = c.margin_weight;
+    j["decay_every"] = c.decay_every;
+    j["decay_min"] = c.decay_min;
+    j["decay_max"] = c.decay_max;
+    j["target_cutoff"] = c.target_cutoff;
   }
   return j;
 }
@@ -56,14 +65,26 @@ std::string trajectory_difference(const nlohmann::json& saved, const nlohmann::j
                                         "init_gates", "memory",   "cap_weight", "kl_weight",   "ntp_weight",
                                         "loss_chunk", "lr",       "min_lr",     "warmup",      "weight_decay",
                                         "clip",   "global_batch", "micro_batch", "seed",       "seq_len",
-                                        "window", "sinks",        "topk",        "margin_weight", "capacity_skip"};
+                                        "window", "sinks",        "topk",        "margin_weight", "capacity_skip",
+                                        "adam_beta1", "adam_beta2", "decay_every", "decay_min", "decay_max",
+                                        "target_cutoff"};
+  // Fields that configs written before they existed lack: such a run used these values (a kvpop
+  // run then ranked its targets by raw log m). Filled in only where the other side has the
+  // field, so gate runs (no kvpop fields) still compare as before.
+  static const std::pair<const char*, nlohmann::json> kBefore[] = {
+      {"adam_beta1", 0.9},   {"adam_beta2", 0.999},     {"decay_every", 1},
+      {"decay_min", 0.999},  {"decay_max", 0.999999},   {"target_cutoff", "raw"}};
+  nlohmann::json s = saved;
+  for (const auto& [f, v] : kBefore)
+    if (!s.contains(f) && now.contains(f) && (std::string_view(f).starts_with("adam") || s.contains("window")))
+      s[f] = v;
   for (const char* f : kFields) {
-    const bool in_saved = saved.contains(f), in_now = now.contains(f);
+    const bool in_saved = s.contains(f), in_now = now.contains(f);
     if (!in_saved || !in_now) {
       if (in_saved != in_now) return fmt::format("{}: missing in the {}", f, in_saved ? "new config" : "checkpoint");
       continue;
     }
-    if (saved[f] != now[f]) return fmt::format("{}: {} in the checkpoint, {} now", f, saved[f].dump(), now[f].dump());
+    if (s[f] != now[f]) return fmt::format("{}: {} in the checkpoint, {} now", f, s[f].dump(), now[f].dump());
   }
   // The cosine runs to `steps`: changing it moves every later learning rate, unless the
   // schedule is flat (lr == min_lr).

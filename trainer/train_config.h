@@ -26,6 +26,13 @@ struct TrainConfig {
   bool kvpop = false;
   int64_t window = 64, sinks = 4, topk = 0;
   bool margin_weight = true;  // --no-margin-weight: a = 1
+  // The decay of the effective score (kernels/kvpop.h Decay): --decay-every n, --decay-min,
+  // --decay-max (the range log γ is mapped into; the KVPOP paper's Table 2 by default).
+  int64_t decay_every = 1;
+  double decay_min = 0.999, decay_max = 0.999999;
+  // --target-cutoff: "effective" (the paper: rank targets by log m plus the decay) or "raw"
+  // (log m alone, retain's rule before it).
+  std::string target_cutoff = "effective";
   // Loss (DESIGN §4).
   double memory = 128;  // M
   double cap_weight = 1.0, kl_weight = 0.5, ntp_weight = 0.5;
@@ -34,6 +41,7 @@ struct TrainConfig {
 
   // Optimization.
   double lr = 2e-4, min_lr = 0, weight_decay = 1e-6, clip = 1.0;
+  double adam_beta1 = 0.9, adam_beta2 = 0.999;  // --adam-beta1, --adam-beta2 (the KVPOP paper: 0.9, 0.95)
   int64_t warmup = 0;
   int64_t steps = 100;
   int64_t global_batch = 0;  // sequences per optimizer step over all ranks (0: one per rank)

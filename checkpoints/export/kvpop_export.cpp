@@ -25,6 +25,7 @@ void write_scorers_safetensors(const std::string& out, const kvpop::Scorers& s, 
     meta["sinks"] = std::to_string(s.geometry()->sinks);
     meta["topk"] = std::to_string(s.geometry()->topk);
   }
+  for (const auto& [k, v] : kvpop::decay_metadata(s.decay())) meta[k] = v;
   if (info.step) meta["step"] = std::to_string(*info.step);
   if (info.max_seq_len) meta["max_seq_len"] = std::to_string(*info.max_seq_len);
   formats::write_safetensors(out, export_tensors(s, dtype), meta);
@@ -40,7 +41,8 @@ void write_scorers_gguf(const std::string& out, const kvpop::Scorers& s, const G
       {"general.alignment", Value::u32(32)},
       {"adapter.type", Value::str("kvpop")},
       {"retention.kind", Value::str("kvpop")},
-      {"retention.score_version", Value::u32(kvpop::kScoreVersion)},
+      {"retention.score_version",
+       Value::u32(s.decay() == kvpop::Decay{} ? kvpop::kScoreVersion : kvpop::kScoreVersionDecay)},
       {"retention.layer_count", Value::u32(static_cast<uint32_t>(d.layers))},
       {"retention.head_count_kv", Value::u32(static_cast<uint32_t>(d.kv_heads))},
       {"retention.key_length", Value::u32(static_cast<uint32_t>(d.head_dim))},
@@ -51,6 +53,11 @@ void write_scorers_gguf(const std::string& out, const kvpop::Scorers& s, const G
     meta.emplace_back("retention.window", u64(s.geometry()->window));
     meta.emplace_back("retention.sinks", u64(s.geometry()->sinks));
     meta.emplace_back("retention.topk", u64(s.geometry()->topk));
+  }
+  if (s.decay() != kvpop::Decay{}) {
+    meta.emplace_back("retention.decay_every", u64(s.decay().every));
+    meta.emplace_back("retention.decay_min", Value::f64(s.decay().gamma_min));
+    meta.emplace_back("retention.decay_max", Value::f64(s.decay().gamma_max));
   }
   if (info.step) meta.emplace_back("retention.step", u64(*info.step));
   if (info.max_seq_len) meta.emplace_back("retention.max_seq_len", u64(*info.max_seq_len));

@@ -190,13 +190,22 @@ int run(int argc, char** argv) {
                                      (*src.run)["topk"].get<int64_t>()});
     if (!scorers->scorers.geometry())
       fail("{}: the scorers record no window/sinks/topk (the kvpop policy needs them)", src.gates_path);
+    // The run's decay (config.json of runs since issue 38) — the same the scorers' metadata records.
+    if (src.run && src.run->contains("decay_every") && src.run->contains("decay_min") && src.run->contains("decay_max"))
+      scorers->scorers.set_decay({(*src.run)["decay_every"].get<int64_t>(), (*src.run)["decay_min"].get<double>(),
+                                  (*src.run)["decay_max"].get<double>()});
     if (format_text == "safetensors") exports::write_scorers_safetensors(out, scorers->scorers, info, dtype);
     else exports::write_scorers_gguf(out, scorers->scorers, info, dtype);
     const kvpop::ScorerDims& d = scorers->scorers.dims();
     const kvpop::PolicyGeometry& g = *scorers->scorers.geometry();
+    const kvpop::Decay& dc = scorers->scorers.decay();
+    const std::string decay = dc == kvpop::Decay{} ? std::string()
+                                                   : fmt::format(", decay every {} in [{}, {}]", dc.every,
+                                                                 dc.gamma_min, dc.gamma_max);
     std::cout << fmt::format("retain-export: wrote {} ({}, {}): kvpop scorers, {} layers, {} KV heads, head_dim {}, "
-                             "window {} sinks {} top-k {}, {} parameters; from {}; base model {}\n",
+                             "window {} sinks {} top-k {}{}, {} parameters; from {}; base model {}\n",
                              out, format_text, dtype_text, d.layers, d.kv_heads, d.head_dim, g.window, g.sinks, g.topk,
+                             decay,
                              scorers->scorers.num_parameters(), src.described.empty() ? from : src.described,
                              info.base_model);
     return 0;

@@ -20,14 +20,14 @@ Projected mlstm_scores_backward(const Projected& P, const int32_t* doc, int64_t 
 Tensor future_attention_target(const Tensor& q, const Tensor& k, const Tensor& lse, const int32_t* doc,
                                int64_t w, float scale);
 std::vector<Decision> select_decisions(const float* log_m, const int32_t* doc, int64_t T, int64_t w,
-                                       int64_t sinks, int64_t k);
+                                       int64_t sinks, int64_t k, const retain::kvpop::TargetRule& rule);
 
 }  // namespace retain::cpu::kvpop
 
 namespace retain::cpu::kvpop {
 double pair_loss(const float* score, double theta, const std::vector<Decision>& decisions, double margin_scale,
-                 double tau);
+                 double tau, const retain::kvpop::Decay& decay);
 void pair_loss_backward(const float* score, double theta, const std::vector<Decision>& decisions,
                         double margin_scale, double tau, double grad_scale, int64_t T, float* dscore,
-                        double& dtheta);
+                        double& dtheta, const retain::kvpop::Decay& decay);
 }  // namespace retain::cpu::kvpop

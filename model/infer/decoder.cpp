@@ -33,6 +33,12 @@ PolicyOptions with_scorers(PolicyOptions p, const kvpop::Scorers* scorers) {
   if (!scorers->geometry()) fail("--policy kvpop: the scorers record no window/sinks/topk");
   p.window = scorers->geometry()->window;
   p.sinks = scorers->geometry()->sinks;
+  p.decay_every = scorers->decay().every;
+  p.log_gamma.clear();
+  if (p.decay_every > 1)  // the same float32 log γ the rank keys were made with (kvpop_state.cpp, in float64)
+    for (const auto& layer : scorers->head_values())
+      for (const kvpop::HeadParams& h : layer)
+        p.log_gamma.push_back(static_cast<float>(kvpop::log_gamma(h.theta.data<float>()[0], scorers->decay())));
   return p;
 }
 

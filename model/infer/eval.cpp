@@ -29,7 +29,7 @@ int64_t argmax(const std::vector<double>& v) { return std::max_element(v.begin()
 
 PolicyOptions policy_options(const EvalRun& r, const EvalOptions& opt) {
   PolicyOptions p;
-  p.kind = r.policy, p.budget = r.budget, p.buffer = opt.buffer;
+  p.kind = r.policy, p.budget = r.budget, p.buffer = opt.buffer, p.lookahead = opt.lookahead;
   return p;
 }
 

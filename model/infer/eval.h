@@ -46,6 +46,7 @@ struct EvalResult {
 struct EvalOptions {
   int64_t prefill_chunk = 1;  // tokens per forward (1: every token as in generation)
   int64_t buffer = 1;
+  int64_t lookahead = 1;      // trimkv, dbtrimkv: (q + lookahead − i)·logβ_i (PolicyOptions::lookahead)
   int64_t max_sequences = 16; // data: the first N sequences of the file (0: all)
   // Called after each unit of work (one run over one document or sample): done, total.
   std::function<void(int64_t, int64_t)> progress;

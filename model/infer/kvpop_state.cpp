@@ -14,6 +14,7 @@ KvpopState::KvpopState(const kvpop::Scorers& scorers) {
   kv_heads_ = dims.kv_heads;
   d_ = dims.head_dim;
   r_ = dims.rank();
+  every_ = scorers.decay().every;
   const auto values = scorers.head_values();
   for (int64_t l = 0; l < dims.layers; ++l)
     for (int64_t h = 0; h < kv_heads_; ++h) {
@@ -21,7 +22,7 @@ KvpopState::KvpopState(const kvpop::Scorers& scorers) {
       head.p = values[static_cast<size_t>(l)][static_cast<size_t>(h)];
       head.C.assign(static_cast<size_t>(d_ * r_), 0.0);
       head.n.assign(static_cast<size_t>(d_), 0.0);
-      head.log_gamma = kvpop::log_gamma(head.p.theta.data<float>()[0]);
+      head.log_gamma = kvpop::log_gamma(head.p.theta.data<float>()[0], scorers.decay());
       heads_.push_back(std::move(head));
     }
 }
@@ -70,8 +71,9 @@ std::vector<std::vector<std::pair<int32_t, float>>> KvpopState::feed(int64_t l, 
         score += wo[j] * hj / (1.0 + std::exp(-hj));
       }
       hd.scores.push_back(score);
+      const int64_t steps = every_ == 1 ? u : u / every_;  // ⌊u/n⌋
       out[static_cast<size_t>(h)].emplace_back(static_cast<int32_t>(u),
-                                               static_cast<float>(score - static_cast<double>(u) * hd.log_gamma));
+                                               static_cast<float>(score - static_cast<double>(steps) * hd.log_gamma));
     }
   }
   return out;

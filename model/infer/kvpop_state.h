@@ -22,11 +22,13 @@ class KvpopState {
   int64_t window() const { return geometry_.window; }
   int64_t sinks() const { return geometry_.sinks; }
   int64_t topk() const { return geometry_.topk; }
+  int64_t decay_every() const { return every_; }
 
   // Feeds layer l's next tokens k, v F32 [T, K, d] (positions seen .. seen + T − 1 of the one
   // document). Returns, per KV head, the (position u, rank key) of every token that left the
-  // window, where the rank key score_u − u·log γ orders tokens as ŝ_u(q) = score_u + (q − u)·log γ
-  // does for any common query q.
+  // window, where the rank key score_u − ⌊u/n⌋·log γ (n = the scorers' decay every; n = 1:
+  // score_u − u·log γ) orders tokens as ŝ_u(q) = score_u + ⌊(q − u)/n⌋·log γ does for any common
+  // query q once the keys with u mod n > q mod n get −log γ added (kvpop_drops does).
   std::vector<std::vector<std::pair<int32_t, float>>> feed(int64_t l, const Tensor& k, const Tensor& v);
   // Every score assigned so far for (l, h), by position (tests).
   const std::vector<double>& scores(int64_t l, int64_t h) const { return heads_[idx(l, h)].scores; }
@@ -44,7 +46,7 @@ class KvpopState {
   };
   size_t idx(int64_t l, int64_t h) const { return static_cast<size_t>(l * kv_heads_ + h); }
   kvpop::PolicyGeometry geometry_;
-  int64_t kv_heads_ = 0, d_ = 0, r_ = 0;
+  int64_t kv_heads_ = 0, d_ = 0, r_ = 0, every_ = 1;
   std::vector<Head> heads_;
 };
 

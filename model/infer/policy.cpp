@@ -143,7 +143,7 @@ std::vector<int32_t> window_drops(std::span<const int32_t> pos, int64_t budget, 
 }
 
 std::vector<int32_t> kvpop_drops(std::span<const float> key, std::span<const int32_t> pos, int64_t budget,
-                                 int64_t sinks, int64_t window, int64_t seen) {
+                                 int64_t sinks, int64_t window, int64_t seen, int64_t every, float log_gamma) {
   const int64_t n = static_cast<int64_t>(pos.size());
   if (n <= budget) return {};
   std::vector<float> score(key.begin(), key.end());
@@ -151,6 +151,8 @@ std::vector<int32_t> kvpop_drops(std::span<const float> key, std::span<const int
     // The next query is q = seen: the window is q − i < w, the eligible keys are i ≤ q − w.
     if (pos[j] < sinks || pos[j] > seen - window) score[j] = kProtected;
     else RETAIN_CHECK(std::isfinite(score[j]), "kvpop: entry at position {} has no score", pos[j]);
+    // ⌊(q − i)/n⌋ = ⌊q/n⌋ − ⌊i/n⌋ − [i mod n > q mod n]: the last term is one step less decay.
+    if (every > 1 && score[j] != kProtected && pos[j] % every > seen % every) score[j] -= log_gamma;
   }
   return drop_worst(score, pos, n - budget);
 }
@@ -233,7 +235,7 @@ class TrimKVPolicy : public PerHeadPolicy {
   using PerHeadPolicy::PerHeadPolicy;
   std::vector<int32_t> drops(const KVCache& c, int64_t l, int64_t h, int64_t seen) const override {
     const int64_t n = c.size(l, h);
-    return trimkv_drops(c.log_beta(l, h), c.positions(l, h), n, seen + 1, n - opt_.budget);
+    return trimkv_drops(c.log_beta(l, h), c.positions(l, h), n, seen + opt_.lookahead, n - opt_.budget);
   }
 };
 
@@ -242,7 +244,9 @@ class KvpopPolicy : public PerHeadPolicy {
   using PerHeadPolicy::PerHeadPolicy;
   std::vector<int32_t> drops(const KVCache& c, int64_t l, int64_t h, int64_t seen) const override {
     const size_t n = static_cast<size_t>(c.size(l, h));
-    return kvpop_drops({c.log_beta(l, h), n}, {c.positions(l, h), n}, opt_.budget, opt_.sinks, opt_.window, seen);
+    const float lg = opt_.decay_every > 1 ? opt_.log_gamma.at(static_cast<size_t>(l * c.kv_heads() + h)) : 0.0f;
+    return kvpop_drops({c.log_beta(l, h), n}, {c.positions(l, h), n}, opt_.budget, opt_.sinks, opt_.window, seen,
+                       opt_.decay_every, lg);
   }
 };
 
@@ -259,7 +263,7 @@ class DBTrimKVPolicy : public EvictionPolicy {
         const float* lb = c.log_beta(l, h);
         const int32_t* pos = c.positions(l, h);
         const int32_t stream = static_cast<int32_t>(l * c.kv_heads() + h);
-        for (int32_t j = 0; j < c.size(l, h); ++j) w.offer({trimkv_score(lb[j], seen + 1, pos[j]), pos[j], stream, j});
+        for (int32_t j = 0; j < c.size(l, h); ++j) w.offer({trimkv_score(lb[j], seen + opt_.lookahead, pos[j]), pos[j], stream, j});
       }
     std::vector<std::vector<int32_t>> drops(static_cast<size_t>(streams));
     for (const Cand& cand : w.result()) drops[static_cast<size_t>(cand.stream)].push_back(cand.index);
@@ -275,6 +279,7 @@ class DBTrimKVPolicy : public EvictionPolicy {
 
 std::unique_ptr<EvictionPolicy> make_policy(const PolicyOptions& opt) {
   if (opt.buffer < 1) fail("--buffer must be at least 1, got {}", opt.buffer);
+  if (opt.lookahead < 0) fail("--lookahead must be ≥ 0, got {}", opt.lookahead);
   if (opt.kind != PolicyKind::full && opt.budget < min_budget(opt))
     fail("--budget {} is below the minimum {} of policy {}{}", opt.budget, min_budget(opt), policy_name(opt.kind),
          opt.kind == PolicyKind::window ? fmt::format(" ({} sinks + 1 recent token)", opt.sinks)

@@ -27,6 +27,13 @@ struct PolicyOptions {
   int64_t buffer = 1;  // evict when a count reaches B + buffer (DESIGN §8 default 1)
   int64_t sinks = 4;   // window: StreamingLLM's attention sinks; kvpop: the scorers' sinks
   int64_t window = 0;  // kvpop: the scorers' protected window w (the rest of B is the top-k)
+  // kvpop with the scorers' decay every n > 1: n and log γ per stream (layer·K + head); the
+  // rank keys then get −log γ where i mod n > q mod n (kvpop_drops). Empty for n = 1.
+  int64_t decay_every = 1;
+  std::vector<float> log_gamma{};
+  // trimkv, dbtrimkv: the score (q + a − i)·logβ_i with q = tokens seen; a = the lookahead
+  // (--lookahead; 1: the reference's lookahead_steps = 1, DESIGN §8).
+  int64_t lookahead = 1;
 };
 
 // The smallest budget a policy can run with: window needs its sinks and one recent token,
@@ -65,12 +72,15 @@ std::unique_ptr<EvictionPolicy> make_policy(const PolicyOptions& opt);
 // The m entries with the lowest score, ties toward the smaller position (the older entry loses);
 // in no particular order. What the policies evict: one O(n) partition per call.
 std::vector<int32_t> drop_worst(std::span<const float> score, std::span<const int32_t> pos, int64_t m);
-// What trimkv evicts from one head at query q: the m entries with the lowest (q − i)·logβ_i.
+// What trimkv evicts from one head at query q (= seen + lookahead): the m entries with the lowest (q − i)·logβ_i.
 std::vector<int32_t> trimkv_drops(const float* log_beta, const int32_t* pos, int64_t n, int64_t q, int64_t m);
 // What kvpop evicts from one head after `seen` tokens: entries outside the sinks and the window
 // (positions > seen − window), lowest rank key first (ties: the older loses), down to `budget`.
+// With every n > 1 the key of an entry at i with i mod n > q mod n (q = seen) gains −log_gamma:
+// then the order is that of ŝ_i(q) = score_i + ⌊(q − i)/n⌋·log γ (kvpop_state.h).
 std::vector<int32_t> kvpop_drops(std::span<const float> key, std::span<const int32_t> pos, int64_t budget,
-                                 int64_t sinks, int64_t window, int64_t seen);
+                                 int64_t sinks, int64_t window, int64_t seen, int64_t every = 1,
+                                 float log_gamma = 0.0f);
 // What window and h2o evict (below), as drop sets.
 std::vector<int32_t> window_drops(std::span<const int32_t> pos, int64_t budget, int64_t sinks);
 std::vector<int32_t> h2o_drops(std::span<const float> attn_sum, std::span<const int32_t> pos, int64_t budget);

@@ -95,6 +95,21 @@ LoadedScorers load_scorers(const std::string& path, const Qwen3Config& config) {
         else if (auto* i = std::get_if<int64_t>(&v->v)) meta[k] = std::to_string(*i);
         else fail("{}: metadata 'retention.{}' is not an integer", path, k);
       }
+    if (const formats::gguf::Value* v = f.find("retention.score_version")) {
+      const auto* u = std::get_if<uint64_t>(&v->v);
+      if (!u || (*u != kScoreVersion && *u != kScoreVersionDecay))
+        fail("{}: retention.score_version {} is not one this retain reads ({} or {})", path, v->to_string(),
+             kScoreVersion, kScoreVersionDecay);
+    }
+    if (const formats::gguf::Value* v = f.find("retention.decay_every")) {
+      if (auto* u = std::get_if<uint64_t>(&v->v)) meta["decay_every"] = std::to_string(*u);
+      else fail("{}: metadata 'retention.decay_every' is not an unsigned integer", path);
+    }
+    for (const char* k : {"decay_min", "decay_max"})
+      if (const formats::gguf::Value* v = f.find(std::string("retention.") + k)) {
+        if (auto* d = std::get_if<double>(&v->v)) meta[k] = fmt::format("{}", *d);
+        else fail("{}: metadata 'retention.{}' is not a float", path, k);
+      }
     if (auto s = str("retention.base_model")) meta["base_model"] = *s;
     if (auto s = str("retention.base_config_sha256")) meta["base_config_sha256"] = *s;
   } else {

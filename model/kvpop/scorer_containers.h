@@ -12,8 +12,13 @@
 
 namespace retain::kvpop {
 
-// The version of the score a KVPOP GGUF adapter records: ŝ_i(q) = score_i + (q − i)·log γ (DESIGN §5).
+// The version of the score a KVPOP GGUF adapter records: 1: ŝ_i(q) = score_i + (q − i)·log γ with
+// log γ = log 0.999 + (log 0.999999 − log 0.999)·σ(θ) (DESIGN §5); 2: ŝ_i(q) = score_i +
+// ⌊(q − i)/n⌋·log γ with log γ in [log γ_min, log γ_max], n, γ_min, γ_max in retention.decay_every,
+// retention.decay_min, retention.decay_max. Writers use 1 for the default decay (n = 1, the
+// default range), so older readers keep reading those files and refuse the others.
 inline constexpr uint32_t kScoreVersion = 1;
+inline constexpr uint32_t kScoreVersionDecay = 2;
 
 // True when the container holds kvpop scorers: a safetensors file whose __metadata__
 // gate_kind is "kvpop" or whose tensors are named *.self_attn.kvpop.*, or a GGUF whose

@@ -38,6 +38,36 @@ int64_t meta_int(const std::string& source, const std::map<std::string, std::str
 
 }  // namespace
 
+std::map<std::string, std::string> decay_metadata(const Decay& d) {
+  if (d == Decay{}) return {};
+  return {{"decay_every", std::to_string(d.every)},
+          {"decay_min", fmt::format("{}", d.gamma_min)},
+          {"decay_max", fmt::format("{}", d.gamma_max)}};
+}
+
+Decay decay_from_metadata(const std::string& source, const std::map<std::string, std::string>& meta) {
+  Decay d;
+  if (meta.count("decay_every")) {
+    d.every = meta_int(source, meta, "decay_every");
+    if (d.every < 1) fail("{}: __metadata__ decay_every must be at least 1, got {}", source, d.every);
+  }
+  for (auto [key, out] : {std::pair{"decay_min", &d.gamma_min}, std::pair{"decay_max", &d.gamma_max}}) {
+    const auto it = meta.find(key);
+    if (it == meta.end()) continue;
+    const std::string& v = it->second;
+    const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), *out);
+    if (ec != std::errc() || end != v.data() + v.size())
+      fail("{}: __metadata__ {} = '{}' is not a number", source, key, v);
+  }
+  if (const std::string problem = decay_problem(d); !problem.empty()) fail("{}: __metadata__ {}", source, problem);
+  return d;
+}
+
+void Scorers::set_decay(const Decay& d) {
+  if (const std::string problem = decay_problem(d); !problem.empty()) fail("kvpop scorers: {}", problem);
+  decay_ = d;
+}
+
 std::string scorer_tensor_name(int64_t layer, std::string_view suffix) {
   return fmt::format("model.layers.{}.self_attn.kvpop.{}", layer, suffix);
 }
@@ -117,6 +147,7 @@ void Scorers::save(const std::string& path, const std::map<std::string, std::str
     meta["sinks"] = std::to_string(geometry_->sinks);
     meta["topk"] = std::to_string(geometry_->topk);
   }
+  for (const auto& [k, v] : decay_metadata(decay_)) meta[k] = v;
   for (const auto& [k, v] : extra) meta[k] = v;
   formats::write_safetensors(path, named_tensors(), meta);
 }
@@ -163,6 +194,7 @@ Scorers Scorers::from_tensors(const std::string& source, const std::map<std::str
     if (g.window < 1) fail("{}: __metadata__ window must be at least 1, got {}", source, g.window);
     sc.geometry_ = g;
   }
+  sc.decay_ = decay_from_metadata(source, meta);
   return sc;
 }
 

@@ -32,6 +32,11 @@ struct PolicyGeometry {
 
 // "model.layers.{l}.self_attn.kvpop.{suffix}"
 std::string scorer_tensor_name(int64_t layer, std::string_view suffix);
+// The decay's __metadata__ entries (decay_every, decay_min, decay_max; empty for the default
+// decay, so files of the default rule are as before) and their reader (absent keys: defaults;
+// a bad value is one retain::Error naming `source` and the key).
+std::map<std::string, std::string> decay_metadata(const Decay& d);
+Decay decay_from_metadata(const std::string& source, const std::map<std::string, std::string>& meta);
 // The per-layer suffixes, in file (and parameter) order.
 const std::vector<std::string>& scorer_suffixes();
 
@@ -63,6 +68,11 @@ class Scorers : public ParameterSet {
   // From init() or a file's __metadata__ (nullopt when a file has none).
   const std::optional<PolicyGeometry>& geometry() const { return geometry_; }
   void set_geometry(const PolicyGeometry& g) { geometry_ = g; }
+  // The effective score's decay (every n, range of γ): from init()'s default, set_decay() or a
+  // file's __metadata__ decay_every / decay_min / decay_max (absent: the defaults, n = 1 and
+  // [0.999, 0.999999]). Written to __metadata__ only where it differs from the default.
+  const Decay& decay() const { return decay_; }
+  void set_decay(const Decay& d);
 
   // Per layer and KV head, views (sharing storage) of the stacked values / gradients in the
   // HeadParams layout of kernels/kvpop.h: writing into a gradient view writes the stacked grad.
@@ -75,6 +85,7 @@ class Scorers : public ParameterSet {
 
   ScorerDims dims_;
   std::optional<PolicyGeometry> geometry_;
+  Decay decay_;
   std::vector<Parameter> params_;  // layer-major, scorer_suffixes() order within a layer
 };
 

@@ -10,6 +10,7 @@
 #include "checkpoints/export/kvpop_export.h"
 #include "model/kvpop/scorer_containers.h"
 #include "kernels/base/atomic_file.h"
+#include "data/formats/gguf.h"
 #include "data/formats/safetensors.h"
 #include "tests/trainer/train_helpers.h"
 
@@ -97,6 +98,53 @@ TEST(KvpopExport, InitGatesFromGgufTrainsAsFromSafetensors) {
   };
   const std::string want = dump(kScorers, dir / "want.safetensors");
   EXPECT_TRUE(dump(kGolden + "/kvpop_f32.gguf", dir / "got.safetensors") == want);
+}
+
+// The decay (retain-train --decay-every/--decay-min/--decay-max) through export and import: the
+// safetensors' __metadata__ and the GGUF's retention.decay_* (score_version 2) carry it, an
+// import restores it exactly, an export of an import is the same file; a file without the keys
+// (the golden files) reads as every 1 in [0.999, 0.999999].
+TEST(KvpopExport, DecayRoundTrip) {
+  TempDir dir;
+  const Qwen3Config config = model_config();
+  kvpop::Scorers sc = kvpop::Scorers::load(kScorers, config);
+  EXPECT_EQ(sc.decay(), kvpop::Decay{});
+  EXPECT_EQ(kvpop::load_scorers(kGolden + "/kvpop_f32.gguf", config).scorers.decay(), kvpop::Decay{});
+  const kvpop::Decay decay{5, 0.9, 0.9999};
+  sc.set_decay(decay);
+  const std::string src = dir / "src.safetensors";
+  sc.save(src);
+  EXPECT_EQ(kvpop::Scorers::load(src, config).decay(), decay);
+  for (const char* format : {"safetensors", "gguf"}) {
+    SCOPED_TRACE(format);
+    const std::string first = dir / (std::string("1.") + format), second = dir / (std::string("2.") + format);
+    Result r = export_("--from " + src + " --model " + trainer::test::kModel + " --base-model " + kIdentity +
+                           " --format " + format + " --dtype f32 --out " + first,
+                       dir);
+    ASSERT_EQ(r.code, 0) << r.err;
+    const kvpop::LoadedScorers got = kvpop::load_scorers(first, config);
+    EXPECT_EQ(got.scorers.decay(), decay);
+    const formats::SafetensorsFile want = formats::SafetensorsFile::open(src);
+    for (const auto& [n, t] : got.scorers.named_tensors()) EXPECT_TRUE(bytes_equal(t, want.tensor(n))) << n;
+    r = export_("--from " + first + " --model " + trainer::test::kModel + " --format " + format +
+                    " --dtype f32 --out " + second,
+                dir);
+    ASSERT_EQ(r.code, 0) << r.err;
+    EXPECT_TRUE(read_file(second) == read_file(first)) << second << " differs from " << first;
+  }
+  const formats::gguf::File g = formats::gguf::read_file(dir / "1.gguf");
+  ASSERT_NE(g.find("retention.score_version"), nullptr);
+  EXPECT_EQ(std::get<uint64_t>(g.find("retention.score_version")->v), 2u);
+  EXPECT_EQ(std::get<uint64_t>(g.find("retention.decay_every")->v), 5u);
+  EXPECT_EQ(std::get<double>(g.find("retention.decay_min")->v), 0.9);
+  EXPECT_EQ(formats::SafetensorsFile::open(dir / "1.safetensors").metadata().at("decay_every"), "5");
+  // A bad decay in a file is one error naming the file and the key.
+  std::map<std::string, std::string> meta = {{"decay_every", "0"}};
+  EXPECT_NE(error_of([&] { kvpop::decay_from_metadata("f.safetensors", meta); }).find("f.safetensors: __metadata__ decay_every must be at least 1, got 0"),
+            std::string::npos);
+  meta = {{"decay_min", "x"}};
+  EXPECT_NE(error_of([&] { kvpop::decay_from_metadata("f.safetensors", meta); }).find("decay_min = 'x' is not a number"),
+            std::string::npos);
 }
 
 TEST(KvpopExport, RefusalsAreOneLineErrors) {

@@ -123,7 +123,7 @@ struct Simulation {
     auto score = [&](int64_t stream, int32_t pos) {
       const int64_t l = stream / K, h = stream % K;
       const float lb = dec.log_beta_history()[static_cast<size_t>(l)][static_cast<size_t>(pos * K + h)];
-      return trimkv_score(lb, seen + 1, pos);
+      return trimkv_score(lb, seen + opt.lookahead, pos);
     };
     auto beats = [](float sa, int32_t pa, int64_t a, float sb, int32_t pb, int64_t b) {
       return sa > sb || (sa == sb && (pa > pb || (pa == pb && a < b)));
@@ -196,6 +196,43 @@ TEST(Decoder, KeptSetsMatchBruteForceSchedule) {
           }
         }
   }
+}
+
+// --lookahead a: trimkv and dbtrimkv rank by (q + a − i)·logβ_i (q = tokens seen); the kept sets
+// match the brute-force schedule with that score, and a long lookahead keeps other tokens than
+// the default a = 1 (so the option is seen to act).
+TEST(Decoder, LookaheadKeptSetsMatchBruteForce) {
+  for (auto kind : {gates::GateKind::trimkv, gates::GateKind::dbtrimkv}) {
+    const Tiny& t = tiny(kind);
+    ResidentWeightProvider w(t.ckpt);
+    const std::vector<int32_t> ids = random_ids(60, 5);
+    for (PolicyKind p : {PolicyKind::trimkv, PolicyKind::dbtrimkv}) {
+      int differ = 0;
+      for (int64_t lookahead : {0, 7, 100000}) {  // 100000: the ranking is by logβ alone
+        PolicyOptions o = policy(p, 7);
+        o.lookahead = lookahead;
+        PolicyOptions o1 = policy(p, 7);
+        Decoder dec(w, &t.gates, o), dec1(w, &t.gates, o1);
+        Simulation sim{o, 2, 2, std::vector<std::vector<int32_t>>(4)};
+        for (size_t at = 0; at < ids.size();) {
+          const size_t n = at < 12 ? 12 : 1;
+          dec.feed(std::span(ids).subspan(at, n));
+          dec1.feed(std::span(ids).subspan(at, n));
+          at += n;
+          sim.step(static_cast<int64_t>(at), static_cast<int64_t>(n), dec);
+          for (int64_t s = 0; s < 4; ++s) {
+            ASSERT_EQ(dec.cache().kept_positions(s / 2, s % 2), sim.kept[s])
+                << policy_name(p) << " lookahead " << lookahead << " after " << at << " stream " << s;
+            if (dec.cache().kept_positions(s / 2, s % 2) != dec1.cache().kept_positions(s / 2, s % 2)) ++differ;
+          }
+        }
+      }
+      EXPECT_GT(differ, 0) << policy_name(p) << ": no lookahead changed what is kept";
+    }
+  }
+  PolicyOptions bad = policy(PolicyKind::trimkv, 7);
+  bad.lookahead = -1;
+  EXPECT_THROW(make_policy(bad), Error);
 }
 
 TEST(Decoder, H2OKeepsRecentHalfAndBoundsTheCache) {

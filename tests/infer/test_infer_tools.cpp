@@ -119,6 +119,8 @@ TEST_F(InferTools, GenerateErrors) {
   expect_error(base + " --policy h2o --budget 1", "below the minimum 2", 2, js);
   expect_error(base + " --policy lru --budget 8", "unknown policy 'lru'", 2, js);
   expect_error(base + " --policy window --budget 8 --buffer 0", "--buffer must be at least 1", 2, js);
+  expect_error(base + " --policy trimkv --budget 8 --lookahead=-1", "--lookahead must be >= 0, got -1", 2, js);
+  expect_error(base + " --policy window --budget 8 --lookahead 3", "--lookahead is for --policy trimkv or dbtrimkv", 2, js);
   expect_error("retain-generate --model " + tiny() + " --prompt-ids \"1 2 3\" --policy full --json " +
                    (root() / "missing" / "x.json").string(),
                "does not exist", 1, root() / "missing" / "x.json");
@@ -187,6 +189,27 @@ TEST_F(InferTools, EvalRecallMetricsAndPlot) {
   EXPECT_TRUE(is_png(png2));
 }
 
+// --lookahead reaches retain-eval's policies and its metrics: the recorded value, and a long
+// lookahead scoring differently from the default on the same samples (the decisions differ;
+// their brute-force check is Decoder.LookaheadKeptSetsMatchBruteForce).
+TEST_F(InferTools, EvalLookahead) {
+  auto eval = [&](const std::string& extra, const fs::path& m) {
+    const Result r = run("retain-eval --model " + tiny() + " --gates " + gates() +
+                         " --task recall --policy trimkv,dbtrimkv --budget 6 --samples 2 --context 48 --pairs 3 --out " +
+                         m.string() + extra);
+    EXPECT_EQ(r.code, 0) << r.err;
+    return nlohmann::json::parse(read_file(m.string()));
+  };
+  const nlohmann::json a = eval("", root() / "la1.json"), b = eval(" --lookahead 100000", root() / "la2.json");
+  EXPECT_FALSE(a.contains("lookahead"));
+  EXPECT_EQ(b["lookahead"].get<int>(), 100000);
+  ASSERT_EQ(a["results"].size(), b["results"].size());
+  bool differ = false;
+  for (size_t i = 0; i < a["results"].size(); ++i)
+    differ = differ || a["results"][i]["nll"].get<double>() != b["results"][i]["nll"].get<double>();
+  EXPECT_TRUE(differ) << "--lookahead 100000 scored the same as the default";
+}
+
 TEST_F(InferTools, EvalErrors) {
   const fs::path m = root() / "bad_metrics.json";
   const std::string base = "retain-eval --model " + tiny() + " --task recall --samples 1 --context 32 --pairs 2 --out " + m.string();
@@ -200,6 +223,8 @@ TEST_F(InferTools, EvalErrors) {
   expect_error(base + " --policy dbtrimkv --budget 8 --gates trimkv=" + gates(), "--policy dbtrimkv ranks tokens", 2, m);
   expect_error(base + " --policy trimkv --budget 8 --gates " + gates() + " --gates " + gates(), "two files for every policy", 2, m);
   expect_error(base + " --policy trimkv --budget 8 --gates trimkv=", "no file after", 2, m);
+  expect_error(base + " --policy trimkv --budget 8 --gates " + gates() + " --lookahead=-2", "--lookahead must be >= 0, got -2", 2, m);
+  expect_error(base + " --policy window,h2o --budget 8 --lookahead 2", "--lookahead is for --policy trimkv or dbtrimkv", 2, m);
   expect_error("retain-eval --model " + tiny() + " --task recall --context 32 --pairs 20 --policy full --out " + m.string(),
                "do not fit", 1, m);
   expect_error("retain-eval --model " + tiny() + " --data " + (root() / "missing.h5").string() + " --policy full --out " + m.string(),

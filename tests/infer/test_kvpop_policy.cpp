@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <random>
 #include <set>
 
@@ -80,8 +81,13 @@ TEST(KvpopPolicy, RunningScoresEqualTheChunkwiseOp) {
   }
 }
 
-TEST(KvpopPolicy, EveryEvictionKeepsSinksWindowAndTopKByScore) {
-  Fixture s;
+// Every eviction against a brute force: ŝ_i(q) = score_i + floor((q − i)/n)·log γ in double
+// from the running scores. Returns the evictions whose kept set differs from the one the same
+// scores would give with n = 1 (so a test of n > 1 can tell the rules apart).
+int check_every_eviction(Fixture& s, const kvpop::Decay& decay) {
+  s.scorers.set_decay(decay);
+  const int64_t n_every = decay.every;
+  int differ = 0;
   const int64_t B = 11, sinks = 2, w = 6;
   for (const int64_t buffer : {int64_t{1}, int64_t{3}}) {
     SCOPED_TRACE(buffer);
@@ -100,19 +106,30 @@ TEST(KvpopPolicy, EveryEvictionKeepsSinksWindowAndTopKByScore) {
             continue;
           }
           ++evictions;
-          std::vector<std::pair<double, int32_t>> ranked;  // (ŝ_i(q), i) of the eligible entries
+          std::vector<std::pair<double, int32_t>> ranked, ranked1;  // (ŝ_i(q), i) of the eligible entries; n = 1
           for (int32_t p : pos) {
             if (p < sinks || p > seen - w) {  // next query q = seen: window q − i < w, eligible i ≤ q − w
               keep.insert(p);
             } else {
               EXPECT_LT(static_cast<size_t>(p), st.scores(l, h).size()) << "entry " << p << " has no score";
-              ranked.emplace_back(st.scores(l, h)[p] + static_cast<double>(seen - p) * st.log_gamma(l, h), p);
+              const double score = st.scores(l, h)[p];
+              ranked.emplace_back(score + std::floor(double(seen - p) / double(n_every)) * st.log_gamma(l, h), p);
+              ranked1.emplace_back(score + double(seen - p) * st.log_gamma(l, h), p);
             }
           }
-          std::sort(ranked.begin(), ranked.end(), [](const auto& a, const auto& b) {
+          auto better = [](const auto& a, const auto& b) {
             return a.first != b.first ? a.first > b.first : a.second > b.second;  // ties: newer kept
-          });
+          };
+          std::sort(ranked.begin(), ranked.end(), better);
+          std::sort(ranked1.begin(), ranked1.end(), better);
+          const size_t protected_count = keep.size();
           for (size_t i = 0; keep.size() < static_cast<size_t>(B) && i < ranked.size(); ++i) keep.insert(ranked[i].second);
+          std::set<int32_t> top, top1;
+          for (size_t i = 0; i + protected_count < static_cast<size_t>(B) && i < ranked.size(); ++i) {
+            top.insert(ranked[i].second);
+            top1.insert(ranked1[i].second);
+          }
+          if (top != top1) ++differ;
         }
     });
     std::vector<int32_t> ids = random_ids(30, 11);
@@ -134,7 +151,27 @@ TEST(KvpopPolicy, EveryEvictionKeepsSinksWindowAndTopKByScore) {
     EXPECT_GT(evictions, 40);
     EXPECT_LE(dec.cache().max_size(), B + buffer - 1);
   }
+  return differ;
 }
+
+TEST(KvpopPolicy, EveryEvictionKeepsSinksWindowAndTopKByScore) {
+  Fixture s;
+  EXPECT_EQ(check_every_eviction(s, kvpop::Decay{}), 0);
+}
+
+// --decay-every n (the KVPOP paper's ⌊(q − i)/n⌋) and a decay range strong enough to reorder
+// entries within the 70 tokens: the decoder's residue-corrected rank keys keep exactly what the
+// brute force keeps, and that differs from what n = 1 would keep.
+TEST(KvpopPolicy, DecayEveryNKeepsWhatBruteForceKeeps) {
+  Fixture s;
+  EXPECT_EQ(check_every_eviction(s, kvpop::Decay{1, 0.3, 0.6}), 0);  // the range alone: same rule as n = 1
+  const int differ = check_every_eviction(s, kvpop::Decay{4, 0.3, 0.6});
+  RecordProperty("evictions_differing_from_n1", std::to_string(differ));
+  EXPECT_GT(differ, 0);
+  EXPECT_GT(check_every_eviction(s, kvpop::Decay{3, 0.05, 0.2}), 0);
+}
+
+
 
 TEST(KvpopPolicy, BudgetAndScorersAreChecked) {
   Fixture s;

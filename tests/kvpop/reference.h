@@ -179,12 +179,39 @@ inline std::vector<kvpop::Decision> brute_decisions(const Vec& lm, const std::ve
   return out;
 }
 
+// The decisions of the KVPOP paper's rule by brute force: at each q the other eligible keys
+// sorted by their effective target log m_i + floor((q − i)/every)·lg (ties: lower index), y and
+// the margin on the effective targets. Straight from the definition, no residue trick.
+inline std::vector<kvpop::Decision> brute_effective_decisions(const Vec& lm, const std::vector<int32_t>& doc, int64_t w,
+                                                              int64_t sinks, int64_t k, double lg, int64_t every) {
+  const int64_t T = static_cast<int64_t>(doc.size());
+  std::vector<kvpop::Decision> out;
+  for (int64_t q = 0; q < T; ++q) {
+    const int64_t t_new = q - w;
+    if (t_new < 0 || !ref_same_doc_run(doc, t_new, q)) continue;
+    int64_t st = t_new;
+    while (st > 0 && doc[st - 1] == doc[t_new]) --st;
+    if (t_new - st < sinks) continue;
+    auto eff = [&](int64_t i) { return lm[i] + std::floor(double(q - i) / double(every)) * lg; };
+    std::vector<int64_t> others;
+    for (int64_t i = st + sinks; i < t_new; ++i) others.push_back(i);
+    if (static_cast<int64_t>(others.size()) < k) continue;
+    std::sort(others.begin(), others.end(), [&](int64_t a, int64_t b) { return eff(a) != eff(b) ? eff(a) > eff(b) : a < b; });
+    const int64_t b = others[static_cast<size_t>(k - 1)];
+    out.push_back({q, t_new, b, eff(t_new) > eff(b) ? 1 : -1, static_cast<float>(std::abs(eff(t_new) - eff(b)))});
+  }
+  return out;
+}
+
+// Σ a·softplus(−y·(ŝ_new − ŝ_b)/τ) with ŝ_i(q) = score_i + floor((q − i)/every)·log γ and
+// log γ = log γ_min + (log γ_max − log γ_min)·σ(θ), in float64 from the definition.
 inline double ref_pair_loss(const Vec& score, double theta, const std::vector<kvpop::Decision>& ds, double margin_scale,
-                     double tau) {
-  const double lg = std::log(0.999) + (std::log(0.999999) - std::log(0.999)) / (1 + std::exp(-theta));
+                     double tau, int64_t every = 1, double gamma_min = 0.999, double gamma_max = 0.999999) {
+  const double lg = std::log(gamma_min) + (std::log(gamma_max) - std::log(gamma_min)) / (1 + std::exp(-theta));
   double sum = 0;
   for (const auto& dc : ds) {
-    const double s_new = score[dc.t_new] + double(dc.q - dc.t_new) * lg, s_b = score[dc.b] + double(dc.q - dc.b) * lg;
+    const double s_new = score[dc.t_new] + std::floor(double(dc.q - dc.t_new) / double(every)) * lg,
+                 s_b = score[dc.b] + std::floor(double(dc.q - dc.b) / double(every)) * lg;
     const double a = margin_scale > 0 ? dc.margin * margin_scale : 1.0;
     sum += a * std::log1p(std::exp(-dc.y * (s_new - s_b) / tau));
   }

@@ -129,3 +129,96 @@ TEST(KvpopLoss, ValueAndGradientMatchFloat64) {
     }
   }
 }
+
+// --target-cutoff effective (the KVPOP paper's rule): the residue passes against brute force
+// from the definition, for every = 1 (one static order) and every > 1 (the order changes with
+// q mod every), with a strong decay so that it reorders the keys, and ties.
+TEST(KvpopSelect, EffectiveTargetsMatchBruteForce) {
+  std::mt19937 rng(21);
+  int decisions = 0, reordered = 0;
+  for (int trial = 0; trial < 80; ++trial) {
+    const int64_t T = std::uniform_int_distribution<int64_t>(1, 260)(rng);
+    const int64_t w = std::uniform_int_distribution<int64_t>(1, 12)(rng);
+    const int64_t sinks = std::uniform_int_distribution<int64_t>(0, 4)(rng);
+    const int64_t k = std::uniform_int_distribution<int64_t>(1, 10)(rng);
+    const int64_t every = std::vector<int64_t>{1, 2, 3, 5, 16}[static_cast<size_t>(trial % 5)];
+    const double lg = trial % 3 == 0 ? 0.0 : -std::uniform_real_distribution<double>(0.01, 0.5)(rng);
+    const std::vector<int32_t> doc = packed_docs(T, rng, 150);
+    Vec lm = randn(T, rng, 2.0);
+    if (trial % 4 == 1)
+      for (double& x : lm) x = std::round(x);
+    // float targets, as the kernel sees them
+    for (double& x : lm) x = static_cast<float>(x);
+    const std::vector<kvpop::Decision> got =
+        kvpop::select_decisions(f32(lm, {T}), i32(doc), w, sinks, k, kvpop::TargetRule{true, lg, every});
+    const std::vector<kvpop::Decision> want = brute_effective_decisions(lm, doc, w, sinks, k, lg, every);
+    const std::vector<kvpop::Decision> raw = brute_decisions(lm, doc, w, sinks, k);
+    ASSERT_EQ(got.size(), want.size()) << "trial " << trial;
+    for (size_t x = 0; x < got.size(); ++x) {
+      EXPECT_EQ(got[x].q, want[x].q);
+      EXPECT_EQ(got[x].t_new, want[x].t_new);
+      EXPECT_EQ(got[x].b, want[x].b) << "trial " << trial << " q " << want[x].q;
+      EXPECT_EQ(got[x].y, want[x].y);
+      EXPECT_NEAR(got[x].margin, want[x].margin, 1e-6 * (1 + want[x].margin));
+      if (raw[x].b != want[x].b || raw[x].y != want[x].y) ++reordered;
+    }
+    decisions += static_cast<int>(got.size());
+  }
+  std::printf("effective targets: %d decisions, %d differ from the raw rule\n", decisions, reordered);
+  EXPECT_GT(decisions, 1000);
+  EXPECT_GT(reordered, 100);  // the option changes decisions: the test can tell the rules apart
+  EXPECT_THROW(kvpop::select_decisions(f32(Vec(10, 0.0), {10}), i32(std::vector<int32_t>(10, 0)), 2, 0, 1,
+                                       kvpop::TargetRule{true, 0.1, 1}),
+               Error);  // log γ > 0
+}
+
+// --decay-every and --decay-min/--decay-max: the loss and its gradient (scores and θ) against the
+// float64 definition and central differences.
+TEST(KvpopLoss, DecayEveryAndRangeMatchFloat64) {
+  std::mt19937 rng(13);
+  const int64_t T = 140, w = 5;
+  const std::vector<int32_t> doc = packed_docs(T, rng, 80);
+  const std::vector<kvpop::Decision> ds = kvpop::select_decisions(f32(randn(T, rng, 2.0), {T}), i32(doc), w, 2, 3);
+  ASSERT_GT(ds.size(), 20u);
+  Vec score = randn(T, rng);
+  for (auto [every, gmin, gmax] : {std::tuple{int64_t{3}, 0.999, 0.999999}, std::tuple{int64_t{1}, 0.9, 0.99},
+                                   std::tuple{int64_t{4}, 0.8, 0.995}, std::tuple{int64_t{7}, 0.95, 0.95}}) {
+    SCOPED_TRACE(::testing::Message() << "every " << every << " range " << gmin << " " << gmax);
+    const kvpop::Decay decay{every, gmin, gmax};
+    for (double theta0 : {0.0, -1.1, 1.7}) {
+      double theta = theta0;
+      const double margin_scale = 0.6, tau = 1.0;
+      const Tensor st = f32(score, {T}), th = f32(theta);
+      theta = th.data<float>()[0];
+      const double want = ref_pair_loss(score, theta, ds, margin_scale, tau, every, gmin, gmax);
+      EXPECT_NEAR(kvpop::pair_loss(st, th, ds, margin_scale, tau, decay), want, 1e-9 * std::abs(want));
+      if (every > 1 || gmin != 0.999) {  // the option changes the loss
+        EXPECT_GT(std::abs(want - ref_pair_loss(score, theta, ds, margin_scale, tau)), 1e-6 * std::abs(want));
+      }
+      Tensor dscore, dtheta;
+      kvpop::pair_loss_backward(st, th, ds, margin_scale, tau, 0.5, dscore, dtheta, decay);
+      Vec fd(T + 1);
+      for (int64_t t = 0; t <= T; ++t) {
+        // θ's gradient is small next to the loss: a wider step keeps rounding (|loss|·ε/h) below 1e-6 of it.
+        const double h = t < T ? 1e-6 : 1e-4;
+        double& v = t < T ? score[t] : theta;
+        const double keep = v;
+        v = keep + h;
+        const double jp = ref_pair_loss(score, theta, ds, margin_scale, tau, every, gmin, gmax);
+        v = keep - h;
+        const double jm = ref_pair_loss(score, theta, ds, margin_scale, tau, every, gmin, gmax);
+        v = keep;
+        fd[t] = 0.5 * (jp - jm) / (2 * h);
+      }
+      Vec got = to_vec(dscore);
+      got.push_back(dtheta.data<float>()[0]);
+      EXPECT_LT(rel_err(got, fd), 1e-6);
+      EXPECT_NEAR(got[T], fd[T], 1e-6 * std::abs(fd[T]) + 1e-12);
+    }
+  }
+  // Bad decays are one error naming the rule.
+  Tensor dscore, dtheta;
+  EXPECT_THROW(kvpop::pair_loss(f32(score, {T}), f32(0.0), ds, 0, 1, kvpop::Decay{0, 0.999, 0.999999}), Error);
+  EXPECT_THROW(kvpop::pair_loss(f32(score, {T}), f32(0.0), ds, 0, 1, kvpop::Decay{1, 0.99, 0.9}), Error);
+  EXPECT_THROW(kvpop::pair_loss(f32(score, {T}), f32(0.0), ds, 0, 1, kvpop::Decay{1, 0.0, 0.9}), Error);
+}

@@ -74,7 +74,17 @@ int run(int argc, char** argv, dist::Comm& host_comm, std::unique_ptr<dist::Comm
       ("window", cli::po::value(&c.window)->default_value(64), "kvpop: protected window w")
       ("sinks", cli::po::value(&c.sinks)->default_value(4), "kvpop: sink tokens s")
       ("topk", cli::po::value(&c.topk)->default_value(0), "kvpop: top-k eligible keys k (required; budget = s + w + k)")
-      ("no-margin-weight", cli::po::bool_switch(), "kvpop: weight every decision 1 instead of |Δ log m| / its mean")
+      ("no-margin-weight", cli::po::bool_switch(), "kvpop: weight every decision 1 instead of |Δ target| / its mean")
+      ("decay-every", cli::po::value(&c.decay_every)->default_value(1),
+       "kvpop: the decay steps every n tokens, ŝ_i(q) = score_i + floor((q − i)/n)·log γ (the KVPOP paper's n; "
+       "1: (q − i)·log γ)")
+      ("decay-min", cli::po::value(&c.decay_min)->default_value(0.999, "0.999"),
+       "kvpop: lower end γ_min of the decay range; log γ = log γ_min + (log γ_max − log γ_min)·σ(θ)")
+      ("decay-max", cli::po::value(&c.decay_max)->default_value(0.999999, "0.999999"),
+       "kvpop: upper end γ_max of the decay range (default range: the KVPOP paper's Table 2)")
+      ("target-cutoff", cli::po::value(&c.target_cutoff)->default_value("effective"),
+       "kvpop: effective (the paper: the boundary key, y and the margin from log m + the same decay, with the "
+       "scorer's current γ) or raw (from log m alone)")
       ("memory", cli::po::value(&c.memory)->default_value(128), "memory budget M of the capacity loss (tokens)")
       ("cap-weight", cli::po::value(&c.cap_weight)->default_value(1.0), "λ: weight of the capacity loss")
       ("capacity-skip", cli::po::value(&c.capacity_skip)->default_value(60),
@@ -89,6 +99,9 @@ int run(int argc, char** argv, dist::Comm& host_comm, std::unique_ptr<dist::Comm
       ("min-lr", cli::po::value(&c.min_lr)->default_value(0.0), "learning rate at the end of the cosine")
       ("warmup", cli::po::value(&c.warmup)->default_value(0), "linear warmup steps")
       ("weight-decay", cli::po::value(&c.weight_decay)->default_value(1e-6, "1e-6"), "AdamW decoupled weight decay")
+      ("adam-beta1", cli::po::value(&c.adam_beta1)->default_value(0.9, "0.9"), "AdamW β1, in [0, 1)")
+      ("adam-beta2", cli::po::value(&c.adam_beta2)->default_value(0.999, "0.999"),
+       "AdamW β2, in [0, 1) (the KVPOP paper uses 0.95)")
       ("clip", cli::po::value(&c.clip)->default_value(1.0), "global gradient-norm clip (0: off)")
       ("steps", cli::po::value(&c.steps)->default_value(100), "optimizer steps")
       ("global-batch", cli::po::value(&c.global_batch)->default_value(0),
@@ -156,10 +169,25 @@ int run(int argc, char** argv, dist::Comm& host_comm, std::unique_ptr<dist::Comm
                                         "window), got {}", c.topk));
     if (c.window < 1 || c.sinks < 0)
       throw cli::UsageError(fmt::format("--window must be ≥ 1 and --sinks ≥ 0, got {} and {}", c.window, c.sinks));
+    if (c.decay_every < 1) throw cli::UsageError(fmt::format("--decay-every must be ≥ 1, got {}", c.decay_every));
+    if (!(c.decay_min > 0) || !(c.decay_min <= 1))
+      throw cli::UsageError(fmt::format("--decay-min must be in (0, 1], got {}", c.decay_min));
+    if (!(c.decay_max >= c.decay_min) || !(c.decay_max <= 1))
+      throw cli::UsageError(
+          fmt::format("--decay-max must be in [--decay-min, 1] = [{}, 1], got {}", c.decay_min, c.decay_max));
+    if (c.target_cutoff != "effective" && c.target_cutoff != "raw")
+      throw cli::UsageError(
+          fmt::format("--target-cutoff: unknown rule '{}' (expected effective or raw)", c.target_cutoff));
   } else if (vm["no-margin-weight"].as<bool>() || !vm["topk"].defaulted() || !vm["window"].defaulted() ||
-             !vm["sinks"].defaulted()) {
-    throw cli::UsageError("--window, --sinks, --topk and --no-margin-weight are for --gate kvpop");
+             !vm["sinks"].defaulted() || !vm["decay-every"].defaulted() || !vm["decay-min"].defaulted() ||
+             !vm["decay-max"].defaulted() || !vm["target-cutoff"].defaulted()) {
+    throw cli::UsageError("--window, --sinks, --topk, --no-margin-weight, --decay-every, --decay-min, --decay-max and "
+                          "--target-cutoff are for --gate kvpop");
   }
+  if (!(c.adam_beta1 >= 0 && c.adam_beta1 < 1))
+    throw cli::UsageError(fmt::format("--adam-beta1 must be in [0, 1), got {}", c.adam_beta1));
+  if (!(c.adam_beta2 >= 0 && c.adam_beta2 < 1))
+    throw cli::UsageError(fmt::format("--adam-beta2 must be in [0, 1), got {}", c.adam_beta2));
   if (c.dump_grads.empty() && c.run_dir.empty()) throw cli::UsageError("--out is required (unless --dump-grads)");
   if (c.steps < 1) throw cli::UsageError(fmt::format("--steps must be ≥ 1, got {}", c.steps));
   if (c.loss_chunk <= 0) throw cli::UsageError(fmt::format("--loss-chunk must be positive, got {}", c.loss_chunk));

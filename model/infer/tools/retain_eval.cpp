@@ -1,4 +1,5 @@
 // retain-eval: quality of bounded-KV decoding per policy and budget (DESIGN §7, §8).
+#include <algorithm>
 #include <unistd.h>
 
 #include <chrono>
@@ -30,7 +31,7 @@ namespace {
 constexpr const char* kUsage =
     "Usage: retain-eval --model DIR [--gates [POLICY=]FILE ...] --data FILE.h5|--task recall\n"
     "                   --policy P,... --budget B,... [--out metrics.json] [--plot PNG]\n"
-    "                   [--sequences N] [--prefill-chunk C] [--buffer N]\n"
+    "                   [--sequences N] [--prefill-chunk C] [--buffer N] [--lookahead A]\n"
     "                   [--samples N --context N --pairs N --queries N --key-len N --value-len N\n"
     "                    --seed S]\n"
     "                   [--dump-task FILE.jsonl]\n\n"
@@ -91,6 +92,8 @@ int run(int argc, char** argv) {
       ("sequences", cli::po::value(&eopt.max_sequences)->default_value(16), "data: first N sequences (0: all)")
       ("prefill-chunk", cli::po::value(&eopt.prefill_chunk)->default_value(1), "tokens per forward")
       ("buffer", cli::po::value(&eopt.buffer)->default_value(1), "evict at budget + buffer entries")
+      ("lookahead", cli::po::value(&eopt.lookahead)->default_value(1),
+       "trimkv, dbtrimkv: rank entries by (q + A − i)·logβ_i, q = tokens seen (1: the TRIM-KV authors' code)")
       ("samples", cli::po::value(&spec.samples)->default_value(32), "recall: samples")
       ("context", cli::po::value(&spec.context)->default_value(512), "recall: tokens before the query")
       ("pairs", cli::po::value(&spec.pairs)->default_value(8), "recall: key-value records")
@@ -111,6 +114,7 @@ int run(int argc, char** argv) {
     throw cli::UsageError("give --policy (only --task recall --dump-task FILE may go without)");
   if (eopt.prefill_chunk < 1) throw cli::UsageError("--prefill-chunk must be >= 1");
   if (eopt.max_sequences < 0) throw cli::UsageError("--sequences must be >= 0");
+  if (eopt.lookahead < 0) throw cli::UsageError(fmt::format("--lookahead must be >= 0, got {}", eopt.lookahead));
   // --gates FILE (every gated policy) or POLICY=FILE (that one), repeatable.
   std::map<std::optional<PolicyKind>, std::string> gate_files;
   for (const std::string& g : gate_args) {
@@ -133,6 +137,10 @@ int run(int argc, char** argv) {
       const auto v = cli::parse_int_list(s, o);
       return v.at(0);
     });
+  if (!vm["lookahead"].defaulted() &&
+      std::none_of(policies.begin(), policies.end(),
+                   [](PolicyKind p) { return p == PolicyKind::trimkv || p == PolicyKind::dbtrimkv; }))
+    throw cli::UsageError("--lookahead is for --policy trimkv or dbtrimkv");
   std::vector<EvalRun> runs;
   for (PolicyKind p : policies) {
     if (p == PolicyKind::full) {
@@ -196,6 +204,7 @@ int run(int argc, char** argv) {
   }
   m["prefill_chunk"] = eopt.prefill_chunk;
   m["buffer"] = eopt.buffer;
+  if (eopt.lookahead != 1) m["lookahead"] = eopt.lookahead;  // only when set: metrics of the default as before
   std::vector<EvalResult> results;
   if (recall) {
     const std::vector<RecallSample> task_samples = make_recall_task(spec);  // spec errors before any output

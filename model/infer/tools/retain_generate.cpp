@@ -28,7 +28,8 @@ constexpr const char* kUsage =
     "Usage: retain-generate --model DIR [--gates FILE] --policy full|window|h2o|trimkv|dbtrimkv|kvpop\n"
     "                       --budget B --prompt TEXT|--prompt-file F|--prompt-ids \"1 2 3\"\n"
     "                       [--max-new N] [--greedy | --temperature T --seed S] [--json FILE]\n"
-    "                       [--prefill-chunk C] [--buffer N] [--ignore-eos] [--device cpu|cuda]\n\n"
+    "                       [--prefill-chunk C] [--buffer N] [--lookahead A] [--ignore-eos]\n"
+    "                       [--device cpu|cuda]\n\n"
     "Generates text with the Qwen3 checkpoint in DIR while its KV cache holds at most B entries\n"
     "per layer and KV head (DESIGN §8): the policy decides which entries stay. trimkv and\n"
     "dbtrimkv rank tokens by the retention gates in --gates (any container retain-export writes:\n"
@@ -70,7 +71,7 @@ std::string render_text(const data::Tokenizer& tok, const std::vector<int32_t>& 
 int run(int argc, char** argv) {
   cli::po::options_description opts("Options");
   std::string model, gates_path, policy_text, prompt, prompt_file, prompt_ids, json_path, device;
-  int64_t budget = -1, max_new = 32, chunk = 0, buffer = 1;
+  int64_t budget = -1, max_new = 32, chunk = 0, buffer = 1, lookahead = 1;
   double temperature = 1.0;
   uint64_t seed = 0;
   opts.add_options()
@@ -88,6 +89,8 @@ int run(int argc, char** argv) {
       ("json", cli::po::value(&json_path), "write ids, cache sizes and kept positions here (atomically)")
       ("prefill-chunk", cli::po::value(&chunk)->default_value(0), "prefill in chunks of C tokens, evicting after each (0: whole prompt)")
       ("buffer", cli::po::value(&buffer)->default_value(1), "evict when a head reaches budget + buffer entries")
+      ("lookahead", cli::po::value(&lookahead)->default_value(1),
+       "trimkv, dbtrimkv: rank entries by (q + A − i)·logβ_i, q = tokens seen (1: the TRIM-KV authors' code)")
       ("ignore-eos", "do not stop at the model's eos_token_id")
       ("device", cli::po::value(&device)->default_value("cpu"), "cpu or cuda");
   cli::po::variables_map vm;
@@ -104,6 +107,10 @@ int run(int argc, char** argv) {
   PolicyOptions popt;
   popt.kind = policy_arg(policy_text, "--policy");
   popt.buffer = buffer;
+  if (lookahead < 0) throw cli::UsageError(fmt::format("--lookahead must be >= 0, got {}", lookahead));
+  if (!vm["lookahead"].defaulted() && popt.kind != PolicyKind::trimkv && popt.kind != PolicyKind::dbtrimkv)
+    throw cli::UsageError("--lookahead is for --policy trimkv or dbtrimkv");
+  popt.lookahead = lookahead;
   if (popt.kind != PolicyKind::full && !vm.count("budget"))
     throw cli::UsageError(fmt::format("--policy {} needs --budget", policy_text));
   if (vm.count("budget") && budget < 0) throw cli::UsageError("--budget must be >= 0");

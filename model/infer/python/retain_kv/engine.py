@@ -104,6 +104,10 @@ class Retention:
         self.bound = np.inf  # dbtrimkv: where the next global choice looks first (select.global_drops)
         self.pending = [None] * self.L  # per layer, this forward: the gates' logβ [K, T] / KVPOP's (u0, keys)
         self.kvpop = KvpopState(self.policy, self.device) if self.policy.kind == "kvpop" else None
+        # kvpop with decay_every n > 1: per row (layer·K + head) the float32 log γ that an entry
+        # with i mod n > q mod n gains back at eviction (policy.cpp kvpop_drops)
+        self.decay_lg = (self.kvpop.log_gamma.reshape(-1, 1).float().cpu().numpy()
+                         if self.kvpop is not None and self.policy.decay_every > 1 else None)
         self.kvpop_step = KvpopStep(self.kvpop) if self.kvpop is not None and self.kvpop.host else None
         # Whether this forward is a decoding step scored for all layers at once after the last
         # (GateStep's gate MLP, KvpopStep's mLSTM step on the host); otherwise the general code.
@@ -292,8 +296,15 @@ class Retention:
 
     def _scores(self, score, pos, seen):
         """What the policy ranks entries by, after `seen` tokens (lower is evicted first): KVPOP's
-        rank key (booked +inf while protected), TRIM-KV's (q − i)·logβ_i with q = seen + 1."""
-        return score if self.policy.kind == "kvpop" else trim_scores(score, pos, seen + 1)
+        rank key (booked +inf while protected; with decay_every n > 1, minus log γ where
+        i mod n > q mod n, q = seen: ⌊(q − i)/n⌋ = ⌊q/n⌋ − ⌊i/n⌋ − [i mod n > q mod n]), TRIM-KV's
+        (q − i)·logβ_i with q = seen + 1."""
+        if self.policy.kind != "kvpop":
+            return trim_scores(score, pos, seen + 1)
+        if self.decay_lg is None:
+            return score
+        n = self.policy.decay_every
+        return np.where((pos >= 0) & (pos % n > seen % n) & np.isfinite(score), score - self.decay_lg, score)
 
     def _move_layers(self, cache, moves):
         """The table's moves on each layer's own key/value tensors [1, K, n, d] (a kvpress cache),

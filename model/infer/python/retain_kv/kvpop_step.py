@@ -18,7 +18,7 @@ float64 goes through numpy's buffered casting, several times the cost of a plain
 - then float64 only: m, a, b, e^{−m} (4 calls), C and n (4), q̂ into the ring (1), the readout (10).
 
 Numerics, as kvpop_state.cpp (the reference): float64 throughout, the projections, the input and
-forget gates rounded to float32 as the C++ stores them, the rank key score_u − u·log γ rounded to
+forget gates rounded to float32 as the C++ stores them, the rank key score_u − ⌊u/n⌋·log γ rounded to
 float32. m, C and n are the C++'s expressions term for term (m =
 max(log f + m₋₁, ĩ), a = e^{log f + m₋₁ − m}, b = e^{ĩ − m}, C = a·C + (b·k̃)·ṽᵀ); logsigmoid is
 numpy's logaddexp, the C++'s two branches; softmax(−z) is e^{min z − z} over its sum, as the C++.
@@ -75,14 +75,14 @@ class KvpopStep:
         self.v13 = self.v1[:, None, :]
         self.upd = np.empty((S, d, r + 1))
         self.inv_sqrt_d = 1.0 / math.sqrt(d)
-        # w_o·silu(h) + b_o − u·log γ as one dot product: [silu(h), 1, −u] · [w_o, b_o, log γ].
+        # w_o·silu(h) + b_o − ⌊u/n⌋·log γ as one dot product: [silu(h), 1, −⌊u/n⌋] · [w_o, b_o, log γ].
         out = [rows(state.wo), rows(state.bo)[:, None], rows(state.log_gamma)[:, None]]
         self.out = np.concatenate(out, 1)[:, :, None]
         self.num = np.empty((S, 1, r + 1))             # Cᵀq̂_u, nᵀq̂_u
         self.h, self.den = self.num[:, 0, :r], np.empty((S, 1))
         self.nq = self.num[:, 0, r:]
         self.em1 = self.e[:, 2:]
-        self.silu = np.ones((S, 1, r + 2))             # [silu(h), 1, −u]
+        self.silu = np.ones((S, 1, r + 2))             # [silu(h), 1, −⌊u/n⌋]
         self.s, self.neg_u = self.silu[:, 0, :r], self.silu[:, 0, r + 1]
         self.key = np.empty((S, 1, 1))
         self.keys = np.empty(S, np.float32)
@@ -139,7 +139,7 @@ class KvpopStep:
         np.exp(s, out=s)
         s += 1.0
         np.divide(h, s, out=s)                                   # h / (1 + e^{−h}), the C++'s silu
-        self.neg_u[...] = -u
+        self.neg_u[...] = -(u // st.every)                     # −⌊u/n⌋: the rank key's decay steps
         np.matmul(self.silu, self.out, out=self.key)
         np.copyto(self.keys, self.key.reshape(-1))              # rounded to float32 (a contiguous cast: cheaper
         return u, self.keys                                      # than one inside the table's fancy assignment)

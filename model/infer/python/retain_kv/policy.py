@@ -39,6 +39,9 @@ class Policy:
     window: int = 0           # kvpop geometry (from the file's metadata)
     sinks: int = 0
     topk: int = 0
+    decay_min: float = 0.999  # kvpop: the range log γ is mapped into (metadata decay_min/decay_max;
+    decay_max: float = 0.999999  # absent: the KVPOP paper's, retain-train's default)
+    decay_every: int = 1      # kvpop: ŝ_i(q) = score_i + ⌊(q − i)/n⌋·log γ (metadata decay_every; absent: 1)
     metadata: dict = field(default_factory=dict)
 
     def min_budget(self):
@@ -239,6 +242,23 @@ def _kvpop(path, tensors, meta):
             _fail(path, f"metadata {key} = {meta[key]!r} is negative")
     if geometry["window"] < 1:
         _fail(path, f"metadata window must be at least 1, got {geometry['window']}")
+    # The decay (retain-train --decay-every/--decay-min/--decay-max; docs/formats.md).
+    every = meta.get("decay_every", "1")
+    try:
+        geometry["decay_every"] = int(every)
+    except ValueError:
+        _fail(path, f"metadata decay_every = {every!r} is not an integer")
+    if geometry["decay_every"] < 1:
+        _fail(path, f"metadata decay_every must be at least 1, got {geometry['decay_every']}")
+    for key in ("decay_min", "decay_max"):
+        if key in meta:
+            try:
+                geometry[key] = float(meta[key])
+            except ValueError:
+                _fail(path, f"metadata {key} = {meta[key]!r} is not a number")
+    lo, hi = geometry.get("decay_min", 0.999), geometry.get("decay_max", 0.999999)
+    if not (0 < lo <= hi <= 1):
+        _fail(path, f"metadata decay range [{lo}, {hi}] must satisfy 0 < decay_min ≤ decay_max ≤ 1")
     return Policy(kind="kvpop", source=path, layers=layers, kv_heads=K, head_dim=2 * r, metadata=meta, **geometry)
 
 

@@ -73,9 +73,9 @@ class GateStep:
         return self.out_np if self.out_np is not None else self.out.reshape(-1, 1).cpu().numpy()
 
 
-def log_gamma(theta):
-    """log γ(θ) = log 0.999 + (log 0.999999 − log 0.999)·σ(θ), float64."""
-    a, b = math.log(0.999), math.log(0.999999)
+def log_gamma(theta, decay_min=0.999, decay_max=0.999999):
+    """log γ(θ) = log γ_min + (log γ_max − log γ_min)·σ(θ), float64 (default: [0.999, 0.999999])."""
+    a, b = math.log(decay_min), math.log(decay_max)
     return a + (b - a) / (1.0 + torch.exp(-theta.double()))
 
 
@@ -102,7 +102,9 @@ class KvpopState:
         self.Wq, self.Wk, self.Wv = p["q_proj.weight"], p["k_proj.weight"], p["v_proj.weight"]  # [L, K, r, 2d]
         self.wi, self.wf, self.bi, self.bf = p["igate.weight"], p["fgate.weight"], p["igate.bias"], p["fgate.bias"]
         self.wo, self.bo = p["out.weight"], p["out.bias"]
-        self.log_gamma = torch.stack([log_gamma(layer["decay"].to(device)) for layer in policy.layers])  # [L, K]
+        self.log_gamma = torch.stack([log_gamma(layer["decay"].to(device), policy.decay_min, policy.decay_max)
+                                      for layer in policy.layers])  # [L, K]
+        self.every = policy.decay_every  # rank keys score_u − ⌊u/n⌋·log γ (kvpop_state.cpp)
         r = self.Wq.shape[2]
         self.d, self.r = 2 * r, r
         f64 = dict(dtype=torch.float64, device=device)
@@ -124,7 +126,7 @@ class KvpopState:
 
     def feed(self, l, k, v):
         """Feeds layer l's next tokens' k, v [T, K, d]. Returns (u0, keys F32 [U, K]): the rank keys
-        score_u − u·log γ of the tokens u0 … u0 + U − 1 that left the window (U may be 0).
+        score_u − ⌊u/n⌋·log γ of the tokens u0 … u0 + U − 1 that left the window (U may be 0).
 
         Chunks of CHUNK tokens in closed form (the recurrence unrolled, as mLSTM's chunkwise
         kernels do): with F_t = Σ_{s≤t} log f_s inside the chunk and (C₀, n₀, m₀) the state before it,
@@ -159,7 +161,8 @@ class KvpopState:
                 den = torch.maximum(nq.abs(), torch.exp(-m[:, ts])) + READOUT_EPS
                 h = num / den[..., None]
                 score = self.bo[l, :, None] + (self.wo[l, :, None, :] * h * torch.sigmoid(h)).sum(-1)  # [K, nt]
-                keys.append((score - u[ts].double()[None, :] * self.log_gamma[l, :, None]).float().t())
+                steps = torch.div(u[ts], self.every, rounding_mode="floor")  # ⌊u/n⌋ (u ≥ 0)
+                keys.append((score - steps.double()[None, :] * self.log_gamma[l, :, None]).float().t())
             last = W[:, -1, :]
             C = e0[:, -1, None, None] * C + torch.einsum("ks,ksd,ksr->kdr", last, kc, vc)
             n_ = e0[:, -1, None] * n_ + torch.einsum("ks,ksd->kd", last, kc)
