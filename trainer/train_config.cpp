@@ -1,5 +1,8 @@
 #include "trainer/train_config.h"
 
+#include <map>
+#include <string>
+
 #include <fmt/format.h>
 
 namespace retain::trainer {
@@ -40,6 +43,7 @@ nlohmann::json to_json(const TrainConfig& c) {
   // Only an approximate skip is written, so configs of the exact default stay as before.
   if (c.capacity_skip != TrainConfig{}.capacity_skip) j["capacity_skip"] = c.capacity_skip;
   if (c.fsdp_force_gather) j["fsdp_force_gather"] = true;  // only when set, likewise
+  if (c.kl != ops::KlDirection::forward) j["kl"] = ops::kl_direction_name(c.kl);  // likewise
   if (c.kvpop) {  // only kvpop runs have them, so gate runs' configs are as before
     j["window"] = c.window;
     j["sinks"] = c.sinks;
@@ -56,8 +60,16 @@ std::string trajectory_difference(const nlohmann::json& saved, const nlohmann::j
                                         "init_gates", "memory",   "cap_weight", "kl_weight",   "ntp_weight",
                                         "loss_chunk", "lr",       "min_lr",     "warmup",      "weight_decay",
                                         "clip",   "global_batch", "micro_batch", "seed",       "seq_len",
-                                        "window", "sinks",        "topk",        "margin_weight", "capacity_skip"};
+                                        "window", "sinks",        "topk",        "margin_weight", "capacity_skip", "kl"};
+  // Fields written only when they differ from their default: absent means the default.
+  static const std::map<std::string, nlohmann::json> kImplicit = {{"kl", "forward"}};
   for (const char* f : kFields) {
+    if (const auto d = kImplicit.find(f); d != kImplicit.end() && saved.contains(f) != now.contains(f)) {
+      const nlohmann::json& a = saved.contains(f) ? saved[f] : d->second;
+      const nlohmann::json& b = now.contains(f) ? now[f] : d->second;
+      if (a != b) return fmt::format("{}: {} in the checkpoint, {} now", f, a.dump(), b.dump());
+      continue;
+    }
     const bool in_saved = saved.contains(f), in_now = now.contains(f);
     if (!in_saved || !in_now) {
       if (in_saved != in_now) return fmt::format("{}: missing in the {}", f, in_saved ? "new config" : "checkpoint");

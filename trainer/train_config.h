@@ -6,6 +6,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "kernels/loss.h"
 #include "model/gates/gates.h"
 
 namespace retain::trainer {
@@ -29,6 +30,7 @@ struct TrainConfig {
   // Loss (DESIGN §4).
   double memory = 128;  // M
   double cap_weight = 1.0, kl_weight = 0.5, ntp_weight = 0.5;
+  ops::KlDirection kl = ops::KlDirection::forward;  // --kl: KL(teacher‖student), or reverse
   int64_t loss_chunk = 1024;  // tokens per KL/NTP chunk
   double capacity_skip = 60;  // E: capacity tiles below e^-E skipped (60: exact, ops::kExactSkipExponent)
 

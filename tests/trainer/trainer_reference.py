@@ -68,7 +68,7 @@ def capacity_terms(log_betas, memory, mode):
     return torch.relu((S.sum(dim=(0, 2)) - memory * N) / den)
 
 
-def loss_and_grads(student, kind, P, ids, docs, mask, memory, w_kl, w_ntp, lam):
+def loss_and_grads(student, kind, P, ids, docs, mask, memory, w_kl, w_ntp, lam, kl_direction="forward"):
     """ids/docs/mask: [B, S] int tensors (the global batch). P: name → float64 tensor (gate
     values). Returns (dict of losses, dict name → gradient), float64."""
     names = sorted(P)
@@ -107,7 +107,10 @@ def loss_and_grads(student, kind, P, ids, docs, mask, memory, w_kl, w_ntp, lam):
             sel_t = torch.tensor(sel, dtype=torch.long)
             logp = torch.log_softmax(teacher_logits[sel_t], dim=-1)
             logq = torch.log_softmax(student_logits[sel_t], dim=-1)
-            kl_sum = kl_sum + (logp.exp() * (logp - logq)).sum()
+            if kl_direction == "reverse":  # retain-train --kl reverse: KL(student‖teacher)
+                kl_sum = kl_sum + (logq.exp() * (logq - logp)).sum()
+            else:
+                kl_sum = kl_sum + (logp.exp() * (logp - logq)).sum()
             targets = seg[0, sel_t + 1]
             ntp_sum = ntp_sum - logq.gather(1, targets[:, None]).sum()
             positions += len(sel)
@@ -131,5 +134,5 @@ class Reference:
         self.ref = load_gate_reference()
         self.student = self.ref.Student(model_dir)
 
-    def run(self, kind, P, ids, docs, mask, memory, w_kl, w_ntp, lam):
-        return loss_and_grads(self.student, kind, P, ids, docs, mask, memory, w_kl, w_ntp, lam)
+    def run(self, kind, P, ids, docs, mask, memory, w_kl, w_ntp, lam, kl_direction="forward"):
+        return loss_and_grads(self.student, kind, P, ids, docs, mask, memory, w_kl, w_ntp, lam, kl_direction)
