@@ -60,7 +60,7 @@ std::string trajectory_difference(const nlohmann::json& saved, const nlohmann::j
                                         "init_gates", "memory",   "cap_weight", "kl_weight",   "ntp_weight",
                                         "loss_chunk", "lr",       "min_lr",     "warmup",      "weight_decay",
                                         "clip",   "global_batch", "micro_batch", "seed",       "seq_len",
-                                        "window", "sinks",        "topk",        "margin_weight", "capacity_skip", "kl"};
+                                        "window", "sinks",        "topk",        "margin_weight", "capacity_skip", "kl", "capacity"};
   // Fields written only when they differ from their default: absent means the default.
   static const std::map<std::string, nlohmann::json> kImplicit = {{"kl", "forward"}};
   for (const char* f : kFields) {

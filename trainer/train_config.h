@@ -58,8 +58,11 @@ struct TrainConfig {
   // other device (the numbers then differ by rounding, bf16 on CUDA).
   Device device = Device::CPU;
 
-  // DESIGN §4: local hinge for trimkv, global for dbtrimkv.
-  bool global_capacity() const { return gate == gates::GateKind::dbtrimkv; }
+  // --capacity: "" (DESIGN §4: the local hinge for trimkv, the global one for dbtrimkv), or
+  // "local" / "global" whatever the gates (DBTrimKV's Tables 4–5 ablate untied gates under the
+  // global capacity).
+  std::string capacity;
+  bool global_capacity() const { return capacity.empty() ? gate == gates::GateKind::dbtrimkv : capacity == "global"; }
 };
 
 nlohmann::json to_json(const TrainConfig& c);

@@ -1,6 +1,6 @@
 // retain-train --dump-grads against the float64 PyTorch autograd reference
 // (tests/fixtures/trainer/make_fixtures.py, tests/trainer/trainer_reference.py): both gate
-// kinds (and trimkv with --kl reverse), document-masked batches with padding and non-target prompts, on one rank (one
+// kinds (and trimkv with --kl reverse, and with --capacity global), document-masked batches with padding and non-target prompts, on one rank (one
 // micro-batch of 4, and 4 micro-batches of 1: gradient accumulation) and on 2 ranks under
 // mpirun. Every gate gradient within 1e-4 relative of the reference; the batch identical. The
 // same dumps on a GPU are in test_train_cuda.cpp.
@@ -24,10 +24,12 @@ struct Launch {
 class DumpGrads : public ::testing::TestWithParam<std::tuple<const char*, Launch>> {};
 
 TEST_P(DumpGrads, MatchesAutogradReference) {
-  // "trimkv", "dbtrimkv", or "trimkv-reverse-kl" (--kl reverse): the fixture's name; the gate kind before the '-'.
+  // "trimkv", "dbtrimkv", "trimkv-reverse-kl" (--kl reverse) or "trimkv-global-capacity" (--capacity global):
+  // the fixture's name; the gate kind before the '-'.
   const std::string fixture = std::get<0>(GetParam());
   const std::string kind = fixture.substr(0, fixture.find('-'));
-  const std::string kl = fixture.find("reverse-kl") != std::string::npos ? " --kl reverse" : "";
+  const std::string kl = std::string(fixture.find("reverse-kl") != std::string::npos ? " --kl reverse" : "") +
+                         (fixture.find("global-capacity") != std::string::npos ? " --capacity global" : "");
   const Launch launch = std::get<1>(GetParam());
   TempDir dir;
   const std::string data = pack_fixture_corpus(dir);
@@ -66,7 +68,7 @@ TEST_P(DumpGrads, MatchesAutogradReference) {
 
 INSTANTIATE_TEST_SUITE_P(
     Kinds, DumpGrads,
-    ::testing::Combine(::testing::Values("trimkv", "dbtrimkv", "trimkv-reverse-kl"),
+    ::testing::Combine(::testing::Values("trimkv", "dbtrimkv", "trimkv-reverse-kl", "trimkv-global-capacity"),
                        ::testing::Values(Launch{"one_rank", 1, 4}, Launch{"accumulate", 1, 1},
                                          Launch{"two_ranks", 2, 2}, Launch{"two_ranks_accumulate", 2, 1})),
     [](const auto& info) {

@@ -280,6 +280,30 @@ TEST_F(TrainRuns, ReverseKlIsOptInAndKeptOnResume) {
   }
 }
 
+TEST_F(TrainRuns, CapacityModeIsAnOptionKeptOnResume) {
+  const std::string local = dir_ / "local", global = dir_ / "global", same = dir_ / "same";
+  const std::string mb = " --micro-batch 4";
+  ASSERT_EQ(train(train_args(data_, local, "trimkv", 1) + mb).code, 0);
+  ASSERT_EQ(train(train_args(data_, same, "trimkv", 1) + mb + " --capacity local").code, 0);
+  expect_same_losses(local, same, 0);
+  const Result r = train(train_args(data_, global, "trimkv", 1) + mb + " --capacity global");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(metrics(local).at(0).at("cap").get<double>(), metrics(global).at(0).at("cap").get<double>());
+  expect_clean_error(train(train_args(data_, global, "trimkv", 1) + mb + " --resume"),
+                     "cannot resume with a different configuration: capacity: \"global\" in the checkpoint, \"local\" now");
+  // The run's config.toml repeats it.
+  const Result again = train(" --config " + (global + "/config.toml") + " --out " + (dir_ / "again"));
+  ASSERT_EQ(again.code, 0) << again.err;
+  expect_same_losses(global, dir_ / "again", 0);
+  for (const std::string& args : std::vector<std::string>{
+           train_args(data_, dir_ / "bad", "trimkv", 1) + " --capacity both",
+           " --model " + kModel + " --data " + data_ + " --out " + (dir_ / "bad") + " --gate kvpop --topk 4 --capacity global"}) {
+    const Result u = train(args);
+    EXPECT_EQ(u.code, 2) << args << ": " << u.err;
+    EXPECT_NE(u.err.find("--capacity"), std::string::npos) << u.err;
+  }
+}
+
 TEST_F(TrainRuns, BadInputsAreClearErrors) {
   const std::string out = dir_ / "run";
   expect_clean_error(train(train_args(dir_ / "missing.h5", out, "trimkv", 1)), "missing.h5");

@@ -68,7 +68,8 @@ def capacity_terms(log_betas, memory, mode):
     return torch.relu((S.sum(dim=(0, 2)) - memory * N) / den)
 
 
-def loss_and_grads(student, kind, P, ids, docs, mask, memory, w_kl, w_ntp, lam, kl_direction="forward"):
+def loss_and_grads(student, kind, P, ids, docs, mask, memory, w_kl, w_ntp, lam, kl_direction="forward",
+                   capacity=None):
     """ids/docs/mask: [B, S] int tensors (the global batch). P: name → float64 tensor (gate
     values). Returns (dict of losses, dict name → gradient), float64."""
     names = sorted(P)
@@ -99,7 +100,8 @@ def loss_and_grads(student, kind, P, ids, docs, mask, memory, w_kl, w_ntp, lam, 
             student.gates = (kind, params)
             student.seen_log_beta = []
             student_logits = student.model(input_ids=seg, position_ids=pos, use_cache=False).logits[0]
-            cap_terms.append(capacity_terms(student.seen_log_beta, memory, "global" if kind == "dbtrimkv" else "local"))
+            mode = capacity or ("global" if kind == "dbtrimkv" else "local")  # retain-train --capacity
+            cap_terms.append(capacity_terms(student.seen_log_beta, memory, mode))
             # Loss positions: t + 1 in the same run and a target.
             sel = [t for t in range(n - 1) if mask[b, start + t + 1] != 0]
             if not sel:
@@ -134,5 +136,5 @@ class Reference:
         self.ref = load_gate_reference()
         self.student = self.ref.Student(model_dir)
 
-    def run(self, kind, P, ids, docs, mask, memory, w_kl, w_ntp, lam, kl_direction="forward"):
-        return loss_and_grads(self.student, kind, P, ids, docs, mask, memory, w_kl, w_ntp, lam, kl_direction)
+    def run(self, kind, P, ids, docs, mask, memory, w_kl, w_ntp, lam, kl_direction="forward", capacity=None):
+        return loss_and_grads(self.student, kind, P, ids, docs, mask, memory, w_kl, w_ntp, lam, kl_direction, capacity)

@@ -79,6 +79,9 @@ int run(int argc, char** argv, dist::Comm& host_comm, std::unique_ptr<dist::Comm
       ("no-margin-weight", cli::po::bool_switch(), "kvpop: weight every decision 1 instead of |Δ log m| / its mean")
       ("memory", cli::po::value(&c.memory)->default_value(128), "memory budget M of the capacity loss (tokens)")
       ("cap-weight", cli::po::value(&c.cap_weight)->default_value(1.0), "λ: weight of the capacity loss")
+      ("capacity", cli::po::value(&c.capacity),
+       "local or global: the capacity loss per (layer, KV head) with budget M, or over all of them with budget "
+       "L·K·M (default: local for trimkv, global for dbtrimkv, DESIGN §4)")
       ("capacity-skip", cli::po::value(&c.capacity_skip)->default_value(60),
        "E: skip capacity tiles whose every term is below e^-E; 60 is exact to float rounding, a smaller E is "
        "faster and approximate (each capacity sum moves by < T·e^-E)")
@@ -176,6 +179,10 @@ int run(int argc, char** argv, dist::Comm& host_comm, std::unique_ptr<dist::Comm
     throw cli::UsageError(fmt::format("--capacity-skip must be a finite number > 0, got {}", c.capacity_skip));
   if (c.kvpop && !vm["capacity-skip"].defaulted())
     throw cli::UsageError("--capacity-skip is for the gates' capacity loss, not --gate kvpop");
+  if (vm.count("capacity") && c.capacity != "local" && c.capacity != "global")
+    throw cli::UsageError(fmt::format("--capacity must be local or global, got '{}'", c.capacity));
+  if (c.kvpop && vm.count("capacity"))
+    throw cli::UsageError("--capacity is for the gates' capacity loss, not --gate kvpop");
   if (kl != "forward" && kl != "reverse")
     throw cli::UsageError(fmt::format("--kl must be forward or reverse, got '{}'", kl));
   c.kl = ops::parse_kl_direction(kl);
