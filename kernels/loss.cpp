@@ -55,6 +55,14 @@ LossPositions list_positions(const Tensor& ids, const Tensor& mask, int64_t V) {
 
 }  // namespace
 
+KlDirection parse_kl_direction(const std::string& s, const std::string& what) {
+  if (s == "forward") return KlDirection::forward;
+  if (s == "reverse") return KlDirection::reverse;
+  fail("{}: '{}' must be forward or reverse", what, s);
+}
+
+const char* kl_direction_name(KlDirection d) { return d == KlDirection::reverse ? "reverse" : "forward"; }
+
 Tensor loss_positions(const Tensor& doc, const Tensor& target_mask) {
   RETAIN_CHECK(doc.dtype() == DType::I32 && doc.ndim() == 1, "loss_positions: doc must be I32 [T], got {} {}",
                dtype_name(doc.dtype()), shape_str(doc.shape()));
@@ -72,7 +80,7 @@ Tensor loss_positions(const Tensor& doc, const Tensor& target_mask) {
 
 QualitySums kl_ntp_chunked(const Tensor& teacher_hidden, const Tensor& student_hidden, const Tensor& lm_head,
                            const Tensor& ids, const Tensor& mask, int64_t chunk, double kl_scale, double ntp_scale,
-                           Tensor* d_student_hidden) {
+                           Tensor* d_student_hidden, KlDirection kl) {
   check_f32_2d(teacher_hidden, "teacher_hidden");
   check_f32_2d(student_hidden, "student_hidden");
   const Device device = teacher_hidden.device();
@@ -119,10 +127,10 @@ QualitySums kl_ntp_chunked(const Tensor& teacher_hidden, const Tensor& student_h
 #ifdef RETAIN_CUDA_KERNELS
   if (device != Device::CPU)
     return cuda::kl_ntp_chunked(teacher_hidden, student_hidden, lm_head, lp, chunk, kl_scale, ntp_scale,
-                                d_student_hidden);
+                                d_student_hidden, kl);
 #endif
   return cpu::kl_ntp_chunked(teacher_hidden, student_hidden, lm_head, lp, chunk, kl_scale, ntp_scale,
-                             d_student_hidden);
+                             d_student_hidden, kl);
 }
 
 }  // namespace retain::ops

@@ -9,6 +9,7 @@
 // of kernels/cuda/loss_rows.h.
 #pragma once
 #include <cstdint>
+#include <string>
 
 #include "kernels/tensor.h"
 
@@ -17,6 +18,14 @@ namespace retain::ops {
 // U8 [T]: 1 where t is a loss position: t+1 < T, doc[t] >= 0, doc[t+1] == doc[t],
 // target_mask[t+1] != 0. doc I32 [T], target_mask U8 [T].
 Tensor loss_positions(const Tensor& doc, const Tensor& target_mask);
+
+// Which KL the quality loss takes (retain-train --kl). forward: KL(p‖q) = Σ p(log p − log q), the
+// teacher's distribution p first (DESIGN §4, TRIM-KV's and DBTrimKV's loss); reverse: KL(q‖p) =
+// Σ q(log q − log p), the student's q first (TRIM-KV's Fig. 10 ablation): mode-seeking.
+enum class KlDirection { forward, reverse };
+// "forward" / "reverse"; anything else fails with "<what>: ... must be forward or reverse".
+KlDirection parse_kl_direction(const std::string& s, const std::string& what = "--kl");
+const char* kl_direction_name(KlDirection d);
 
 struct QualitySums {
   double kl = 0, ntp = 0;  // Σ KL_t, Σ NTP_t over loss positions (unscaled)
@@ -34,10 +43,11 @@ struct QualitySums {
 // targets go to the device once per call, each chunk's rows are gathered, reduced and
 // scattered there, and the per-row KL and NTP come back in one copy at the end of the call.
 // Logits = hidden · lm_headᵀ for the loss positions only, `chunk` of them at a time.
-// KL_t = Σ_v p(log p − log q), p = softmax(teacher), q = softmax(student), temperature 1;
-// NTP_t = −log q(ids[t+1]). Sums in float64.
+// KL_t = Σ_v p(log p − log q) (forward; reverse: Σ_v q(log q − log p)), p = softmax(teacher),
+// q = softmax(student), temperature 1; NTP_t = −log q(ids[t+1]). Sums in float64.
 // When d_student_hidden is given (F32 [T, D], OVERWRITTEN, rows without a loss position = 0):
-// ∂(kl_scale·ΣKL + ntp_scale·ΣNTP)/∂student_hidden = (kl_scale·(q − p) + ntp_scale·(q − onehot))·lm_head.
+// ∂(kl_scale·ΣKL + ntp_scale·ΣNTP)/∂student_hidden = (kl_scale·g_KL + ntp_scale·(q − onehot))·lm_head,
+// g_KL = q − p (forward) or q·(log q − log p − KL_t) (reverse).
 // The result depends neither on the thread count nor (beyond the GEMM's float rounding) on
 // `chunk`: each row's vocabulary is reduced in a fixed order (CPU: blocks of 4096 logits, in
 // order; CUDA: one thread block per row, strided partials and a fixed tree), and the rows are
@@ -46,6 +56,6 @@ struct QualitySums {
 // A target id outside [0, V) is a retain::Error naming the position.
 QualitySums kl_ntp_chunked(const Tensor& teacher_hidden, const Tensor& student_hidden, const Tensor& lm_head,
                            const Tensor& ids, const Tensor& mask, int64_t chunk, double kl_scale, double ntp_scale,
-                           Tensor* d_student_hidden);
+                           Tensor* d_student_hidden, KlDirection kl = KlDirection::forward);
 
 }  // namespace retain::ops

@@ -72,7 +72,8 @@ std::string config_toml(const nlohmann::json& run_config) {
   // their shortest exact form (2e-4, not toml++'s 17 digits).
   std::string out = "# retain-train options of this run; reuse with: retain-train --config config.toml --out NEW_RUN\n";
   for (const auto& [key, value] : run_config.items()) {
-    if (key == "capacity") continue;  // derived from the gate kind, not an option
+    // The capacity is an option of gate runs (--capacity); a kvpop run has none.
+    if (key == "capacity" && run_config.value("gate", "") == "kvpop") continue;
     if (key == "margin_weight") {     // kvpop runs: the option is the negative switch
       if (!value.get<bool>()) out += "no_margin_weight = true\n";
       continue;

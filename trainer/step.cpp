@@ -207,7 +207,7 @@ StepLosses compute_gradients(WeightProvider& weights, gates::RetentionGates& gat
     phase.emplace("loss", times ? &times->loss : nullptr, dev);
     Tensor d_hidden = Tensor::empty(pass.hidden.shape(), DType::F32, dev);
     const ops::QualitySums q = ops::kl_ntp_chunked(teacher_hidden, pass.hidden, weights.lm_head(), mb.ids, loss_masks[m],
-                                         cfg.loss_chunk, kl_scale, ntp_scale, &d_hidden);
+                                         cfg.loss_chunk, kl_scale, ntp_scale, &d_hidden, cfg.kl);
     sums[0] += q.kl;
     sums[1] += q.ntp;
 

@@ -14,6 +14,7 @@
 #include "model/gates/gates.h"
 #include "model/weights.h"
 #include "kernels/dist/comm.h"
+#include "kernels/loss.h"
 #include "trainer/flops.h"
 
 namespace retain::trainer {
@@ -22,6 +23,7 @@ struct LossConfig {
   double memory = 128;  // M
   ops::CapacityMode mode = ops::CapacityMode::local;
   double kl_weight = 0.5, ntp_weight = 0.5, cap_weight = 1.0;
+  ops::KlDirection kl = ops::KlDirection::forward;
   int64_t loss_chunk = 1024;
   double capacity_skip = ops::kExactSkipExponent;  // E: capacity tiles below e^-E are skipped
 };

@@ -114,6 +114,7 @@ Inputs open_inputs(const TrainConfig& cfg, const dist::Comm& comm) {
   in.loss.memory = cfg.memory;
   in.loss.mode = cfg.global_capacity() ? ops::CapacityMode::global : ops::CapacityMode::local;
   in.loss.kl_weight = cfg.kl_weight;
+  in.loss.kl = cfg.kl;
   in.loss.ntp_weight = cfg.ntp_weight;
   in.loss.cap_weight = cfg.cap_weight;
   in.loss.loss_chunk = cfg.loss_chunk;
@@ -231,6 +232,7 @@ class GateTrainee : public Trainee {
     meta.insert({{"gate_kind", std::string(gates::gate_kind_name(cfg_.gate))},
                  {"memory", fmt::format("{}", cfg_.memory)},
                  {"kl_weight", fmt::format("{}", cfg_.kl_weight)},
+                 {"kl", ops::kl_direction_name(cfg_.kl)},
                  {"ntp_weight", fmt::format("{}", cfg_.ntp_weight)},
                  {"cap_weight", fmt::format("{}", cfg_.cap_weight)},
                  {"loss_positions", std::to_string(last_.positions)},

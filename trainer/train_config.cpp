@@ -1,5 +1,7 @@
 #include "trainer/train_config.h"
 
+#include <map>
+#include <string>
 #include <string_view>
 #include <utility>
 
@@ -45,6 +47,7 @@ nlohmann::json to_json(const TrainConfig& c) {
   // Only an approximate skip is written, so configs of the exact default stay as before.
   if (c.capacity_skip != TrainConfig{}.capacity_skip) j["capacity_skip"] = c.capacity_skip;
   if (c.fsdp_force_gather) j["fsdp_force_gather"] = true;  // only when set, likewise
+  if (c.kl != ops::KlDirection::forward) j["kl"] = ops::kl_direction_name(c.kl);  // likewise
   if (c.kvpop) {  // only kvpop runs have them, so gate runs' configs are as before
     j["window"] = c.window;
     j["sinks"] = c.sinks;
@@ -67,7 +70,7 @@ std::string trajectory_difference(const nlohmann::json& saved, const nlohmann::j
                                         "clip",   "global_batch", "micro_batch", "seed",       "seq_len",
                                         "window", "sinks",        "topk",        "margin_weight", "capacity_skip",
                                         "adam_beta1", "adam_beta2", "decay_every", "decay_min", "decay_max",
-                                        "target_cutoff"};
+                                        "target_cutoff", "kl", "capacity"};
   // Fields that configs written before they existed lack: such a run used these values (a kvpop
   // run then ranked its targets by raw log m). Filled in only where the other side has the
   // field, so gate runs (no kvpop fields) still compare as before.
@@ -78,7 +81,15 @@ std::string trajectory_difference(const nlohmann::json& saved, const nlohmann::j
   for (const auto& [f, v] : kBefore)
     if (!s.contains(f) && now.contains(f) && (std::string_view(f).starts_with("adam") || s.contains("window")))
       s[f] = v;
+  // Fields written only when they differ from their default: absent means the default.
+  static const std::map<std::string, nlohmann::json> kImplicit = {{"kl", "forward"}};
   for (const char* f : kFields) {
+    if (const auto d = kImplicit.find(f); d != kImplicit.end() && s.contains(f) != now.contains(f)) {
+      const nlohmann::json& a = s.contains(f) ? s[f] : d->second;
+      const nlohmann::json& b = now.contains(f) ? now[f] : d->second;
+      if (a != b) return fmt::format("{}: {} in the checkpoint, {} now", f, a.dump(), b.dump());
+      continue;
+    }
     const bool in_saved = s.contains(f), in_now = now.contains(f);
     if (!in_saved || !in_now) {
       if (in_saved != in_now) return fmt::format("{}: missing in the {}", f, in_saved ? "new config" : "checkpoint");

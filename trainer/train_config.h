@@ -6,6 +6,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "kernels/loss.h"
 #include "model/gates/gates.h"
 
 namespace retain::trainer {
@@ -36,6 +37,7 @@ struct TrainConfig {
   // Loss (DESIGN §4).
   double memory = 128;  // M
   double cap_weight = 1.0, kl_weight = 0.5, ntp_weight = 0.5;
+  ops::KlDirection kl = ops::KlDirection::forward;  // --kl: KL(teacher‖student), or reverse
   int64_t loss_chunk = 1024;  // tokens per KL/NTP chunk
   double capacity_skip = 60;  // E: capacity tiles below e^-E skipped (60: exact, ops::kExactSkipExponent)
 
@@ -64,8 +66,11 @@ struct TrainConfig {
   // other device (the numbers then differ by rounding, bf16 on CUDA).
   Device device = Device::CPU;
 
-  // DESIGN §4: local hinge for trimkv, global for dbtrimkv.
-  bool global_capacity() const { return gate == gates::GateKind::dbtrimkv; }
+  // --capacity: "" (DESIGN §4: the local hinge for trimkv, the global one for dbtrimkv), or
+  // "local" / "global" whatever the gates (DBTrimKV's Tables 4–5 ablate untied gates under the
+  // global capacity).
+  std::string capacity;
+  bool global_capacity() const { return capacity.empty() ? gate == gates::GateKind::dbtrimkv : capacity == "global"; }
 };
 
 nlohmann::json to_json(const TrainConfig& c);

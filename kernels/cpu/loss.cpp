@@ -27,7 +27,7 @@ constexpr int64_t kVocabBlock = 4096;
 
 ops::QualitySums kl_ntp_chunked(const Tensor& teacher_hidden, const Tensor& student_hidden, const Tensor& lm_head,
                                 const ops::LossPositions& lp, int64_t chunk, double kl_scale, double ntp_scale,
-                                Tensor* d_student_hidden) {
+                                Tensor* d_student_hidden, ops::KlDirection kl) {
   const int64_t D = teacher_hidden.dim(1), V = lm_head.dim(0);
   const std::vector<int64_t>& pos = lp.pos;
   ops::QualitySums sums;
@@ -38,9 +38,13 @@ ops::QualitySums kl_ntp_chunked(const Tensor& teacher_hidden, const Tensor& stud
   Tensor dh = d_student_hidden ? Tensor::empty({C, D}, DType::F32) : Tensor();
   std::vector<float> bmax_t(static_cast<size_t>(C * NB)), bmax_s(static_cast<size_t>(C * NB));
   std::vector<double> bz_t(static_cast<size_t>(C * NB)), bz_s(static_cast<size_t>(C * NB)),
-      ba(static_cast<size_t>(C * NB));
+      ba(static_cast<size_t>(C * NB)), bb(static_cast<size_t>(C * NB));
   std::vector<double> max_t(static_cast<size_t>(C)), max_s(static_cast<size_t>(C)), z_t(static_cast<size_t>(C)),
-      z_s(static_cast<size_t>(C));
+      z_s(static_cast<size_t>(C)), log_ratio(static_cast<size_t>(C));
+  // The reverse KL's gradient reads the logits themselves (log q − log p from exponentials that
+  // underflow would be −inf): they stay, and the student's exponentials go to a buffer of their own.
+  const bool reverse = kl == ops::KlDirection::reverse;
+  Tensor es_buf = reverse ? Tensor::empty({C, V}, DType::F32) : Tensor();
   const float* teacher = teacher_hidden.data<float>();
   const float* student = student_hidden.data<float>();
   const size_t row_bytes = sizeof(float) * static_cast<size_t>(D);
@@ -83,45 +87,62 @@ ops::QualitySums kl_ntp_chunked(const Tensor& teacher_hidden, const Tensor& stud
       max_s[static_cast<size_t>(r)] = *std::max_element(bs, bs + NB);
       target_logit[static_cast<size_t>(r)] = L_s[r * V + ctarget[r]];
     }
-    // Block sums; the exponentials replace the logits.
+    // Block sums; the exponentials replace the logits (forward KL) or go to es_buf (reverse).
 #pragma omp parallel for schedule(static)
     for (int64_t w = 0; w < work; ++w) {
       const int64_t r = w / NB, b0 = (w % NB) * kVocabBlock, b1 = std::min(V, b0 + kVocabBlock);
       float* xt = L_t + r * V;
       float* xs = L_s + r * V;
+      float* es_out = reverse ? es_buf.data<float>() + r * V : nullptr;
       const double mt = max_t[static_cast<size_t>(r)], ms = max_s[static_cast<size_t>(r)];
-      rows::RowSums b{0.0, 0.0, 0.0};
+      rows::RowSums b{0.0, 0.0, 0.0, 0.0};
       for (int64_t v = b0; v < b1; ++v) {
         const double et = rows::shifted_exp(xt[v], mt), es = rows::shifted_exp(xs[v], ms);
         rows::accumulate(b, et, es, xt[v], xs[v]);
-        xt[v] = static_cast<float>(et);
-        xs[v] = static_cast<float>(es);
+        if (reverse) {
+          es_out[v] = static_cast<float>(es);
+        } else {
+          xt[v] = static_cast<float>(et);
+          xs[v] = static_cast<float>(es);
+        }
       }
       bz_t[static_cast<size_t>(w)] = b.zt;
       bz_s[static_cast<size_t>(w)] = b.zs;
       ba[static_cast<size_t>(w)] = b.a;
+      bb[static_cast<size_t>(w)] = b.b;
     }
     for (int64_t r = 0; r < c; ++r) {
-      rows::RowSums total{0.0, 0.0, 0.0};
+      rows::RowSums total{0.0, 0.0, 0.0, 0.0};
       for (int64_t b = 0; b < NB; ++b) {
         total.zt += bz_t[static_cast<size_t>(r * NB + b)];
         total.zs += bz_s[static_cast<size_t>(r * NB + b)];
         total.a += ba[static_cast<size_t>(r * NB + b)];
+        total.b += bb[static_cast<size_t>(r * NB + b)];
       }
       z_t[static_cast<size_t>(r)] = total.zt;
       z_s[static_cast<size_t>(r)] = total.zs;
       const rows::RowLoss loss = rows::row_loss(total, max_t[static_cast<size_t>(r)], max_s[static_cast<size_t>(r)],
-                                                target_logit[static_cast<size_t>(r)]);
+                                                target_logit[static_cast<size_t>(r)], reverse);
+      log_ratio[static_cast<size_t>(r)] = loss.log_ratio;
       sums.kl += loss.kl;
       sums.ntp += loss.ntp;
     }
     if (!d_student_hidden) continue;
 
     // Logit gradient over the student logits, then back through lm_head.
-    const rows::GradScales scales = rows::grad_scales(kl_scale, ntp_scale);
+    const rows::GradScales scales = rows::grad_scales(kl_scale, ntp_scale, reverse);
 #pragma omp parallel for schedule(static)
     for (int64_t w = 0; w < work; ++w) {
       const int64_t r = w / NB, b0 = (w % NB) * kVocabBlock, b1 = std::min(V, b0 + kVocabBlock);
+      if (reverse) {
+        const float* t = L_t + r * V;
+        const float* es = es_buf.data<float>() + r * V;
+        float* g = L_s + r * V;  // the student's logits, each read once and replaced by its gradient
+        const double inv_zs = 1.0 / z_s[static_cast<size_t>(r)], c_r = log_ratio[static_cast<size_t>(r)];
+        const int64_t y = ctarget[r];
+        for (int64_t v = b0; v < b1; ++v) g[v] = rows::reverse_gradient(t[v], g[v], es[v], inv_zs, c_r, v == y, scales);
+        continue;
+      }
       const float* et = L_t + r * V;
       float* g = L_s + r * V;
       const double inv_zt = 1.0 / z_t[static_cast<size_t>(r)], inv_zs = 1.0 / z_s[static_cast<size_t>(r)];

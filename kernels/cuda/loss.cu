@@ -74,15 +74,17 @@ __global__ void __launch_bounds__(kLossThreads)
       __syncthreads();
     }
     const RowSums total = sums[0];
+    // Every thread forms the row's losses (the reverse KL's gradient reads its log_ratio); thread
+    // 0 alone has s_y, so only its NTP is stored.
+    const RowLoss loss = row_loss(total, mt, ms, target_logit, scales.reverse);
     if (tid == 0) {
-      const RowLoss loss = row_loss(total, mt, ms, target_logit);
       kl_out[r] = loss.kl;
       ntp_out[r] = loss.ntp;
     }
     if (gradient) {
       const double inv_zt = 1.0 / total.zt, inv_zs = 1.0 / total.zs;
       for (int64_t v = tid; v < V; v += kLossThreads)
-        s[v] = gradient_at(t[v], s[v], mt, ms, inv_zt, inv_zs, v == y, scales);
+        s[v] = gradient_at(t[v], s[v], mt, ms, inv_zt, inv_zs, v == y, scales, loss.log_ratio);
     }
     __syncthreads();  // every thread has read maxes[0] and sums[0] before the next row rewrites them
   }
@@ -127,7 +129,7 @@ void scatter_loss_rows(const Tensor& src, const Tensor& list, int64_t begin, Ten
 }
 
 void kl_ntp_rows(const Tensor& teacher_logits, Tensor& student_logits, const Tensor& list, int64_t begin,
-                 double kl_scale, double ntp_scale, bool gradient, Tensor& row_losses) {
+                 double kl_scale, double ntp_scale, bool gradient, Tensor& row_losses, ops::KlDirection kl) {
   RETAIN_CHECK(teacher_logits.dtype() == DType::F32 && teacher_logits.ndim() == 2 &&
                    student_logits.dtype() == DType::F32 && student_logits.shape() == teacher_logits.shape(),
                "kl_ntp_rows: teacher {} {} student {} {}", dtype_name(teacher_logits.dtype()),
@@ -144,7 +146,7 @@ void kl_ntp_rows(const Tensor& teacher_logits, Tensor& student_logits, const Ten
   double* out = static_cast<double*>(row_losses.raw());
   kl_ntp_rows_kernel<<<blocks, kLossThreads>>>(
       static_cast<const float*>(teacher_logits.raw()), static_cast<float*>(student_logits.raw()),
-      static_cast<const int32_t*>(list.raw()) + P + begin, c, V, grad_scales(kl_scale, ntp_scale), gradient,
+      static_cast<const int32_t*>(list.raw()) + P + begin, c, V, grad_scales(kl_scale, ntp_scale, kl == ops::KlDirection::reverse), gradient,
       out + begin, out + P + begin);
   CUDA_CHECK(cudaGetLastError());
 }
@@ -153,7 +155,7 @@ void kl_ntp_rows(const Tensor& teacher_logits, Tensor& student_logits, const Ten
 // [T, V] buffer and no host synchronisation until the one copy of the per-row losses at the end.
 ops::QualitySums kl_ntp_chunked(const Tensor& teacher_hidden, const Tensor& student_hidden, const Tensor& lm_head,
                                 const ops::LossPositions& lp, int64_t chunk, double kl_scale, double ntp_scale,
-                                Tensor* d_student_hidden) {
+                                Tensor* d_student_hidden, ops::KlDirection direction) {
   const int64_t D = teacher_hidden.dim(1), V = lm_head.dim(0), P = static_cast<int64_t>(lp.pos.size());
   RETAIN_CHECK(teacher_hidden.dim(0) <= std::numeric_limits<int32_t>::max(),
                "kl_ntp_chunked: {} tokens do not fit the device's int32 positions", teacher_hidden.dim(0));
@@ -177,7 +179,7 @@ ops::QualitySums kl_ntp_chunked(const Tensor& teacher_hidden, const Tensor& stud
     gather_loss_rows(student_hidden, list, s0, shc);
     ops::linear(thc, lm_head, ltc);
     ops::linear(shc, lm_head, lsc);
-    kl_ntp_rows(ltc, lsc, list, s0, kl_scale, ntp_scale, d_student_hidden != nullptr, row_losses);
+    kl_ntp_rows(ltc, lsc, list, s0, kl_scale, ntp_scale, d_student_hidden != nullptr, row_losses, direction);
     if (!d_student_hidden) continue;
     Tensor dhc = dh.rows(0, c);
     ops::linear_backward_input(lsc, lm_head, dhc);

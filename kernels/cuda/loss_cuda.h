@@ -24,7 +24,7 @@ namespace retain::cuda {
 // ops::kl_ntp_chunked for CUDA tensors, after its checks, with the host's list of positions.
 ops::QualitySums kl_ntp_chunked(const Tensor& teacher_hidden, const Tensor& student_hidden, const Tensor& lm_head,
                                 const ops::LossPositions& lp, int64_t chunk, double kl_scale, double ntp_scale,
-                                Tensor* d_student_hidden);
+                                Tensor* d_student_hidden, ops::KlDirection kl);
 
 // dst[r, :] = src[list[0, begin + r], :] for r < dst.dim(0). src F32 [T, D], dst F32 [c, D].
 void gather_loss_rows(const Tensor& src, const Tensor& list, int64_t begin, Tensor& dst);
@@ -38,6 +38,7 @@ void scatter_loss_rows(const Tensor& src, const Tensor& list, int64_t begin, Ten
 // (row_losses F64 [2, P]); with `gradient`, the student logits are overwritten by
 // kl_scale·(q − p) + ntp_scale·(q − onehot). One block per row, V of any size.
 void kl_ntp_rows(const Tensor& teacher_logits, Tensor& student_logits, const Tensor& list, int64_t begin,
-                 double kl_scale, double ntp_scale, bool gradient, Tensor& row_losses);
+                 double kl_scale, double ntp_scale, bool gradient, Tensor& row_losses,
+                 ops::KlDirection kl = ops::KlDirection::forward);
 
 }  // namespace retain::cuda

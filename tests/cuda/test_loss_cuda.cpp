@@ -100,25 +100,26 @@ struct Result {
 };
 
 Result run_cpu(const Problem& p, const Vec& teacher, const Vec& student, const Vec& W, int64_t chunk, double kl_scale,
-               double ntp_scale) {
+               double ntp_scale, ops::KlDirection kl = ops::KlDirection::forward) {
   Tensor grad = Tensor::empty({p.T, p.D}, DType::F32);
   Result r;
   r.sums = ops::kl_ntp_chunked(Tensor::from_vector(teacher, {p.T, p.D}), Tensor::from_vector(student, {p.T, p.D}),
                                    Tensor::from_vector(W, {p.V, p.D}), p.ids, p.mask, chunk, kl_scale, ntp_scale,
-                                   &grad);
+                                   &grad, kl);
   r.grad.assign(grad.data<float>(), grad.data<float>() + grad.numel());
   return r;
 }
 
 // The hidden rows stay F32 (the GPU rounds them to bf16 itself when lm_head is BF16); the
 // gradient buffer starts as garbage, which the call must overwrite.
-Result run_gpu(const Problem& p, bool bf16, int64_t chunk, double kl_scale, double ntp_scale) {
+Result run_gpu(const Problem& p, bool bf16, int64_t chunk, double kl_scale, double ntp_scale,
+               ops::KlDirection kl = ops::KlDirection::forward) {
   const Tensor th = Tensor::from_vector(p.teacher, {p.T, p.D}).to(Device::CUDA);
   const Tensor sh = Tensor::from_vector(p.student, {p.T, p.D}).to(Device::CUDA);
   const Tensor W = (bf16 ? bf16_tensor(p.W, {p.V, p.D}) : Tensor::from_vector(p.W, {p.V, p.D})).to(Device::CUDA);
   Tensor grad = Tensor::from_vector(Vec(static_cast<size_t>(p.T * p.D), 123.0f), {p.T, p.D}).to(Device::CUDA);
   Result r;
-  r.sums = ops::kl_ntp_chunked(th, sh, W, p.ids, p.mask, chunk, kl_scale, ntp_scale, &grad);
+  r.sums = ops::kl_ntp_chunked(th, sh, W, p.ids, p.mask, chunk, kl_scale, ntp_scale, &grad, kl);
   const Tensor host = grad.to(Device::CPU);
   r.grad.assign(host.data<float>(), host.data<float>() + host.numel());
   return r;
@@ -278,6 +279,31 @@ TEST_F(LossCuda, SharpDistributions) {
   TRACE_SEED();
   const Problem p = make_problem(15, 8, 300, 120.0, rng_);
   check(p, false, 0.5, 0.5, {2, 15});
+}
+
+// KL(q‖p) (retain-train --kl reverse) on the device against the CPU: the row kernel's formulas
+// are tests/cuda/test_loss_rows.cpp's (against long double); here the plumbing, with a plain
+// tolerance (both sides' float64 sums and float32 GEMMs: ~1e-6 of the largest entry).
+TEST_F(LossCuda, ReverseKlMatchesCpu) {
+  SKIP_WITHOUT_GPU();
+  TRACE_SEED();
+  for (int64_t V : {257, 4097}) {
+    const Problem p = make_problem(23, 16, V, 4.0, rng_);
+    for (int64_t chunk : {int64_t{1}, int64_t{5}, int64_t{23}}) {
+      SCOPED_TRACE(fmt::format("V {} chunk {}", V, chunk));
+      const Result want = run_cpu(p, p.teacher, p.student, p.W, 7, 0.6, 0.4, ops::KlDirection::reverse);
+      const Result fwd = run_cpu(p, p.teacher, p.student, p.W, 7, 0.6, 0.4);
+      const Result got = run_gpu(p, false, chunk, 0.6, 0.4, ops::KlDirection::reverse);
+      ASSERT_GT(want.sums.positions, 0);
+      EXPECT_GT(std::fabs(want.sums.kl - fwd.sums.kl), 1e-4 * fwd.sums.kl) << "reverse is another loss";
+      EXPECT_NEAR(got.sums.kl, want.sums.kl, 1e-6 * (1 + std::fabs(want.sums.kl)));
+      EXPECT_NEAR(got.sums.ntp, want.sums.ntp, 1e-6 * (1 + std::fabs(want.sums.ntp)));
+      double scale = 0;
+      for (float g : want.grad) scale = std::max(scale, double(std::fabs(g)));
+      std::vector<double> tol(want.grad.size(), 1e-5 * scale);
+      expect_grad_close(got.grad, want.grad, tol, p, "reverse KL");
+    }
+  }
 }
 
 // The loss never holds [T, V] (docs/memory-plan.md, item 4): what a call adds to the device

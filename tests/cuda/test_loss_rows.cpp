@@ -61,7 +61,7 @@ struct RowResult {
 // kl_ntp_rows_kernel for one row (one block): thread 0 reads s_y before the first barrier; the
 // max and the sums each as kLossThreads strided partials and the tree; then every thread
 // rewrites the student logits it owns with their gradient.
-RowResult kernel_emulated(const Row& row, double kl_scale, double ntp_scale) {
+RowResult kernel_emulated(const Row& row, double kl_scale, double ntp_scale, bool reverse = false) {
   const int64_t V = row.V();
   std::vector<float> s = row.s;
   const float* t = row.t.data();
@@ -75,13 +75,13 @@ RowResult kernel_emulated(const Row& row, double kl_scale, double ntp_scale) {
   for (int tid = 0; tid < lr::kLossThreads; ++tid) sums[tid] = lr::row_sums_partial(t, s.data(), V, mt, ms, tid);
   for (int st = lr::kLossThreads / 2; st > 0; st >>= 1)
     for (int tid = 0; tid < st; ++tid) lr::fold_sums(sums.data(), tid, st);
-  const lr::RowLoss loss = lr::row_loss(sums[0], mt, ms, sy);
+  const lr::RowLoss loss = lr::row_loss(sums[0], mt, ms, sy, reverse);
   const double inv_zt = 1.0 / sums[0].zt, inv_zs = 1.0 / sums[0].zs;
-  const lr::GradScales c = lr::grad_scales(kl_scale, ntp_scale);
+  const lr::GradScales c = lr::grad_scales(kl_scale, ntp_scale, reverse);
   for (int tid = 0; tid < lr::kLossThreads; ++tid)
     for (int64_t v = tid; v < V; v += lr::kLossThreads)
       s[static_cast<size_t>(v)] =
-          lr::gradient_at(t[v], s[static_cast<size_t>(v)], mt, ms, inv_zt, inv_zs, v == row.y, c);
+          lr::gradient_at(t[v], s[static_cast<size_t>(v)], mt, ms, inv_zt, inv_zs, v == row.y, c, loss.log_ratio);
   return {loss.kl, loss.ntp, std::move(s)};
 }
 
@@ -95,7 +95,8 @@ struct CpuRow {
   double kl = 0, ntp = 0;
   std::vector<float> probed;  // g at the probes
 };
-CpuRow cpu_row(const Row& row, const std::vector<int64_t>& probes, double kl_scale, double ntp_scale) {
+CpuRow cpu_row(const Row& row, const std::vector<int64_t>& probes, double kl_scale, double ntp_scale,
+               bool reverse = false) {
   const int64_t V = row.V(), D = 2 + static_cast<int64_t>(probes.size());
   Tensor W = Tensor::zeros({V, D}, DType::F32), th = Tensor::zeros({2, D}, DType::F32),
          sh = Tensor::zeros({2, D}, DType::F32), grad = Tensor::empty({2, D}, DType::F32);
@@ -109,7 +110,8 @@ CpuRow cpu_row(const Row& row, const std::vector<int64_t>& probes, double kl_sca
   sh.data<float>()[1] = 1.0f;
   const Tensor ids = Tensor::from_vector(std::vector<int32_t>{0, row.y}, {2});
   const Tensor mask = Tensor::from_vector(std::vector<uint8_t>{1, 0}, {2});
-  const ops::QualitySums q = ops::kl_ntp_chunked(th, sh, W, ids, mask, 1, kl_scale, ntp_scale, &grad);
+  const ops::QualitySums q = ops::kl_ntp_chunked(th, sh, W, ids, mask, 1, kl_scale, ntp_scale, &grad,
+                                                 reverse ? ops::KlDirection::reverse : ops::KlDirection::forward);
   EXPECT_EQ(q.positions, 1);
   CpuRow out{q.kl, q.ntp, {}};
   for (size_t j = 0; j < probes.size(); ++j) out.probed.push_back(grad.data<float>()[2 + static_cast<int64_t>(j)]);
@@ -331,19 +333,67 @@ TEST_F(LossRows, ExactSumsMatchTheCpuBitForBit) {
     row.t[0] = 7.0f;
     row.s[V - 1] = 7.0f;
     for (Scales sc : kScales)
-      for (int32_t y : {0, static_cast<int32_t>(V - 1), static_cast<int32_t>(V / 2)}) {
-        row.y = y;
-        SCOPED_TRACE(fmt::format("{} target {} scales {} {}", row.what, y, sc.kl, sc.ntp));
-        const RowResult got = kernel_emulated(row, sc.kl, sc.ntp);
-        std::vector<int64_t> probes;
-        for (int64_t v = 0; v < std::min<int64_t>(V, 300); ++v) probes.push_back(v);
-        if (V > 300) probes.push_back(V - 1);
-        const CpuRow cpu = cpu_row(row, probes, sc.kl, sc.ntp);
-        EXPECT_EQ(got.kl, cpu.kl);
-        EXPECT_EQ(got.ntp, cpu.ntp);
-        for (size_t j = 0; j < probes.size(); ++j) ASSERT_EQ(got.grad[probes[j]], cpu.probed[j]) << "v " << probes[j];
-      }
+      for (int32_t y : {0, static_cast<int32_t>(V - 1), static_cast<int32_t>(V / 2)})
+        for (bool reverse : {false, true}) {
+          row.y = y;
+          SCOPED_TRACE(fmt::format("{} target {} scales {} {} {} KL", row.what, y, sc.kl, sc.ntp,
+                                   reverse ? "reverse" : "forward"));
+          const RowResult got = kernel_emulated(row, sc.kl, sc.ntp, reverse);
+          std::vector<int64_t> probes;
+          for (int64_t v = 0; v < std::min<int64_t>(V, 300); ++v) probes.push_back(v);
+          if (V > 300) probes.push_back(V - 1);
+          const CpuRow cpu = cpu_row(row, probes, sc.kl, sc.ntp, reverse);
+          EXPECT_EQ(got.kl, cpu.kl);
+          EXPECT_EQ(got.ntp, cpu.ntp);
+          for (size_t j = 0; j < probes.size(); ++j) ASSERT_EQ(got.grad[probes[j]], cpu.probed[j]) << "v " << probes[j];
+        }
   }
+}
+
+// The reverse KL, KL(q‖p), and its gradient q_v·(log q_v − log p_v − KL) (+ the NTP part): the
+// kernel's order and the CPU's against a long-double reference by definition. Tolerance: the
+// float32 rounding of e_s (u_f relative per q_v) and the float64 sums, far below a wrong formula
+// (a sign or a missing −KL moves every entry by O(q_v)).
+TEST_F(LossRows, ReverseKlMatchesALongDoubleReferenceAndTheCpu) {
+  TRACE_SEED();
+  int rows = 0;
+  for (int64_t V : {1, 2, 3, 257, 1000, 4097, 9000})
+    for (Kind kind : {Kind::Normal, Kind::Offset, Kind::Same, Kind::Sharp})
+      for (Scales sc : kScales) {
+        const int32_t y = static_cast<int32_t>(std::uniform_int_distribution<int64_t>(0, V - 1)(rng_));
+        const Row row = make_row(kind, V, y, rng_);
+        SCOPED_TRACE(fmt::format("{} kl_scale {} ntp_scale {}", row.what, sc.kl, sc.ntp));
+        LD mt = row.t[0], ms = row.s[0];
+        for (int64_t v = 1; v < V; ++v) mt = std::max<LD>(mt, row.t[v]), ms = std::max<LD>(ms, row.s[v]);
+        LD zt = 0, zs = 0;
+        for (int64_t v = 0; v < V; ++v) zt += std::exp(LD(row.t[v]) - mt), zs += std::exp(LD(row.s[v]) - ms);
+        const LD lse_t = mt + std::log(zt), lse_s = ms + std::log(zs);
+        LD kl = 0;
+        std::vector<LD> logq(static_cast<size_t>(V)), logp(static_cast<size_t>(V));
+        for (int64_t v = 0; v < V; ++v) {
+          logq[v] = LD(row.s[v]) - lse_s, logp[v] = LD(row.t[v]) - lse_t;
+          kl += std::exp(logq[v]) * (logq[v] - logp[v]);
+        }
+        std::vector<double> want(static_cast<size_t>(V));
+        double scale = std::fabs(sc.ntp);
+        for (int64_t v = 0; v < V; ++v) {
+          const LD q = std::exp(logq[v]);
+          want[v] = double(sc.kl * q * (logq[v] - logp[v] - kl) + sc.ntp * (q - (v == y ? 1 : 0)));
+          scale = std::max(scale, std::fabs(want[v]));
+        }
+        const double kl_tol = 1e-12 * (1.0 + std::fabs(double(lse_s)) + std::fabs(double(lse_t))) * double(V);
+        const double g_tol = 4 * kUf * scale + 1e-12 * (1.0 + std::fabs(double(lse_s)));
+        const RowResult got = kernel_emulated(row, sc.kl, sc.ntp, true);
+        EXPECT_NEAR(got.kl, double(kl), kl_tol) << "kernel's reverse KL";
+        for (int64_t v = 0; v < V; ++v) ASSERT_NEAR(got.grad[v], want[v], g_tol) << "kernel's gradient at " << v;
+        const std::vector<int64_t> probes = probes_for(row, rng_);
+        const CpuRow cpu = cpu_row(row, probes, sc.kl, sc.ntp, true);
+        EXPECT_NEAR(cpu.kl, double(kl), kl_tol) << "CPU's reverse KL";
+        for (size_t j = 0; j < probes.size(); ++j)
+          ASSERT_NEAR(cpu.probed[j], want[probes[j]], g_tol) << "CPU's gradient at " << probes[j];
+        ++rows;
+      }
+  EXPECT_GT(rows, 100);
 }
 
 }  // namespace

@@ -1,6 +1,6 @@
 // retain-train --dump-grads against the float64 PyTorch autograd reference
 // (tests/fixtures/trainer/make_fixtures.py, tests/trainer/trainer_reference.py): both gate
-// kinds, document-masked batches with padding and non-target prompts, on one rank (one
+// kinds (and trimkv with --kl reverse, and with --capacity global), document-masked batches with padding and non-target prompts, on one rank (one
 // micro-batch of 4, and 4 micro-batches of 1: gradient accumulation) and on 2 ranks under
 // mpirun. Every gate gradient within 1e-4 relative of the reference; the batch identical. The
 // same dumps on a GPU are in test_train_cuda.cpp.
@@ -24,7 +24,12 @@ struct Launch {
 class DumpGrads : public ::testing::TestWithParam<std::tuple<const char*, Launch>> {};
 
 TEST_P(DumpGrads, MatchesAutogradReference) {
-  const std::string kind = std::get<0>(GetParam());
+  // "trimkv", "dbtrimkv", "trimkv-reverse-kl" (--kl reverse) or "trimkv-global-capacity" (--capacity global):
+  // the fixture's name; the gate kind before the '-'.
+  const std::string fixture = std::get<0>(GetParam());
+  const std::string kind = fixture.substr(0, fixture.find('-'));
+  const std::string kl = std::string(fixture.find("reverse-kl") != std::string::npos ? " --kl reverse" : "") +
+                         (fixture.find("global-capacity") != std::string::npos ? " --capacity global" : "");
   const Launch launch = std::get<1>(GetParam());
   TempDir dir;
   const std::string data = pack_fixture_corpus(dir);
@@ -32,13 +37,13 @@ TEST_P(DumpGrads, MatchesAutogradReference) {
   const std::string args = " --model " + kModel + " --data " + data + " --gate " + kind + " --init-gates " + kFixtures +
                            "/gates-" + kind + ".safetensors --dump-grads " + dump +
                            " --memory 4 --global-batch 4 --seed 3 --loss-chunk 7 --micro-batch " +
-                           std::to_string(launch.micro_batch);
+                           std::to_string(launch.micro_batch) + kl;
   const std::string cmd = (launch.ranks > 1 ? mpirun(launch.ranks) : std::string()) + bin("retain-train") + args;
   const Result r = run(cmd, dir);
   ASSERT_EQ(r.code, 0) << cmd << "\n" << r.err;
 
   const formats::SafetensorsFile got = formats::SafetensorsFile::open(dump);
-  const formats::SafetensorsFile want = formats::SafetensorsFile::open(kFixtures + "/expected-" + kind + ".safetensors");
+  const formats::SafetensorsFile want = formats::SafetensorsFile::open(kFixtures + "/expected-" + fixture + ".safetensors");
   const formats::SafetensorsFile init = formats::SafetensorsFile::open(kFixtures + "/gates-" + kind + ".safetensors");
   for (const char* b : {"batch/input_ids", "batch/doc_ids", "batch/target_mask"})
     EXPECT_TRUE(bytes_equal(got.tensor(b), want.tensor(b))) << b;
@@ -63,11 +68,14 @@ TEST_P(DumpGrads, MatchesAutogradReference) {
 
 INSTANTIATE_TEST_SUITE_P(
     Kinds, DumpGrads,
-    ::testing::Combine(::testing::Values("trimkv", "dbtrimkv"),
+    ::testing::Combine(::testing::Values("trimkv", "dbtrimkv", "trimkv-reverse-kl", "trimkv-global-capacity"),
                        ::testing::Values(Launch{"one_rank", 1, 4}, Launch{"accumulate", 1, 1},
                                          Launch{"two_ranks", 2, 2}, Launch{"two_ranks_accumulate", 2, 1})),
     [](const auto& info) {
-      return std::string(std::get<0>(info.param)) + "_" + std::get<1>(info.param).name;
+      std::string kind = std::get<0>(info.param);
+      for (char& c : kind)
+        if (c == '-') c = '_';
+      return kind + "_" + std::get<1>(info.param).name;
     });
 
 }  // namespace

@@ -255,6 +255,55 @@ TEST_F(TrainRuns, CapacitySkipIsOptInAndKeptOnResume) {
   }
 }
 
+TEST_F(TrainRuns, ReverseKlIsOptInAndKeptOnResume) {
+  const std::string fwd = dir_ / "fwd", rev = dir_ / "rev", same = dir_ / "same";
+  const std::string mb = " --micro-batch 4";
+  ASSERT_EQ(train(train_args(data_, fwd, "trimkv", 1) + mb).code, 0);
+  ASSERT_EQ(train(train_args(data_, same, "trimkv", 1) + mb + " --kl forward").code, 0);
+  expect_same_losses(fwd, same, 0);
+  const Result r = train(train_args(data_, rev, "trimkv", 1) + mb + " --kl reverse");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const double kl_fwd = metrics(fwd).at(0).at("kl").get<double>(), kl_rev = metrics(rev).at(0).at("kl").get<double>();
+  EXPECT_GT(kl_fwd, 0);
+  EXPECT_GT(kl_rev, 0);
+  EXPECT_GT(std::abs(kl_rev - kl_fwd), 1e-4 * kl_fwd) << "the two directions are different losses";
+  expect_clean_error(train(train_args(data_, rev, "trimkv", 1) + mb + " --resume"),
+                     "cannot resume with a different configuration: kl: \"reverse\" in the checkpoint, \"forward\" now");
+  expect_clean_error(train(train_args(data_, fwd, "trimkv", 1) + mb + " --kl reverse --resume"),
+                     "kl: \"forward\" in the checkpoint, \"reverse\" now");
+  for (const std::string& args : std::vector<std::string>{train_args(data_, dir_ / "bad", "trimkv", 1) + " --kl backward",
+                                  " --model " + kModel + " --data " + data_ + " --out " + (dir_ / "bad") +
+                                      " --gate kvpop --topk 4 --kl reverse"}) {
+    const Result u = train(args);
+    EXPECT_EQ(u.code, 2) << args << ": " << u.err;
+    EXPECT_NE(u.err.find("--kl"), std::string::npos) << u.err;
+  }
+}
+
+TEST_F(TrainRuns, CapacityModeIsAnOptionKeptOnResume) {
+  const std::string local = dir_ / "local", global = dir_ / "global", same = dir_ / "same";
+  const std::string mb = " --micro-batch 4";
+  ASSERT_EQ(train(train_args(data_, local, "trimkv", 1) + mb).code, 0);
+  ASSERT_EQ(train(train_args(data_, same, "trimkv", 1) + mb + " --capacity local").code, 0);
+  expect_same_losses(local, same, 0);
+  const Result r = train(train_args(data_, global, "trimkv", 1) + mb + " --capacity global");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(metrics(local).at(0).at("cap").get<double>(), metrics(global).at(0).at("cap").get<double>());
+  expect_clean_error(train(train_args(data_, global, "trimkv", 1) + mb + " --resume"),
+                     "cannot resume with a different configuration: capacity: \"global\" in the checkpoint, \"local\" now");
+  // The run's config.toml repeats it.
+  const Result again = train(" --config " + (global + "/config.toml") + " --out " + (dir_ / "again"));
+  ASSERT_EQ(again.code, 0) << again.err;
+  expect_same_losses(global, dir_ / "again", 0);
+  for (const std::string& args : std::vector<std::string>{
+           train_args(data_, dir_ / "bad", "trimkv", 1) + " --capacity both",
+           " --model " + kModel + " --data " + data_ + " --out " + (dir_ / "bad") + " --gate kvpop --topk 4 --capacity global"}) {
+    const Result u = train(args);
+    EXPECT_EQ(u.code, 2) << args << ": " << u.err;
+    EXPECT_NE(u.err.find("--capacity"), std::string::npos) << u.err;
+  }
+}
+
 TEST_F(TrainRuns, BadInputsAreClearErrors) {
   const std::string out = dir_ / "run";
   expect_clean_error(train(train_args(dir_ / "missing.h5", out, "trimkv", 1)), "missing.h5");

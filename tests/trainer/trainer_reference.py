@@ -68,7 +68,8 @@ def capacity_terms(log_betas, memory, mode):
     return torch.relu((S.sum(dim=(0, 2)) - memory * N) / den)
 
 
-def loss_and_grads(student, kind, P, ids, docs, mask, memory, w_kl, w_ntp, lam):
+def loss_and_grads(student, kind, P, ids, docs, mask, memory, w_kl, w_ntp, lam, kl_direction="forward",
+                   capacity=None):
     """ids/docs/mask: [B, S] int tensors (the global batch). P: name → float64 tensor (gate
     values). Returns (dict of losses, dict name → gradient), float64."""
     names = sorted(P)
@@ -99,7 +100,8 @@ def loss_and_grads(student, kind, P, ids, docs, mask, memory, w_kl, w_ntp, lam):
             student.gates = (kind, params)
             student.seen_log_beta = []
             student_logits = student.model(input_ids=seg, position_ids=pos, use_cache=False).logits[0]
-            cap_terms.append(capacity_terms(student.seen_log_beta, memory, "global" if kind == "dbtrimkv" else "local"))
+            mode = capacity or ("global" if kind == "dbtrimkv" else "local")  # retain-train --capacity
+            cap_terms.append(capacity_terms(student.seen_log_beta, memory, mode))
             # Loss positions: t + 1 in the same run and a target.
             sel = [t for t in range(n - 1) if mask[b, start + t + 1] != 0]
             if not sel:
@@ -107,7 +109,10 @@ def loss_and_grads(student, kind, P, ids, docs, mask, memory, w_kl, w_ntp, lam):
             sel_t = torch.tensor(sel, dtype=torch.long)
             logp = torch.log_softmax(teacher_logits[sel_t], dim=-1)
             logq = torch.log_softmax(student_logits[sel_t], dim=-1)
-            kl_sum = kl_sum + (logp.exp() * (logp - logq)).sum()
+            if kl_direction == "reverse":  # retain-train --kl reverse: KL(student‖teacher)
+                kl_sum = kl_sum + (logq.exp() * (logq - logp)).sum()
+            else:
+                kl_sum = kl_sum + (logp.exp() * (logp - logq)).sum()
             targets = seg[0, sel_t + 1]
             ntp_sum = ntp_sum - logq.gather(1, targets[:, None]).sum()
             positions += len(sel)
@@ -131,5 +136,5 @@ class Reference:
         self.ref = load_gate_reference()
         self.student = self.ref.Student(model_dir)
 
-    def run(self, kind, P, ids, docs, mask, memory, w_kl, w_ntp, lam):
-        return loss_and_grads(self.student, kind, P, ids, docs, mask, memory, w_kl, w_ntp, lam)
+    def run(self, kind, P, ids, docs, mask, memory, w_kl, w_ntp, lam, kl_direction="forward", capacity=None):
+        return loss_and_grads(self.student, kind, P, ids, docs, mask, memory, w_kl, w_ntp, lam, kl_direction, capacity)

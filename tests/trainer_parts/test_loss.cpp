@@ -34,7 +34,8 @@ std::vector<double> to64(const Tensor& t) {
 
 // Everything in double, the whole [T, V] logit matrices at once.
 Ref reference(const std::vector<double>& th, const std::vector<double>& sh, const std::vector<double>& W, int64_t T,
-              int64_t D, int64_t V, const Tensor& ids, const Tensor& mask, double kl_scale, double ntp_scale) {
+              int64_t D, int64_t V, const Tensor& ids, const Tensor& mask, double kl_scale, double ntp_scale,
+              bool reverse = false) {
   Ref r;
   r.grad.assign(static_cast<size_t>(T * D), 0.0);
   std::vector<double> lt(static_cast<size_t>(T * V)), ls(static_cast<size_t>(T * V));
@@ -59,12 +60,17 @@ Ref reference(const std::vector<double>& th, const std::vector<double>& sh, cons
     for (int64_t v = 0; v < V; ++v) za += std::exp(a[v] - ma), zb += std::exp(b[v] - mb);
     const double lsea = ma + std::log(za), lseb = mb + std::log(zb);
     const int64_t y = ids.data<int32_t>()[t + 1];
+    // Reverse: KL(q‖p) = Σ q(log q − log p); ∂/∂b_v = q_v(log q_v − log p_v − KL(q‖p)).
+    double kl_rev = 0;
+    for (int64_t v = 0; v < V; ++v) kl_rev += std::exp(b[v] - lseb) * ((b[v] - lseb) - (a[v] - lsea));
     for (int64_t v = 0; v < V; ++v) {
       const double logp = a[v] - lsea, logq = b[v] - lseb, p = std::exp(logp), q = std::exp(logq);
-      r.kl += p * (logp - logq);
-      const double g = kl_scale * (q - p) + ntp_scale * (q - (v == y ? 1.0 : 0.0));
+      if (!reverse) r.kl += p * (logp - logq);
+      const double g_kl = reverse ? q * (logq - logp - kl_rev) : q - p;
+      const double g = kl_scale * g_kl + ntp_scale * (q - (v == y ? 1.0 : 0.0));
       for (int64_t d = 0; d < D; ++d) r.grad[static_cast<size_t>(t * D + d)] += g * W[static_cast<size_t>(v * D + d)];
     }
+    if (reverse) r.kl += kl_rev;
     r.ntp += -(b[y] - lseb);
   }
   return r;
@@ -113,11 +119,12 @@ struct Got {
   Tensor grad;
 };
 
-Got run(const Problem& p, int64_t chunk, double kl_scale, double ntp_scale) {
+Got run(const Problem& p, int64_t chunk, double kl_scale, double ntp_scale, bool reverse = false) {
   Got g;
   g.grad = Tensor::empty({p.T, p.D}, DType::F32);
   for (int64_t i = 0; i < g.grad.numel(); ++i) g.grad.data<float>()[i] = 123.0f;  // must be overwritten
-  g.sums = kl_ntp_chunked(p.teacher, p.student, p.lm_head, p.ids, p.mask, chunk, kl_scale, ntp_scale, &g.grad);
+  g.sums = kl_ntp_chunked(p.teacher, p.student, p.lm_head, p.ids, p.mask, chunk, kl_scale, ntp_scale, &g.grad,
+                          reverse ? KlDirection::reverse : KlDirection::forward);
   return g;
 }
 
@@ -133,14 +140,15 @@ double grad_err(const Tensor& got, const std::vector<double>& want) {
   return err / scale;
 }
 
-void expect_matches_reference(const Problem& p, double kl_scale, double ntp_scale, double tol) {
+void expect_matches_reference(const Problem& p, double kl_scale, double ntp_scale, double tol,
+                              bool reverse = false) {
   const Ref ref = reference(to64(p.teacher), to64(p.student), to64(p.lm_head), p.T, p.D, p.V, p.ids, p.mask,
-                            kl_scale, ntp_scale);
+                            kl_scale, ntp_scale, reverse);
   ASSERT_GT(ref.positions, 0);
   ASSERT_GT(ref.kl, 0.01 * static_cast<double>(ref.positions));  // the distributions really differ
   for (int64_t chunk : {int64_t{1}, int64_t{3}, p.T, p.T + 5}) {
     SCOPED_TRACE("chunk " + std::to_string(chunk));
-    const Got g = run(p, chunk, kl_scale, ntp_scale);
+    const Got g = run(p, chunk, kl_scale, ntp_scale, reverse);
     EXPECT_EQ(g.sums.positions, ref.positions);
     EXPECT_LT(rel(g.sums.kl, ref.kl), tol) << g.sums.kl << " vs " << ref.kl;
     EXPECT_LT(rel(g.sums.ntp, ref.ntp), tol) << g.sums.ntp << " vs " << ref.ntp;
@@ -186,14 +194,27 @@ TEST(KlNtpChunked, SharpDistributionsStayFinite) {
   expect_matches_reference(p, 0.5, 0.5, 1e-4);
 }
 
-TEST(KlNtpChunked, GradientMatchesFiniteDifferences) {
+TEST(KlNtpChunked, ReverseKlMatchesFloat64Reference) {
+  const Problem p = make_problem(29, 16, 300, 4.0, 11);
+  expect_matches_reference(p, 0.5, 0.5, 5e-6, true);
+  expect_matches_reference(p, 1.0, 0.0, 5e-6, true);
+  expect_matches_reference(p, 0.7, 0.3, 5e-6, true);
+  expect_matches_reference(make_problem(17, 8, 9000, 4.0, 12), 0.6, 0.4, 5e-6, true);  // several vocabulary blocks
+  expect_matches_reference(make_problem(15, 8, 200, 120.0, 13), 0.5, 0.5, 1e-4, true);  // sharp: e underflows
+  // The two directions are different losses on the same problem.
+  const Got fwd = run(p, 4, 1.0, 0.0), rev = run(p, 4, 1.0, 0.0, true);
+  EXPECT_GT(std::fabs(fwd.sums.kl - rev.sums.kl), 1e-3 * fwd.sums.kl);
+}
+
+static void expect_gradient_matches_finite_differences(bool reverse) {
+  SCOPED_TRACE(reverse ? "reverse KL" : "forward KL");
   const Problem p = make_problem(16, 6, 50, 3.0, 14);
   const double kl_scale = 0.8, ntp_scale = 0.35;
-  const Got g = run(p, 4, kl_scale, ntp_scale);
+  const Got g = run(p, 4, kl_scale, ntp_scale, reverse);
   const std::vector<double> th = to64(p.teacher), W = to64(p.lm_head);
   std::vector<double> sh = to64(p.student);
   auto loss = [&](const std::vector<double>& s) {
-    const Ref r = reference(th, s, W, p.T, p.D, p.V, p.ids, p.mask, kl_scale, ntp_scale);
+    const Ref r = reference(th, s, W, p.T, p.D, p.V, p.ids, p.mask, kl_scale, ntp_scale, reverse);
     return kl_scale * r.kl + ntp_scale * r.ntp;
   };
   int checked = 0;
@@ -213,6 +234,11 @@ TEST(KlNtpChunked, GradientMatchesFiniteDifferences) {
     }
   }
   EXPECT_GE(checked, 20);
+}
+
+TEST(KlNtpChunked, GradientMatchesFiniteDifferences) {
+  expect_gradient_matches_finite_differences(false);
+  expect_gradient_matches_finite_differences(true);
 }
 
 TEST(KlNtpChunked, ChunkSizesAgreeAndThreadCountsAreBitIdentical) {
@@ -247,6 +273,21 @@ TEST(KlNtpChunked, IdenticalModelsHaveZeroKl) {
   double worst = 0;
   for (int64_t i = 0; i < g.grad.numel(); ++i) worst = std::max(worst, double(std::fabs(g.grad.data<float>()[i])));
   EXPECT_LT(worst, 1e-6);  // q − p vanishes up to float rounding of p and q
+  const Got r = run(p, 3, 1.0, 0.0, true);
+  EXPECT_NEAR(r.sums.kl, 0.0, 1e-12);
+  for (int64_t i = 0; i < r.grad.numel(); ++i) ASSERT_LT(std::fabs(r.grad.data<float>()[i]), 1e-6f);
+}
+
+TEST(KlNtpChunked, KlDirectionNames) {
+  EXPECT_EQ(parse_kl_direction("forward"), KlDirection::forward);
+  EXPECT_EQ(parse_kl_direction("reverse"), KlDirection::reverse);
+  EXPECT_STREQ(kl_direction_name(KlDirection::reverse), "reverse");
+  try {
+    parse_kl_direction("backward");
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "--kl: 'backward' must be forward or reverse");
+  }
 }
 
 TEST(KlNtpChunked, NoLossPositionsAndNoGradient) {

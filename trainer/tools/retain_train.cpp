@@ -28,13 +28,14 @@ namespace {
 
 constexpr const char* kUsage =
     "Usage: retain-train --model DIR --data FILE.h5 --out RUN_DIR [--gate trimkv|dbtrimkv|kvpop]\n"
-    "                    [--memory M] [--cap-weight λ] [--kl-weight W] [--ntp-weight W]\n"
+    "                    [--memory M] [--cap-weight λ] [--kl-weight W] [--ntp-weight W] [--kl reverse]\n"
     "                    [--bias-init B] [--gate-hidden G] [--lr LR] [--steps N] [--seed S]\n"
     "                    [--resume] [--dump-grads FILE.safetensors] [--config run.toml]\n"
     "                    [more options below]\n"
     "       mpirun -np N retain-train ...   (data parallel; frozen weights sharded FSDP-style)\n\n"
     "Trains TRIM-KV (trimkv) or DBTrimKV (dbtrimkv) retention gates on the frozen Qwen3 in DIR\n"
-    "with the packed dataset FILE.h5 (retain-pack): loss = kl-weight·KL(teacher‖student) +\n"
+    "with the packed dataset FILE.h5 (retain-pack): loss = kl-weight·KL(teacher‖student) (--kl\n"
+    "reverse: KL(student‖teacher)) +\n"
     "ntp-weight·NTP + cap-weight·capacity(M) (docs/math.md). RUN_DIR receives config.json,\n"
     "metrics.jsonl, checkpoints/step-XXXXXXXX/ (every --save-every steps, the last --keep-last\n"
     "kept, `checkpoints/latest` naming the newest) and, at the end, gates.safetensors.\n"
@@ -64,6 +65,7 @@ int run(int argc, char** argv, dist::Comm& host_comm, std::unique_ptr<dist::Comm
   std::string gate = "trimkv";
   std::string device;
   double timeout = 0;  // c.timeout once the device is known (its default depends on it)
+  std::string kl;      // c.kl, parsed below
   cli::po::options_description opts("Options");
   opts.add_options()
       ("model", cli::po::value(&c.model_dir)->required(), "frozen Qwen3 (Hugging Face directory)")
@@ -87,10 +89,15 @@ int run(int argc, char** argv, dist::Comm& host_comm, std::unique_ptr<dist::Comm
        "scorer's current γ) or raw (from log m alone)")
       ("memory", cli::po::value(&c.memory)->default_value(128), "memory budget M of the capacity loss (tokens)")
       ("cap-weight", cli::po::value(&c.cap_weight)->default_value(1.0), "λ: weight of the capacity loss")
+      ("capacity", cli::po::value(&c.capacity),
+       "local or global: the capacity loss per (layer, KV head) with budget M, or over all of them with budget "
+       "L·K·M (default: local for trimkv, global for dbtrimkv, DESIGN §4)")
       ("capacity-skip", cli::po::value(&c.capacity_skip)->default_value(60),
        "E: skip capacity tiles whose every term is below e^-E; 60 is exact to float rounding, a smaller E is "
        "faster and approximate (each capacity sum moves by < T·e^-E)")
-      ("kl-weight", cli::po::value(&c.kl_weight)->default_value(0.5), "weight of KL(teacher‖student)")
+      ("kl-weight", cli::po::value(&c.kl_weight)->default_value(0.5), "weight of the KL term")
+      ("kl", cli::po::value(&kl)->default_value("forward"),
+       "forward: KL(teacher‖student) (DESIGN §4); reverse: KL(student‖teacher) (TRIM-KV Fig. 10's ablation)")
       ("ntp-weight", cli::po::value(&c.ntp_weight)->default_value(0.5), "weight of the next-token loss")
       ("bias-init", cli::po::value(&c.bias_init)->default_value(18.0), "initial gate bias b (18: β≈1, plain attention)")
       ("gate-hidden", cli::po::value(&c.gate_hidden)->default_value(512), "gate hidden size G for new gates")
@@ -200,6 +207,15 @@ int run(int argc, char** argv, dist::Comm& host_comm, std::unique_ptr<dist::Comm
     throw cli::UsageError(fmt::format("--capacity-skip must be a finite number > 0, got {}", c.capacity_skip));
   if (c.kvpop && !vm["capacity-skip"].defaulted())
     throw cli::UsageError("--capacity-skip is for the gates' capacity loss, not --gate kvpop");
+  if (vm.count("capacity") && c.capacity != "local" && c.capacity != "global")
+    throw cli::UsageError(fmt::format("--capacity must be local or global, got '{}'", c.capacity));
+  if (c.kvpop && vm.count("capacity"))
+    throw cli::UsageError("--capacity is for the gates' capacity loss, not --gate kvpop");
+  if (kl != "forward" && kl != "reverse")
+    throw cli::UsageError(fmt::format("--kl must be forward or reverse, got '{}'", kl));
+  c.kl = ops::parse_kl_direction(kl);
+  if (c.kvpop && !vm["kl"].defaulted())
+    throw cli::UsageError("--kl is for the gates' quality loss, not --gate kvpop (its loss is the pairwise ranking)");
   if (!(c.lr >= 0) || !(c.min_lr >= 0)) throw cli::UsageError("--lr and --min-lr must be ≥ 0");
   // AdamW moves each parameter by about lr per step: above 10 no rate trains anything (a typo).
   constexpr double kMaxLr = 10;
