@@ -21,7 +21,7 @@ Tensor loss_positions(const Tensor& doc, const Tensor& target_mask);
 
 // Which KL the quality loss takes (retain-train --kl). forward: KL(p‖q) = Σ p(log p − log q), the
 // teacher's distribution p first (DESIGN §4, TRIM-KV's and DBTrimKV's loss); reverse: KL(q‖p) =
-// Σ q(log q − log p), the student's q first (TRIM-KV's Fig. 10 ablation): mode-seeking.
+// Σ q(log q − log p), the student's q first (TRIM-KV's Fig. 9 ablation): mode-seeking.
 enum class KlDirection { forward, reverse };
 // "forward" / "reverse"; anything else fails with "<what>: ... must be forward or reverse".
 KlDirection parse_kl_direction(const std::string& s, const std::string& what = "--kl");

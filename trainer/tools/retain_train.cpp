@@ -97,7 +97,7 @@ int run(int argc, char** argv, dist::Comm& host_comm, std::unique_ptr<dist::Comm
        "faster and approximate (each capacity sum moves by < T·e^-E)")
       ("kl-weight", cli::po::value(&c.kl_weight)->default_value(0.5), "weight of the KL term")
       ("kl", cli::po::value(&kl)->default_value("forward"),
-       "forward: KL(teacher‖student) (DESIGN §4); reverse: KL(student‖teacher) (TRIM-KV Fig. 10's ablation)")
+       "forward: KL(teacher‖student) (DESIGN §4); reverse: KL(student‖teacher) (TRIM-KV Fig. 9's ablation)")
       ("ntp-weight", cli::po::value(&c.ntp_weight)->default_value(0.5), "weight of the next-token loss")
       ("bias-init", cli::po::value(&c.bias_init)->default_value(18.0), "initial gate bias b (18: β≈1, plain attention)")
       ("gate-hidden", cli::po::value(&c.gate_hidden)->default_value(512), "gate hidden size G for new gates")
