@@ -103,6 +103,9 @@ int run(int argc, char** argv) {
     throw cli::UsageError(fmt::format("--temperature must be >= 0 (0: greedy), got {}", temperature));
   PolicyOptions popt;
   popt.kind = policy_arg(policy_text, "--policy");
+  if (popt.kind == PolicyKind::oracle_m)
+    throw cli::UsageError("--policy oracle-m ranks tokens by the future attention of the whole sequence, which "
+                          "generation does not know: run it with retain-eval (teacher-forced)");
   popt.buffer = buffer;
   if (popt.kind != PolicyKind::full && !vm.count("budget"))
     throw cli::UsageError(fmt::format("--policy {} needs --budget", policy_text));
