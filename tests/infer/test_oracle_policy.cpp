@@ -15,6 +15,7 @@
 #include <set>
 
 #include "kernels/kvpop.h"
+#include "kernels/ops.h"
 #include "model/infer/decoder.h"
 #include "model/infer/oracle.h"
 #include "model/kvpop/scorers.h"
