@@ -228,7 +228,7 @@ TEST_F(InferTools, EvalOracle) {
   expect_error("retain-eval --model " + fx + "/trainer/model --gates kvpop=" + fx +
                    "/kvpop/step/scorers.safetensors --task recall --samples 1 --context 40 --pairs 2 --policy oracle-m "
                    "--budget 8 --out " + m.string(),
-               "below the minimum 9 of policy oracle-m", 1, m);
+               "below the minimum 9 of policy oracle-m", 2, m);
 }
 
 TEST_F(InferTools, PlotLossesAndRetention) {

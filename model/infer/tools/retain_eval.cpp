@@ -176,6 +176,13 @@ int run(int argc, char** argv) {
     if (r.policy == PolicyKind::oracle_m && !r.scorers)
       throw cli::UsageError(fmt::format(
           "--policy oracle-m takes the window, sinks and decay of KVPOP scorers: {} holds retention gates", f->second));
+    // kvpop and oracle-m: the budget's minimum comes from the scorers' window and sinks.
+    if (policy_needs_scorers(r.policy) && r.scorers && r.scorers->geometry()) {
+      PolicyOptions po;
+      po.kind = r.policy, po.budget = r.budget, po.buffer = eopt.buffer;
+      po.window = r.scorers->geometry()->window, po.sinks = r.scorers->geometry()->sinks;
+      check_policy_args(po, true);
+    }
   }
   spec.vocab = ckpt->config().vocab_size;
   // No special token may be content: the task's ids stop at the model's first bos/eos id ≥ 16.
