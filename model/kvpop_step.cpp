@@ -70,6 +70,7 @@ TeacherPass teacher_pass(WeightProvider& weights, const Tensor& ids, const Tenso
     const Tensor log_m = f32(future_attention_target(f32(saved.q), f32(saved.k), lse, doc_d, s.window, scale))
                              .on(Device::CPU);
     const Tensor k_host = f32(saved.k).on(Device::CPU), v_host = f32(saved.v).on(Device::CPU);
+    pass.log_m.push_back(log_m);
     pass.x.emplace_back();
     pass.decisions.emplace_back();
     for (int64_t kv = 0; kv < K; ++kv) {

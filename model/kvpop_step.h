@@ -34,6 +34,9 @@ struct TeacherPass {
   Tensor doc_on_device;
   std::vector<std::vector<Tensor>> x;
   std::vector<std::vector<std::vector<Decision>>> decisions;
+  // Per layer, the targets the decisions were made from: log m F32 [K, T] on the host
+  // (future_attention_target; −inf where a token has no target). retain-eval's oracle-m ranks by them.
+  std::vector<Tensor> log_m;
   int64_t num_decisions = 0;  // over all layers and heads of this sequence
   double margin_sum = 0;      // Σ |Δ log m| over them
 };

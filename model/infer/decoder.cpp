@@ -26,8 +26,21 @@ ResidentWeightProvider::ResidentWeightProvider(std::shared_ptr<const Qwen3Checkp
 
 namespace {
 
-// kvpop's window and sinks are the scorers'.
-PolicyOptions with_scorers(PolicyOptions p, const kvpop::Scorers* scorers) {
+// kvpop's window and sinks are the scorers'; oracle-m's those its targets were made with.
+PolicyOptions with_scorers(PolicyOptions p, const kvpop::Scorers* scorers, const OracleScores* oracle) {
+  if (p.kind == PolicyKind::oracle_m) {
+    if (!oracle)
+      fail("--policy oracle-m ranks tokens by the future attention of the whole sequence: only teacher-forced "
+           "evaluation (retain-eval) can run it");
+    p.window = oracle->window;
+    p.sinks = oracle->sinks;
+    p.decay_every = oracle->decay_every;  // the rank keys' q mod n correction, as kvpop's below
+    p.log_gamma.clear();
+    if (p.decay_every > 1)
+      for (const auto& layer : oracle->log_gamma)
+        for (double lg : layer) p.log_gamma.push_back(static_cast<float>(lg));
+    return p;
+  }
   if (p.kind != PolicyKind::kvpop) return p;
   if (!scorers) fail("--policy kvpop ranks tokens by KVPOP scorers: give --gates FILE (a kvpop scorer file)");
   if (!scorers->geometry()) fail("--policy kvpop: the scorers record no window/sinks/topk");
@@ -45,8 +58,8 @@ PolicyOptions with_scorers(PolicyOptions p, const kvpop::Scorers* scorers) {
 }  // namespace
 
 Decoder::Decoder(WeightProvider& weights, const gates::RetentionGates* gates, const PolicyOptions& policy,
-                 const kvpop::Scorers* scorers)
-    : w_(weights), gates_(gates), policy_(make_policy(with_scorers(policy, scorers))) {
+                 const kvpop::Scorers* scorers, const OracleScores* oracle)
+    : w_(weights), gates_(gates), policy_(make_policy(with_scorers(policy, scorers, oracle))) {
   const Qwen3Config& c = w_.config();
   if (policy.kind == PolicyKind::kvpop) {
     const kvpop::ScorerDims want = kvpop::Scorers::dims_for(c), got = scorers->dims();
@@ -54,6 +67,13 @@ Decoder::Decoder(WeightProvider& weights, const gates::RetentionGates* gates, co
       fail("kvpop scorers for {} layers × {} KV heads × head_dim {}, the model has {} × {} × {}", got.layers,
            got.kv_heads, got.head_dim, want.layers, want.kv_heads, want.head_dim);
     kvpop_ = std::make_unique<KvpopState>(*scorers);
+  }
+  if (policy.kind == PolicyKind::oracle_m) {
+    oracle_ = oracle;
+    const int64_t L = static_cast<int64_t>(oracle_->log_m.size());
+    if (L != c.num_hidden_layers || oracle_->log_m.front().dim(0) != c.num_key_value_heads)
+      fail("oracle-m targets for {} layers × {} KV heads, the model has {} × {}", L, oracle_->log_m.front().dim(0),
+           c.num_hidden_layers, c.num_key_value_heads);
   }
   if (gates_) check_gates_fit(c, gates_->dims());
   if (policy_needs_gates(policy.kind) && !gates_)
@@ -126,11 +146,11 @@ Tensor Decoder::feed(std::span<const int32_t> ids, bool all_logits) {
       const float* lb = log_beta.data<float>();
       lb_hist_[static_cast<size_t>(l)].insert(lb_hist_[static_cast<size_t>(l)].end(), lb, lb + T * K);
     }
-    if (kvpop_) {  // no rank key until scored
+    if (kvpop_ || oracle_) {  // no rank key until scored
       log_beta = Tensor::empty({T, K}, DType::F32);
       std::fill_n(log_beta.data<float>(), T * K, std::nanf(""));
     }
-    cache_.append(l, k3, v3, pos, gates_ || kvpop_ ? &log_beta : nullptr);
+    cache_.append(l, k3, v3, pos, gates_ || kvpop_ || oracle_ ? &log_beta : nullptr);
     KVCache::Layer& cl = cache_.layer(l);
     if (kvpop_) {
       // Tokens leaving the window get their rank key in their entry's logβ slot.
@@ -144,6 +164,21 @@ Tensor Decoder::feed(std::span<const int32_t> ids, bool all_logits) {
           while (j >= 0 && p[j] != u) --j;
           RETAIN_CHECK(j >= 0, "kvpop: position {} left the window after it was evicted", u);
           slot[j] = key;
+        }
+      }
+    }
+    if (oracle_) {
+      // The same moment as kvpop: feeding position t, token u = t − w + 1 leaves the window.
+      for (int64_t hh = 0; hh < K; ++hh) {
+        const int32_t* p = cache_.positions(l, hh);
+        float* slot = cl.log_beta.data<float>() + hh * cl.log_beta.dim(1);
+        for (int64_t t = seen_; t < seen_ + T; ++t) {
+          const int64_t u = t - oracle_->window + 1;
+          if (u < 0) continue;
+          int64_t j = cache_.size(l, hh) - 1;
+          while (j >= 0 && p[j] != u) --j;
+          RETAIN_CHECK(j >= 0, "oracle-m: position {} left the window after it was evicted", u);
+          slot[j] = oracle_->rank_key(l, hh, u);
         }
       }
     }

@@ -13,6 +13,7 @@
 #include "model/gates/gates.h"
 #include "model/infer/kv_cache.h"
 #include "model/infer/kvpop_state.h"
+#include "model/infer/oracle.h"
 #include "model/infer/policy.h"
 #include "model/rope_params.h"
 #include "model/weights.h"
@@ -43,8 +44,10 @@ class Decoder {
   // used to choose evictions, never as an attention bias. Both must outlive the decoder.
   // `scorers` (kvpop only; window and sinks of the policy come from them, and the budget's
   // rest is the top-k) run alongside: each entry's rank key is written when it leaves the window.
+  // `oracle` (oracle-m only, required there; must outlive the decoder) gives those rank keys from
+  // the targets of the whole sequence instead, with its window, sinks and decay (oracle.h).
   Decoder(WeightProvider& weights, const gates::RetentionGates* gates, const PolicyOptions& policy,
-          const kvpop::Scorers* scorers = nullptr);
+          const kvpop::Scorers* scorers = nullptr, const OracleScores* oracle = nullptr);
 
   // Feeds `ids` (the next tokens of the document) in one forward, then evicts. Returns the
   // logits F32 [T, V] of every fed token, or [1, V] of the last one when !all_logits.
@@ -72,6 +75,7 @@ class Decoder {
   RopeParams rope_;
   std::unique_ptr<EvictionPolicy> policy_;
   std::unique_ptr<KvpopState> kvpop_;
+  const OracleScores* oracle_ = nullptr;
   KVCache cache_;
   int64_t seen_ = 0;
   double evict_s_ = 0, feed_s_ = 0;

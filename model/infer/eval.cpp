@@ -27,6 +27,15 @@ void log_softmax(const float* x, int64_t V, std::vector<double>& out) {
 
 int64_t argmax(const std::vector<double>& v) { return std::max_element(v.begin(), v.end()) - v.begin(); }
 
+// oracle-m's targets for the whole teacher-forced sequence `ids` (none for other policies).
+std::optional<OracleScores> oracle_for(WeightProvider& weights, const EvalRun& r, const kvpop::Scorers* scorers,
+                                       std::span<const int32_t> ids) {
+  if (r.policy != PolicyKind::oracle_m) return std::nullopt;
+  if (!scorers)
+    fail("--policy oracle-m takes the window, sinks and decay of KVPOP scorers: give --gates FILE (a kvpop scorer file)");
+  return oracle_scores(weights, ids, *scorers);
+}
+
 PolicyOptions policy_options(const EvalRun& r, const EvalOptions& opt) {
   PolicyOptions p;
   p.kind = r.policy, p.budget = r.budget, p.buffer = opt.buffer, p.lookahead = opt.lookahead;
@@ -100,8 +109,10 @@ std::vector<EvalResult> evaluate_data(WeightProvider& weights, const gates::Rete
     const Tensor ids_t = Tensor::from_vector(doc.ids, {T});
     const Tensor hidden = qwen3_hidden(weights, ids_t, Tensor::zeros({T}, DType::I32));
     for (size_t r = 0; r < runs.size(); ++r) {
-      Decoder dec(weights, runs[r].gates ? runs[r].gates : gates, policy_options(runs[r], opt),
-                  runs[r].scorers ? runs[r].scorers : scorers);
+      const kvpop::Scorers* sc = runs[r].scorers ? runs[r].scorers : scorers;
+      const std::optional<OracleScores> oracle = oracle_for(weights, runs[r], sc, doc.ids);
+      Decoder dec(weights, runs[r].gates ? runs[r].gates : gates, policy_options(runs[r], opt), sc,
+                  oracle ? &*oracle : nullptr);
       Totals& tot = totals[r];
       double cache_sum = 0;
       int64_t forwards = 0;
@@ -154,7 +165,12 @@ std::vector<EvalResult> evaluate_recall(WeightProvider& weights, const gates::Re
     try {
       const RecallSample& s = task[static_cast<size_t>(u / R)];
       const EvalRun& run = runs[static_cast<size_t>(u % R)];
-      Decoder dec(weights, run.gates ? run.gates : gates, policy_options(run, opt), run.scorers ? run.scorers : scorers);
+      const kvpop::Scorers* sc = run.scorers ? run.scorers : scorers;
+      // oracle-m: the targets of the whole sequence the decoder is teacher-forced through.
+      std::vector<int32_t> whole = s.prompt;
+      whole.insert(whole.end(), s.answer.begin(), s.answer.end());
+      const std::optional<OracleScores> oracle = oracle_for(weights, run, sc, whole);
+      Decoder dec(weights, run.gates ? run.gates : gates, policy_options(run, opt), sc, oracle ? &*oracle : nullptr);
       Totals& tot = parts[static_cast<size_t>(u)];
       std::vector<double> lq;
       double cache_sum = 0;

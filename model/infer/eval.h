@@ -1,6 +1,7 @@
 // Quality of bounded-KV decoding (DESIGN §7 retain-eval): for each policy and budget, the
 // model is fed a text token by token (or in chunks) through the Decoder, evicting as
-// generation would, and its predictions are scored —
+// generation would (oracle-m: with the targets of the whole document or sample, prompt and
+// answer, from a dense teacher pass first; oracle.h), and its predictions are scored —
 //   data:   NLL of the target tokens, KL(full-cache model ‖ bounded model) and top-1 agreement
 //           with the full-cache model, over the loss positions of DESIGN §4;
 //   recall: exact-match accuracy and NLL of the answers of the synthetic recall task.
@@ -14,6 +15,7 @@
 #include <nlohmann/json_fwd.hpp>
 
 #include "model/infer/decoder.h"
+#include "model/infer/oracle.h"
 #include "model/infer/recall_task.h"
 
 namespace retain::data {

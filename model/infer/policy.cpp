@@ -13,10 +13,11 @@ namespace retain::infer {
 PolicyKind parse_policy(std::string_view s, std::string_view what) {
   static constexpr std::pair<std::string_view, PolicyKind> kNames[] = {
       {"full", PolicyKind::full},     {"window", PolicyKind::window},     {"h2o", PolicyKind::h2o},
-      {"trimkv", PolicyKind::trimkv}, {"dbtrimkv", PolicyKind::dbtrimkv}, {"kvpop", PolicyKind::kvpop}};
+      {"trimkv", PolicyKind::trimkv}, {"dbtrimkv", PolicyKind::dbtrimkv}, {"kvpop", PolicyKind::kvpop},
+      {"oracle-m", PolicyKind::oracle_m}};
   for (const auto& [name, kind] : kNames)
     if (s == name) return kind;
-  fail("{}: unknown policy '{}' (full, window, h2o, trimkv, dbtrimkv, kvpop)", what, s);
+  fail("{}: unknown policy '{}' (full, window, h2o, trimkv, dbtrimkv, kvpop, oracle-m)", what, s);
 }
 
 std::string_view policy_name(PolicyKind kind) {
@@ -27,6 +28,7 @@ std::string_view policy_name(PolicyKind kind) {
     case PolicyKind::trimkv: return "trimkv";
     case PolicyKind::dbtrimkv: return "dbtrimkv";
     case PolicyKind::kvpop: return "kvpop";
+    case PolicyKind::oracle_m: return "oracle-m";
   }
   return "?";
 }
@@ -38,7 +40,8 @@ int64_t min_budget(const PolicyOptions& opt) {
     case PolicyKind::full: return 0;
     case PolicyKind::window: return opt.sinks + 1;
     case PolicyKind::h2o: return 2;
-    case PolicyKind::kvpop: return opt.sinks + opt.window + 1;
+    case PolicyKind::kvpop:
+    case PolicyKind::oracle_m: return opt.sinks + opt.window + 1;
     default: return 1;
   }
 }
@@ -284,7 +287,7 @@ std::unique_ptr<EvictionPolicy> make_policy(const PolicyOptions& opt) {
     fail("--budget {} is below the minimum {} of policy {}{}", opt.budget, min_budget(opt), policy_name(opt.kind),
          opt.kind == PolicyKind::window ? fmt::format(" ({} sinks + 1 recent token)", opt.sinks)
          : opt.kind == PolicyKind::h2o  ? std::string(" (1 heavy hitter + 1 recent token)")
-         : opt.kind == PolicyKind::kvpop
+         : policy_needs_scorers(opt.kind)
              ? fmt::format(" ({} sinks + a window of {} + 1 top-k entry, from the scorers)", opt.sinks, opt.window)
                                         : std::string());
   switch (opt.kind) {
@@ -293,7 +296,8 @@ std::unique_ptr<EvictionPolicy> make_policy(const PolicyOptions& opt) {
     case PolicyKind::h2o: return std::make_unique<H2OPolicy>(opt);
     case PolicyKind::trimkv: return std::make_unique<TrimKVPolicy>(opt);
     case PolicyKind::dbtrimkv: return std::make_unique<DBTrimKVPolicy>(opt);
-    case PolicyKind::kvpop: return std::make_unique<KvpopPolicy>(opt);
+    case PolicyKind::kvpop:
+    case PolicyKind::oracle_m: return std::make_unique<KvpopPolicy>(opt);  // the same cache; other rank keys
   }
   fail("--policy: unknown policy");
 }

@@ -14,20 +14,25 @@
 
 namespace retain::infer {
 
-enum class PolicyKind { full, window, h2o, trimkv, dbtrimkv, kvpop };
+// oracle_m ("oracle-m"): kvpop's cache (sinks, window, top-k by ŝ_i(q)) with score_i replaced by
+// the KVPOP training target log m_i of the whole sequence (model/infer/oracle.h): teacher-forced
+// evaluation only, the ceiling of any KVPOP scorer with the same window, sinks and decay.
+enum class PolicyKind { full, window, h2o, trimkv, dbtrimkv, kvpop, oracle_m };
 
 PolicyKind parse_policy(std::string_view s, std::string_view what = "--policy");
 std::string_view policy_name(PolicyKind kind);
 // True for the policies that rank entries by logβ (they need retention gates).
 bool policy_needs_gates(PolicyKind kind);
+// True for the policies that take KVPOP scorers (kvpop; oracle-m takes their window, sinks and decay).
+inline bool policy_needs_scorers(PolicyKind kind) { return kind == PolicyKind::kvpop || kind == PolicyKind::oracle_m; }
 
 struct PolicyOptions {
   PolicyKind kind = PolicyKind::full;
   int64_t budget = 0;  // B: entries per (layer, KV head); ignored by full
   int64_t buffer = 1;  // evict when a count reaches B + buffer (DESIGN §8 default 1)
-  int64_t sinks = 4;   // window: StreamingLLM's attention sinks; kvpop: the scorers' sinks
-  int64_t window = 0;  // kvpop: the scorers' protected window w (the rest of B is the top-k)
-  // kvpop with the scorers' decay every n > 1: n and log γ per stream (layer·K + head); the
+  int64_t sinks = 4;   // window: StreamingLLM's attention sinks; kvpop, oracle-m: the scorers' sinks
+  int64_t window = 0;  // kvpop, oracle-m: the scorers' protected window w (the rest of B is the top-k)
+  // kvpop and oracle-m with the scorers' decay every n > 1: n and log γ per stream (layer·K + head); the
   // rank keys then get −log γ where i mod n > q mod n (kvpop_drops). Empty for n = 1.
   int64_t decay_every = 1;
   std::vector<float> log_gamma{};
@@ -37,7 +42,7 @@ struct PolicyOptions {
 };
 
 // The smallest budget a policy can run with: window needs its sinks and one recent token,
-// h2o one heavy hitter and one recent token, kvpop its sinks, window and one top-k entry; the
+// h2o one heavy hitter and one recent token, kvpop (and oracle-m) its sinks, window and one top-k entry; the
 // rest one entry. full: 0 (no budget).
 int64_t min_budget(const PolicyOptions& opt);
 

@@ -113,6 +113,7 @@ TEST_F(InferTools, GenerateErrors) {
   const fs::path js = root() / "bad.json";
   const std::string base = "retain-generate --model " + tiny() + " --prompt-ids \"1 2 3\" --json " + js.string();
   expect_error(base + " --policy kvpop --budget 64", "ranks tokens by KVPOP scorers: give --gates", 2, js);
+  expect_error(base + " --policy oracle-m --budget 64 --gates " + gates(), "generation does not know", 2, js);
   // What no file can fix is a usage error (2); what the files or this build decide is 1.
   expect_error(base + " --policy trimkv --budget 8", "--gates", 2, js);
   expect_error(base + " --policy window --budget 4", "below the minimum 5", 2, js);
@@ -217,6 +218,10 @@ TEST_F(InferTools, EvalErrors) {
   expect_error(base + " --policy trimkv --budget 8", "--gates", 2, m);
   expect_error(base + " --policy full --plot " + (root() / "missing" / "q.png").string(), "does not exist", 1, m);
   expect_error(base + " --policy kvpop --budget 8", "ranks tokens by KVPOP scorers: give --gates", 2, m);
+  // oracle-m takes window, sinks and decay from KVPOP scorers (its own file, kvpop's, or the common one).
+  expect_error(base + " --policy oracle-m --budget 8", "oracle-m takes the window, sinks and decay of KVPOP scorers: give --gates", 2, m);
+  expect_error(base + " --policy oracle-m --budget 8 --gates " + gates(), "holds retention gates", 2, m);
+  expect_error(base + " --policy oracle-m --budget 8 --gates trimkv=" + gates(), "give --gates", 2, m);
   expect_error(base + " --policy window", "needs --budget", 2, m);
   expect_error(base + " --policy full --data x.h5", "exactly one of", 2, m);
   expect_error(base, "give --policy", 2, m);
@@ -229,6 +234,26 @@ TEST_F(InferTools, EvalErrors) {
                "do not fit", 1, m);
   expect_error("retain-eval --model " + tiny() + " --data " + (root() / "missing.h5").string() + " --policy full --out " + m.string(),
                "missing.h5", 1, m);
+}
+
+// oracle-m as a user runs it: with kvpop's scorer file it takes their window, sinks and decay.
+TEST_F(InferTools, EvalOracle) {
+  const fs::path m = root() / "oracle_metrics.json";
+  const std::string fx = RETAIN_FIXTURES_DIR;
+  const Result r = run("retain-eval --model " + fx + "/trainer/model --gates kvpop=" + fx +
+                       "/kvpop/step/scorers.safetensors --task recall --samples 3 --context 40 --pairs 2 "
+                       "--policy kvpop,oracle-m --budget 12,20 --out " + m.string());
+  ASSERT_EQ(r.code, 0) << r.err;
+  const nlohmann::json j = nlohmann::json::parse(read_file(m.string()));
+  std::vector<std::string> got;
+  for (const auto& e : j["results"]) got.push_back(e["policy"].get<std::string>() + "@" + e["budget"].dump());
+  EXPECT_EQ(got, (std::vector<std::string>{"kvpop@12", "kvpop@20", "oracle-m@12", "oracle-m@20"}));
+  for (const auto& e : j["results"]) EXPECT_LE(e["mean_cache_per_head"].get<double>(), e["budget"].get<double>() + 1);
+  EXPECT_NE(r.out.find("oracle-m"), std::string::npos) << r.out;
+  expect_error("retain-eval --model " + fx + "/trainer/model --gates kvpop=" + fx +
+                   "/kvpop/step/scorers.safetensors --task recall --samples 1 --context 40 --pairs 2 --policy oracle-m "
+                   "--budget 8 --out " + m.string(),
+               "below the minimum 9 of policy oracle-m", 2, m);
 }
 
 TEST_F(InferTools, PlotLossesAndRetention) {

@@ -35,9 +35,12 @@ constexpr const char* kUsage =
     "                   [--samples N --context N --pairs N --queries N --key-len N --value-len N\n"
     "                    --seed S]\n"
     "                   [--dump-task FILE.jsonl]\n\n"
-    "For each policy (full, window, h2o, trimkv, dbtrimkv, kvpop) and budget (entries per layer and KV\n"
-    "head), feeds text through the bounded-KV decoder one token per forward (--prefill-chunk to\n"
-    "feed more), evicting as generation would, and scores its predictions:\n"
+    "For each policy (full, window, h2o, trimkv, dbtrimkv, kvpop, oracle-m) and budget (entries per layer\n"
+    "and KV head), feeds text through the bounded-KV decoder one token per forward (--prefill-chunk to\n"
+    "feed more), evicting as generation would, and scores its predictions.\n"
+    "oracle-m is kvpop's cache ranked by the KVPOP training target log m of the whole teacher-forced\n"
+    "sequence instead of the scorers, with the window, sinks and decay of a kvpop scorer file\n"
+    "(--gates oracle-m=FILE, else kvpop's file, else the common one): the ceiling of those scorers.\n"
     "  --data FILE.h5   a packed dataset (retain-pack): NLL and perplexity of the target tokens,\n"
     "                   KL(full cache || bounded cache) and top-1 agreement with the full cache,\n"
     "                   over the documents of the first --sequences sequences;\n"
@@ -120,7 +123,7 @@ int run(int argc, char** argv) {
   for (const std::string& g : gate_args) {
     std::optional<PolicyKind> kind;
     std::string file = g;
-    for (PolicyKind k : {PolicyKind::trimkv, PolicyKind::dbtrimkv, PolicyKind::kvpop})
+    for (PolicyKind k : {PolicyKind::trimkv, PolicyKind::dbtrimkv, PolicyKind::kvpop, PolicyKind::oracle_m})
       if (g.starts_with(std::string(policy_name(k)) + "=")) kind = k, file = g.substr(policy_name(k).size() + 1);
     if (file.empty()) throw cli::UsageError(fmt::format("--gates {}: no file after '='", g));
     if (!gate_files.emplace(kind, file).second)
@@ -153,7 +156,8 @@ int run(int argc, char** argv) {
   for (const EvalRun& r : runs) {  // every policy/budget error before any loading
     PolicyOptions po;
     po.kind = r.policy, po.budget = r.budget, po.buffer = eopt.buffer;
-    check_policy_args(po, gate_files.count(r.policy) || gate_files.count(std::nullopt));
+    check_policy_args(po, gate_files.count(r.policy) || gate_files.count(std::nullopt) ||
+                              (r.policy == PolicyKind::oracle_m && gate_files.count(PolicyKind::kvpop)));
   }
   std::vector<std::string> inputs = {model, data_path};
   for (const auto& [kind, file] : gate_files) inputs.push_back(file);
@@ -172,10 +176,21 @@ int run(int argc, char** argv) {
   }
   for (EvalRun& r : runs) {
     auto f = gate_files.find(r.policy);
+    if (f == gate_files.end() && r.policy == PolicyKind::oracle_m) f = gate_files.find(PolicyKind::kvpop);
     if (f == gate_files.end()) f = gate_files.find(std::nullopt);
     if (f == gate_files.end()) continue;
     if (auto g = loaded_gates.find(f->second); g != loaded_gates.end()) r.gates = &g->second;
     if (auto c = loaded_scorers.find(f->second); c != loaded_scorers.end()) r.scorers = &c->second;
+    if (r.policy == PolicyKind::oracle_m && !r.scorers)
+      throw cli::UsageError(fmt::format(
+          "--policy oracle-m takes the window, sinks and decay of KVPOP scorers: {} holds retention gates", f->second));
+    // kvpop and oracle-m: the budget's minimum comes from the scorers' window and sinks.
+    if (policy_needs_scorers(r.policy) && r.scorers && r.scorers->geometry()) {
+      PolicyOptions po;
+      po.kind = r.policy, po.budget = r.budget, po.buffer = eopt.buffer;
+      po.window = r.scorers->geometry()->window, po.sinks = r.scorers->geometry()->sinks;
+      check_policy_args(po, true);
+    }
   }
   spec.vocab = ckpt->config().vocab_size;
   // No special token may be content: the task's ids stop at the model's first bos/eos id ≥ 16.

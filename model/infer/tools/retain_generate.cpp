@@ -106,6 +106,9 @@ int run(int argc, char** argv) {
     throw cli::UsageError(fmt::format("--temperature must be >= 0 (0: greedy), got {}", temperature));
   PolicyOptions popt;
   popt.kind = policy_arg(policy_text, "--policy");
+  if (popt.kind == PolicyKind::oracle_m)
+    throw cli::UsageError("--policy oracle-m ranks tokens by the future attention of the whole sequence, which "
+                          "generation does not know: run it with retain-eval (teacher-forced)");
   popt.buffer = buffer;
   if (lookahead < 0) throw cli::UsageError(fmt::format("--lookahead must be >= 0, got {}", lookahead));
   if (!vm["lookahead"].defaulted() && popt.kind != PolicyKind::trimkv && popt.kind != PolicyKind::dbtrimkv)

@@ -25,6 +25,9 @@ inline PolicyKind policy_arg(const std::string& text, const char* option) {
 inline void check_policy_args(const PolicyOptions& p, bool have_gates) {
   if (p.kind == PolicyKind::kvpop && !have_gates)
     throw cli::UsageError("--policy kvpop ranks tokens by KVPOP scorers: give --gates FILE (retain-train --gate kvpop)");
+  if (p.kind == PolicyKind::oracle_m && !have_gates)
+    throw cli::UsageError(
+        "--policy oracle-m takes the window, sinks and decay of KVPOP scorers: give --gates FILE (retain-train --gate kvpop)");
   try {
     make_policy(p);
   } catch (const Error& e) {
