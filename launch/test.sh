@@ -23,7 +23,7 @@ fi
 if [ "${RETAIN_PYTEST:-1}" != 0 ]; then
   # retain_kv (model/infer/python) on stock transformers Qwen3 against the binaries just built: the
   # same tokens and kept positions as retain-generate, kvpress's pipeline, the authors' TrimKVCache
-  # (~1 min; the venv's first build ~4 min, then cached: docs/inference.md). No venv, no pass:
+  # (~1 min; the venv's first build 2–4 min, then cached: docs/inference.md). No venv, no pass:
   # RETAIN_PYTEST=0 is the only way past this stage, and it says so.
   py=$(./launch/python-env.sh)
   RETAIN_BIN_DIR="$PWD/${BUILD_DIR:-build}/bin" "$py" -m pytest -q -p no:cacheprovider tests/infer/python
