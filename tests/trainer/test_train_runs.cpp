@@ -33,6 +33,18 @@ class TrainRuns : public ::testing::Test {
     const std::string cmd = "timeout 120 " + (ranks > 1 ? mpirun(ranks) : std::string()) + bin("retain-train") + extra;
     return run(cmd, dir_);
   }
+  // Each command line is a usage error (exit 2) whose message names `option`.
+  void expect_usage_errors(const std::vector<std::string>& args, const std::string& option) {
+    for (const std::string& a : args) {
+      const Result u = train(a);
+      EXPECT_EQ(u.code, 2) << a << ": " << u.err;
+      EXPECT_NE(u.err.find(option), std::string::npos) << u.err;
+    }
+  }
+  // A kvpop run's command line (for options kvpop refuses).
+  std::string kvpop_args(const std::string& extra) {
+    return " --model " + kModel + " --data " + data_ + " --out " + (dir_ / "bad") + " --gate kvpop --topk 4" + extra;
+  }
   TempDir dir_;
   std::string data_;
 };
@@ -248,11 +260,9 @@ TEST_F(TrainRuns, CapacitySkipIsOptInAndKeptOnResume) {
                      "cannot resume with a different configuration: capacity_skip: missing in the new config");
   expect_clean_error(train(train_args(data_, exact, "trimkv", 1) + mb + " --capacity-skip 20 --resume"),
                      "capacity_skip: missing in the checkpoint");
-  for (const char* bad : {" --capacity-skip 0", " --capacity-skip -3", " --capacity-skip nan"}) {
-    const Result u = train(train_args(data_, dir_ / "bad", "trimkv", 1) + bad);
-    EXPECT_EQ(u.code, 2) << bad << ": " << u.err;
-    EXPECT_NE(u.err.find("--capacity-skip"), std::string::npos) << u.err;
-  }
+  const std::string bad = train_args(data_, dir_ / "bad", "trimkv", 1);
+  expect_usage_errors({bad + " --capacity-skip 0", bad + " --capacity-skip -3", bad + " --capacity-skip nan"},
+                      "--capacity-skip");
 }
 
 TEST_F(TrainRuns, ReverseKlIsOptInAndKeptOnResume) {
@@ -271,13 +281,8 @@ TEST_F(TrainRuns, ReverseKlIsOptInAndKeptOnResume) {
                      "cannot resume with a different configuration: kl: \"reverse\" in the checkpoint, \"forward\" now");
   expect_clean_error(train(train_args(data_, fwd, "trimkv", 1) + mb + " --kl reverse --resume"),
                      "kl: \"forward\" in the checkpoint, \"reverse\" now");
-  for (const std::string& args : std::vector<std::string>{train_args(data_, dir_ / "bad", "trimkv", 1) + " --kl backward",
-                                  " --model " + kModel + " --data " + data_ + " --out " + (dir_ / "bad") +
-                                      " --gate kvpop --topk 4 --kl reverse"}) {
-    const Result u = train(args);
-    EXPECT_EQ(u.code, 2) << args << ": " << u.err;
-    EXPECT_NE(u.err.find("--kl"), std::string::npos) << u.err;
-  }
+  expect_usage_errors({train_args(data_, dir_ / "bad", "trimkv", 1) + " --kl backward", kvpop_args(" --kl reverse")},
+                      "--kl");
 }
 
 TEST_F(TrainRuns, CapacityModeIsAnOptionKeptOnResume) {
@@ -295,13 +300,9 @@ TEST_F(TrainRuns, CapacityModeIsAnOptionKeptOnResume) {
   const Result again = train(" --config " + (global + "/config.toml") + " --out " + (dir_ / "again"));
   ASSERT_EQ(again.code, 0) << again.err;
   expect_same_losses(global, dir_ / "again", 0);
-  for (const std::string& args : std::vector<std::string>{
-           train_args(data_, dir_ / "bad", "trimkv", 1) + " --capacity both",
-           " --model " + kModel + " --data " + data_ + " --out " + (dir_ / "bad") + " --gate kvpop --topk 4 --capacity global"}) {
-    const Result u = train(args);
-    EXPECT_EQ(u.code, 2) << args << ": " << u.err;
-    EXPECT_NE(u.err.find("--capacity"), std::string::npos) << u.err;
-  }
+  expect_usage_errors(
+      {train_args(data_, dir_ / "bad", "trimkv", 1) + " --capacity both", kvpop_args(" --capacity global")},
+      "--capacity");
 }
 
 TEST_F(TrainRuns, BadInputsAreClearErrors) {
