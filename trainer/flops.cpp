@@ -14,7 +14,8 @@ StepFlops step_flops(const Qwen3Config& c, const gates::GateDims& g, const std::
                GK = static_cast<double>(g.kv_heads);
   const double dense_per_token = 2 * D * (H * d + 2 * K * d) + 2 * H * d * D + 6 * D * I;
   const double attention_per_pair = 4 * d * H;
-  const double gate_per_token = 2 * (D * G + G * GK) + (g.kind == gates::GateKind::dbtrimkv ? 2 * G * G : 0);
+  const double gate_per_token = g.gate_hidden == 0 ? 2 * D * GK  // the linear gate: W [K, D]
+                                                  : 2 * (D * G + G * GK) + (g.kind == gates::GateKind::dbtrimkv ? 2 * G * G : 0);
   StepFlops f;
   for (const MicroBatchShape& mb : mbs) {
     double tokens = 0, pairs = 0;

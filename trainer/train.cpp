@@ -530,8 +530,11 @@ int run_training(const TrainConfig& cfg, dist::Comm& comm) {
   // MFU: against the bf16 peak of this rank's GPU, where it is known (never a guessed figure).
   const std::optional<double> peak_tflops =
       cfg.device == Device::CUDA ? bf16_peak_tflops(cuda::device_name()) : std::nullopt;
-  const gates::GateDims gate_dims{cfg.gate, mc.num_hidden_layers, mc.hidden_size, cfg.gate_hidden,
-                                  mc.num_key_value_heads};
+  // The gates' own dims (an --init-gates file or a resumed run may differ from --gate-hidden).
+  const auto* gate_set = dynamic_cast<const gates::RetentionGates*>(&gates);
+  const gates::GateDims gate_dims =
+      gate_set ? gate_set->dims()
+               : gates::GateDims{cfg.gate, mc.num_hidden_layers, mc.hidden_size, cfg.gate_hidden, mc.num_key_value_heads};
 
   install_stop_signal_handlers();
   const auto run_start = Clock::now();

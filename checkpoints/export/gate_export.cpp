@@ -85,6 +85,10 @@ void write_gguf(const std::string& out, const gates::RetentionGates& g, const Ga
 void write_trimkv_dir(const std::string& out, const gates::RetentionGates& g, const GateInfo& info, DType dtype,
                       const nlohmann::ordered_json& base_config, bool replace) {
   const gates::GateDims& d = g.dims();
+  if (g.is_linear())
+    fail("{}: the authors' layout (config.json + {}) has no linear gate (their RetentionGate is an MLP); export a "
+         "linear gate as safetensors or gguf",
+         out, gates::kTrimkvWeightsFile);
   const bool db = d.kind == gates::GateKind::dbtrimkv;
   nlohmann::ordered_json cfg = base_config;
   cfg["retention_gate"] = db ? "rg10" : "rg";

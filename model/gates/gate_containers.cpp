@@ -26,7 +26,7 @@ constexpr const char* kTrimkvWeights = kTrimkvWeightsFile;
 
 // gate-file suffix ↔ GGUF suffix
 const std::pair<const char*, const char*> kSuffixes[] = {
-    {"linear1.weight", "fc1.weight"}, {"linear1.bias", "fc1.bias"},   {"linear2.weight", "fc2.weight"},
+    {"linear.weight", "fc.weight"},   {"linear1.weight", "fc1.weight"}, {"linear1.bias", "fc1.bias"},   {"linear2.weight", "fc2.weight"},
     {"linear2.bias", "fc2.bias"},     {"linear3.weight", "fc3.weight"}, {"bias", "bias"},
 };
 
@@ -102,6 +102,7 @@ LoadedGates load_gguf(const std::string& path, const Qwen3Config& config, std::o
   std::map<std::string, std::string> meta;
   if (auto k = str("retention.kind")) meta["gate_kind"] = *k;
   if (auto b = num("retention.bias_init")) meta["bias_init"] = fmt_number(*b);
+  if (auto g = num("retention.gate_hidden")) meta["gate_hidden"] = fmt_number(*g);
   LoadedGates out{RetentionGates::from_tensors(path, tensors, meta, config, expect), {}, Format::gguf};
   out.info.memory = num("retention.memory");
   if (auto s = num("retention.step")) out.info.step = static_cast<int64_t>(*s);

@@ -56,15 +56,19 @@ RetentionGates RetentionGates::from_tensors(const std::string& path, const std::
   for (const auto& kv : tensors) names.push_back(kv.first);
 
   // Kind: linear3 exists only in dbtrimkv gates.
-  bool has_linear3 = false;
+  // The linear gate (G = 0) is the only one with a "linear.weight".
+  bool has_linear3 = false, has_linear = false;
   std::set<int64_t> layers;
   for (const std::string& n : names) {
     const auto parts = split_gate_name(n);
     if (!parts) fail("{}: unexpected tensor '{}' (not a retention gate tensor)", path, printable(n));
     layers.insert(parts->first);
     has_linear3 = has_linear3 || parts->second == "linear3.weight";
+    has_linear = has_linear || parts->second == "linear.weight";
   }
   if (names.empty()) fail("{}: holds no tensors (not a retention gate file)", path);
+  if (has_linear && has_linear3)
+    fail("{}: holds both linear.weight (a linear trimkv gate) and linear3.weight (dbtrimkv gates)", path);
   const GateKind kind = has_linear3 ? GateKind::dbtrimkv : GateKind::trimkv;
   if (auto it = meta.find("gate_kind"); it != meta.end()) {
     const GateKind declared = parse_gate_kind(it->second, path + ": __metadata__ gate_kind");
@@ -82,13 +86,20 @@ RetentionGates RetentionGates::from_tensors(const std::string& path, const std::
   if (*layers.rbegin() >= L || present != L)
     fail("{}: has gates for {} layers (layer indices {}..{}), the model has {} (num_hidden_layers)", path, present,
          *layers.begin(), *layers.rbegin(), L);
-  const std::string w1_name = gate_tensor_name(0, "linear1.weight");
-  if (!tensors.count(w1_name)) fail("{}: missing tensor '{}'", path, w1_name);
-  const Shape& w1_shape = tensors.at(w1_name).shape();
-  if (w1_shape.size() != 2 || w1_shape[0] <= 0 || w1_shape[1] != config.hidden_size)
-    fail("{}: tensor '{}' has shape {}, expected [G, {}] (G the gate width, {} the model's hidden_size)", path, w1_name,
-         shape_str(w1_shape), config.hidden_size, config.hidden_size);
-  RetentionGates g({kind, L, config.hidden_size, w1_shape[0], config.num_key_value_heads});
+  int64_t G = 0;
+  if (!has_linear) {
+    const std::string w1_name = gate_tensor_name(0, "linear1.weight");
+    if (!tensors.count(w1_name)) fail("{}: missing tensor '{}'", path, w1_name);
+    const Shape& w1_shape = tensors.at(w1_name).shape();
+    if (w1_shape.size() != 2 || w1_shape[0] <= 0 || w1_shape[1] != config.hidden_size)
+      fail("{}: tensor '{}' has shape {}, expected [G, {}] (G the gate width, {} the model's hidden_size)", path,
+           w1_name, shape_str(w1_shape), config.hidden_size, config.hidden_size);
+    G = w1_shape[0];
+  }
+  if (auto it = meta.find("gate_hidden"); it != meta.end() && (it->second == "0") != has_linear)
+    fail("{}: __metadata__ says gate_hidden {} but the tensors are {}", path, printable(it->second),
+         has_linear ? "a linear gate (linear.weight, G = 0)" : "MLP gates (linear1.weight)");
+  RetentionGates g({kind, L, config.hidden_size, G, config.num_key_value_heads});
 
   // Every expected name present with its shape; then nothing else.
   std::set<std::string> expected;
@@ -133,11 +144,11 @@ std::vector<std::pair<std::string, Tensor>> RetentionGates::named_tensors() cons
     Tensor value;
   };
   auto rank = [](const std::string& suffix) {
-    static const char* kOrder[] = {"linear1.weight", "linear1.bias", "linear2.weight", "linear2.bias",
-                                   "linear3.weight", "bias"};
-    for (int i = 0; i < 6; ++i)
+    static const char* kOrder[] = {"linear.weight",  "linear1.weight", "linear1.bias", "linear2.weight",
+                                   "linear2.bias", "linear3.weight", "bias"};
+    for (int i = 0; i < 7; ++i)
       if (suffix == kOrder[i]) return i;
-    return 6;
+    return 7;
   };
   std::vector<Item> items;
   for (const GateParameter& p : params_)

@@ -67,9 +67,12 @@ std::string gate_tensor_name(int64_t layer, std::string_view suffix) {
 }
 
 RetentionGates::RetentionGates(const GateDims& d) : dims_(d) {
-  if (d.layers <= 0 || d.hidden <= 0 || d.gate_hidden <= 0 || d.kv_heads <= 0)
-    fail("retention gates: layers {}, hidden {}, gate hidden {} and KV heads {} must all be positive", d.layers,
-         d.hidden, d.gate_hidden, d.kv_heads);
+  if (d.layers <= 0 || d.hidden <= 0 || d.gate_hidden < 0 || d.kv_heads <= 0)
+    fail("retention gates: layers {} hidden {} and KV heads {} must be positive and the gate hidden width {} not "
+         "negative",
+         d.layers, d.hidden, d.kv_heads, d.gate_hidden);
+  if (d.gate_hidden == 0 && d.kind != GateKind::trimkv)
+    fail("retention gates: gate hidden width 0 (the linear gate) is a trimkv gate; dbtrimkv gates need G > 0");
   const int64_t L = d.layers, D = d.hidden, G = d.gate_hidden, K = d.kv_heads;
   auto add = [&](std::vector<std::string> names, const Shape& shape) {
     params_.push_back({std::move(names), Tensor::zeros(shape, DType::F32), Tensor::zeros(shape, DType::F32)});
@@ -78,6 +81,11 @@ RetentionGates::RetentionGates(const GateDims& d) : dims_(d) {
   slots_.resize(static_cast<size_t>(L));
   for (int64_t l = 0; l < L; ++l) {
     LayerSlots& s = slots_[static_cast<size_t>(l)];
+    if (G == 0) {  // the linear gate: logβ = log σ(W·h + b)
+      s.w1 = add({gate_tensor_name(l, "linear.weight")}, {K, D});
+      s.b = add({gate_tensor_name(l, "bias")}, {K});
+      continue;
+    }
     s.w1 = add({gate_tensor_name(l, "linear1.weight")}, {G, D});
     s.b1 = add({gate_tensor_name(l, "linear1.bias")}, {G});
     if (d.kind == GateKind::trimkv) {
@@ -143,9 +151,16 @@ Tensor RetentionGates::forward(int64_t layer, const Tensor& h, GateActivations* 
   Tensor log_beta = Tensor::empty({T, K}, DType::F32, device);
   if (T == 0) {  // no work; the saved tensors still have the shapes backward() checks
     if (saved)
-      *saved = {Tensor::empty({0, G}, DType::F32, device),
+      *saved = {G ? Tensor::empty({0, G}, DType::F32, device) : Tensor(),
                 dims_.kind == GateKind::dbtrimkv ? Tensor::empty({0, G}, DType::F32, device) : Tensor(),
                 Tensor::empty({0, K}, DType::F32, device)};
+    return log_beta;
+  }
+  Tensor z = Tensor::empty({T, K}, DType::F32, device);
+  if (is_linear()) {
+    ops::linear(h, v(s.w1), z);
+    ops::gate_bias_log_sigmoid(z, v(s.b), log_beta);
+    if (saved) *saved = {Tensor(), Tensor(), std::move(z)};
     return log_beta;
   }
   Tensor a1, s1, a2, s2;
@@ -157,7 +172,6 @@ Tensor RetentionGates::forward(int64_t layer, const Tensor& h, GateActivations* 
     last = &s2;
     w_out = s.w3;
   }
-  Tensor z = Tensor::empty({T, K}, DType::F32, device);
   ops::linear(*last, v(w_out), z);
   ops::gate_bias_log_sigmoid(z, v(s.b), log_beta);
   if (saved) *saved = {std::move(a1), std::move(a2), std::move(z)};
@@ -171,7 +185,7 @@ void RetentionGates::backward(int64_t layer, const Tensor& h, const GateActivati
   const int64_t T = h.dim(0), G = dims_.gate_hidden, K = dims_.kv_heads;
   const Device device = h.device();
   check_f32(h, {T, dims_.hidden}, "input h", device);
-  check_f32(saved.a1, {T, G}, "saved a1", device);
+  if (!is_linear()) check_f32(saved.a1, {T, G}, "saved a1", device);
   check_f32(saved.z, {T, K}, "saved z", device);
   check_f32(dlog_beta, {T, K}, "dlog_beta", device);
   if (dims_.kind == GateKind::dbtrimkv) check_f32(saved.a2, {T, G}, "saved a2", device);
@@ -185,6 +199,10 @@ void RetentionGates::backward(int64_t layer, const Tensor& h, const GateActivati
 
   Tensor dz = Tensor::empty({T, K}, DType::F32, device);
   ops::gate_log_sigmoid_backward(saved.z, dlog_beta, dz);
+  if (is_linear()) {
+    affine_backward(h, v(s.w1), dz, g(s.w1), g(s.b), dh, true);
+    return;
+  }
   const Tensor s1 = silu_of(saved.a1);
   Tensor da1 = Tensor::empty({T, G}, DType::F32, device);
   if (dims_.kind == GateKind::trimkv) {

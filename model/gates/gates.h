@@ -1,6 +1,7 @@
 // Retention gates (DESIGN §4): per layer, a small MLP on the input-RMSNorm output h that
 // gives every KV head a log retention rate logβ ≤ 0 per token.
 //   trimkv:   logβ = logsigmoid(W2·silu(W1·h + b1) + b)
+//   linear:   logβ = logsigmoid(W·h + b)          (a trimkv gate with G = 0: TRIM-KV's Fig. 10 ablation)
 //   dbtrimkv: logβ = logsigmoid(W3·silu(W2·silu(W1·h + b1) + b2) + b), W3 and b shared by all layers
 // The gates own their parameters, their gradients and their file format (model/gates/gate_file.cpp);
 // they never know about ranks. float32 (bias gradients summed in float64). Parameters and
@@ -31,7 +32,7 @@ struct GateDims {
   GateKind kind = GateKind::trimkv;
   int64_t layers = 0;       // L = num_hidden_layers
   int64_t hidden = 0;       // D = hidden_size (the gate input)
-  int64_t gate_hidden = 0;  // G (DESIGN default 512 for new gates)
+  int64_t gate_hidden = 0;  // G (DESIGN default 512 for new gates); 0: the linear trimkv gate
   int64_t kv_heads = 0;     // K = num_key_value_heads (one logβ per KV head)
 };
 
@@ -42,7 +43,7 @@ using GateParameter = Parameter;  // model/param_set.h
 
 // What backward() needs from forward() besides the input h: the pre-activations.
 struct GateActivations {
-  Tensor a1;  // W1·h + b1            F32 [T, G]
+  Tensor a1;  // W1·h + b1            F32 [T, G] (empty for the linear gate)
   Tensor a2;  // W2·silu(a1) + b2     F32 [T, G] (dbtrimkv only)
   Tensor z;   // the logit before logsigmoid, F32 [T, K]
 };
@@ -79,6 +80,8 @@ class RetentionGates : public ParameterSet {
   std::vector<std::pair<std::string, Tensor>> named_tensors() const override;
 
   const GateDims& dims() const { return dims_; }
+  // A trimkv gate without a hidden layer (G = 0): one "linear.weight" [K, D] and "bias" [K] per layer.
+  bool is_linear() const { return dims_.gate_hidden == 0; }
   GateKind kind() const { return dims_.kind; }
   // The bias b was initialised to (from init(), or a loaded file's __metadata__ bias_init).
   std::optional<double> bias_init() const { return bias_init_; }

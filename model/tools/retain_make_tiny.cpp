@@ -45,7 +45,7 @@ int run(int argc, char** argv) {
       ("max-gib", cli::po::value(&o.max_gib)->default_value(1, "1"),
        "refuse a model above this many GiB of BF16 (a size guard against typos; Qwen3-4B shapes need 8)")
       ("gates", cli::po::value(&gate_kind), "also write DIR/gates.safetensors: trimkv or dbtrimkv")
-      ("gate-hidden", cli::po::value(&o.gate_hidden)->default_value(o.gate_hidden), "gate width G")
+      ("gate-hidden", cli::po::value(&o.gate_hidden)->default_value(o.gate_hidden), "gate width G (0: a linear trimkv gate)")
       ("bias-init", cli::po::value(&o.gate_bias_init)->default_value(o.gate_bias_init), "gate logit bias b");
   cli::po::variables_map vm;
   if (!cli::parse(argc, argv, kUsage, opts, vm)) return 0;
@@ -61,7 +61,9 @@ int run(int argc, char** argv) {
     } catch (const Error& e) {
       throw cli::UsageError(e.what());
     }
-    if (o.gate_hidden <= 0) throw cli::UsageError(fmt::format("--gate-hidden must be positive, got {}", o.gate_hidden));
+    if (o.gate_hidden < 0 || (o.gate_hidden == 0 && *o.gate_kind != gates::GateKind::trimkv))
+      throw cli::UsageError(fmt::format(
+          "--gate-hidden must be positive (or 0, a linear trimkv gate), got {} for {} gates", o.gate_hidden, gate_kind));
   } else if (!vm["gate-hidden"].defaulted() || !vm["bias-init"].defaulted()) {
     throw cli::UsageError("--gate-hidden and --bias-init need --gates");
   }

@@ -1,6 +1,6 @@
 // RetentionGates forward/backward on CUDA tensors (the device mirror, ops::linear* GEMMs and
 // kernels/cuda/gates.cu) against the same gates on CPU tensors, on fresh random gates and inputs
-// per run (the seed is printed with every failure; RETAIN_TEST_SEED=n replays one): trimkv and
+// per run (the seed is printed with every failure; RETAIN_TEST_SEED=n replays one): trimkv (MLP and linear) and
 // dbtrimkv, logβ and the saved activations, the parameter gradients after
 // add_device_grads_to_host() (a shared dbtrimkv tensor summed over layers) and dh; bitwise
 // repeatability; sync semantics; the missing-sync and mixed-device errors. Shapes are small:
@@ -109,6 +109,7 @@ struct Case {
 std::vector<Case> cases() {
   return {{GateKind::trimkv, 3, 64, 32, 4, {300, 1, 600}},
           {GateKind::trimkv, 1, 40, 24, 1, {0}},
+          {GateKind::trimkv, 2, 48, 0, 4, {129, 3}},  // the linear gate (G = 0)
           {GateKind::dbtrimkv, 3, 48, 40, 8, {257, 37, 512}},
           {GateKind::dbtrimkv, 2, 16, 8, 2, {5, 0}}};
 }
@@ -131,11 +132,13 @@ DeviceRun run_on_device(RetentionGates& g, const std::vector<Tensor>& hs, const 
     GateActivations saved;
     const Tensor h = gpu(hs[l]);
     r.log_beta.push_back(host(g.forward(static_cast<int64_t>(l), h, &saved)));
-    EXPECT_EQ(saved.a1.device(), Device::CUDA);
+    if (!g.is_linear()) {
+      EXPECT_EQ(saved.a1.device(), Device::CUDA);
+    }
     EXPECT_EQ(saved.z.device(), Device::CUDA);
     Tensor dh = gpu(dh0s[l]);
     g.backward(static_cast<int64_t>(l), h, saved, gpu(dlbs[l]), &dh);
-    r.a1.push_back(host(saved.a1));
+    r.a1.push_back(g.is_linear() ? Tensor() : host(saved.a1));
     r.a2.push_back(g.kind() == GateKind::dbtrimkv ? host(saved.a2) : Tensor());
     r.z.push_back(host(saved.z));
     r.dh.push_back(host(dh));
@@ -181,7 +184,9 @@ TEST_F(GatesCuda, ForwardAndBackwardMatchTheCpu) {
     for (size_t l = 0; l < hs.size(); ++l) {
       const std::string where = fmt::format("{} layer {} T {}", name_of(c), l, hs[l].dim(0));
       expect_log_beta_close(got.log_beta[l], want_lb[l], "logβ " + where);
-      expect_close_scaled(got.a1[l], want_saved[l].a1, 2e-4, "a1 " + where);
+      if (c.G > 0) {
+        expect_close_scaled(got.a1[l], want_saved[l].a1, 2e-4, "a1 " + where);
+      }
       expect_close_scaled(got.z[l], want_saved[l].z, 2e-4, "z " + where);
       if (c.kind == GateKind::dbtrimkv) expect_close_scaled(got.a2[l], want_saved[l].a2, 2e-4, "a2 " + where);
       expect_close_scaled(got.dh[l], want_dh[l], 2e-4, "dh " + where);

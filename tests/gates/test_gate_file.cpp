@@ -242,3 +242,64 @@ TEST(GateFileErrors, NotASafetensorsFile) {
   EXPECT_TRUE(contains(e, "nope.safetensors")) << e;
   fs::remove_all(d);
 }
+
+// The linear gate (G = 0, TRIM-KV Fig. 10): linear.weight [K, D] and bias [K] per layer, read back
+// bit for bit as a trimkv gate with gate_hidden 0; files mixing it with the MLP gates' tensors,
+// a wrong shape or metadata that contradicts the tensors are one line naming the file.
+TEST(GateFileLinear, RoundTripAndOneLineErrors) {
+  const fs::path d = scratch();
+  const Qwen3Config cfg = model_config(3, 8, 2);
+  RetentionGates g = RetentionGates::init({GateKind::trimkv, 3, 8, 0, 2}, 2.5, 9);
+  const std::string good = (d / "linear.safetensors").string();
+  g.save(good);
+  const RetentionGates back = RetentionGates::load(good, cfg, GateKind::trimkv);
+  EXPECT_TRUE(back.is_linear());
+  EXPECT_EQ(back.dims().gate_hidden, 0);
+  ASSERT_EQ(back.parameters().size(), g.parameters().size());
+  for (size_t i = 0; i < g.parameters().size(); ++i)
+    EXPECT_EQ(std::memcmp(g.parameters()[i].value.raw(), back.parameters()[i].value.raw(),
+                          g.parameters()[i].value.nbytes()),
+              0)
+        << g.parameters()[i].name();
+  const formats::SafetensorsFile f = formats::SafetensorsFile::open(good);
+  EXPECT_EQ(f.names().size(), 3u * 2);
+  EXPECT_EQ(f.entry(gate_tensor_name(2, "linear.weight")).shape, (Shape{2, 8}));
+  EXPECT_EQ(f.metadata().at("gate_hidden"), "0");
+  EXPECT_EQ(f.metadata().at("gate_kind"), "trimkv");
+
+  auto error_of = [&](Tensors t, const std::map<std::string, std::string>& meta, std::optional<GateKind> kind) {
+    const std::string p = (d / "bad.safetensors").string();
+    formats::write_safetensors(p, t, meta);
+    return load_error(p, cfg, kind);
+  };
+  const Tensors tensors = read_all(good);
+  std::vector<std::pair<std::string, std::string>> cases;  // (error, expected part)
+  cases.emplace_back(error_of(tensors, {{"gate_hidden", "5"}}, std::nullopt),
+                     "__metadata__ says gate_hidden 5 but the tensors are a linear gate");
+  cases.emplace_back(error_of(tensors, {}, GateKind::dbtrimkv), "holds trimkv gates");
+  Tensors extra = tensors;
+  extra.emplace_back(gate_tensor_name(0, "linear1.bias"), Tensor::zeros({2}, DType::F32));
+  cases.emplace_back(error_of(extra, {}, std::nullopt), "unexpected tensor 'model.layers.0.self_attn.retention_gate.linear1.bias'");
+  Tensors mixed = tensors;
+  mixed.emplace_back(gate_tensor_name(0, "linear3.weight"), Tensor::zeros({2, 5}, DType::F32));
+  cases.emplace_back(error_of(mixed, {}, std::nullopt), "holds both linear.weight");
+  Tensors shape = tensors;
+  for (auto& [n, t] : shape)
+    if (n == gate_tensor_name(1, "linear.weight")) t = Tensor::zeros({3, 8}, DType::F32);
+  cases.emplace_back(error_of(shape, {}, std::nullopt), "has shape [3, 8], expected [2, 8]");
+  Tensors missing;
+  for (auto& [n, t] : tensors)
+    if (n != gate_tensor_name(2, "linear.weight")) missing.emplace_back(n, t);
+  cases.emplace_back(error_of(missing, {}, std::nullopt), "missing tensor 'model.layers.2.self_attn.retention_gate.linear.weight'");
+  for (const auto& [e, want] : cases) {
+    EXPECT_TRUE(contains(e, want)) << e << "\n  expected: " << want;
+    EXPECT_TRUE(contains(e, "bad.safetensors")) << e;
+    EXPECT_EQ(e.find('\n'), std::string::npos) << e;
+  }
+  // An MLP file whose metadata claims the linear gate.
+  const std::string mlp = (d / "mlp.safetensors").string();
+  RetentionGates::init({GateKind::trimkv, 3, 8, 5, 2}, 1, 1).save(mlp, {{"gate_hidden", "0"}});
+  EXPECT_TRUE(contains(load_error(mlp, cfg), "__metadata__ says gate_hidden 0 but the tensors are MLP gates"))
+      << load_error(mlp, cfg);
+  fs::remove_all(d);
+}

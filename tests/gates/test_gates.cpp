@@ -55,6 +55,11 @@ Params64 params64(const RetentionGates& g) {
 
 Mat log_beta64(const GateDims& d, const Params64& P, int64_t l, const Mat& h, int64_t T) {
   const int64_t D = d.hidden, G = d.gate_hidden, K = d.kv_heads;
+  if (G == 0) {  // the linear gate: logβ = log σ(W·h + b)
+    Mat z = affine64(h, T, D, P.at(l, "linear.weight"), P.at(l, "bias"), K, false);
+    for (double& v : z) v = logsig64(v);
+    return z;
+  }
   const Mat s1 = affine64(h, T, D, P.at(l, "linear1.weight"), P.at(l, "linear1.bias"), G, true);
   Mat z;
   if (d.kind == GateKind::trimkv) {
@@ -171,7 +176,14 @@ TEST(Gates, InitFollowsDesign) {
             3 * (G * D + G + K * G + K));
   EXPECT_EQ(RetentionGates::init({GateKind::dbtrimkv, 3, D, G, K}, 1, 0).num_parameters(),
             3 * (G * D + G + G * G + G) + K * G + K);
-  EXPECT_THROW(RetentionGates::init({GateKind::trimkv, 3, D, 0, K}, 1, 0), Error);
+  // G = 0: the linear gate, W [K, D] and b [K] per layer, trimkv only.
+  const RetentionGates linear = RetentionGates::init({GateKind::trimkv, 3, D, 0, K}, 1, 0);
+  EXPECT_TRUE(linear.is_linear());
+  EXPECT_EQ(linear.num_parameters(), 3 * (K * D + K));
+  EXPECT_EQ(linear.parameters()[0].name(), gate_tensor_name(0, "linear.weight"));
+  EXPECT_EQ(linear.parameters()[0].value.shape(), (Shape{K, D}));
+  EXPECT_THROW(RetentionGates::init({GateKind::dbtrimkv, 3, D, 0, K}, 1, 0), Error);
+  EXPECT_THROW(RetentionGates::init({GateKind::trimkv, 3, D, -1, K}, 1, 0), Error);
 }
 
 class GateGrad : public ::testing::TestWithParam<Case> {};
@@ -272,7 +284,8 @@ TEST_P(GateGrad, BackwardMatchesFiniteDifferences) {
 INSTANTIATE_TEST_SUITE_P(Shapes, GateGrad,
                          ::testing::Values(Case{GateKind::trimkv, 2, 7, 5, 3, 13}, Case{GateKind::trimkv, 2, 4, 3, 1, 1},
                                            Case{GateKind::dbtrimkv, 3, 6, 4, 3, 11},
-                                           Case{GateKind::dbtrimkv, 2, 5, 3, 5, 17}),
+                                           Case{GateKind::dbtrimkv, 2, 5, 3, 5, 17},
+                                           Case{GateKind::trimkv, 2, 6, 0, 3, 9}),  // the linear gate
                          [](const auto& info) {
                            const Case& c = info.param;
                            return fmt::format("{}_L{}_D{}_G{}_K{}_T{}", gate_kind_name(c.kind), c.L, c.D, c.G, c.K, c.T);

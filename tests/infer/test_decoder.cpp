@@ -26,22 +26,24 @@ struct Tiny {
   gates::RetentionGates gates;
 };
 
-const Tiny& tiny(gates::GateKind kind) {
-  static std::map<gates::GateKind, Tiny> cache;
-  auto it = cache.find(kind);
+// linear: the linear trimkv gate (G = 0) instead of the MLP (G = 16).
+const Tiny& tiny(gates::GateKind kind, bool linear = false) {
+  static std::map<std::pair<gates::GateKind, bool>, Tiny> cache;
+  auto it = cache.find({kind, linear});
   if (it != cache.end()) return it->second;
   const fs::path dir = fs::path(::testing::TempDir()) /
-                       (std::string("retain_decoder_") + std::string(gates::gate_kind_name(kind)) + "." +
-                        std::to_string(::getpid()));
+                       (std::string("retain_decoder_") + std::string(gates::gate_kind_name(kind)) +
+                        (linear ? "_linear." : ".") + std::to_string(::getpid()));
   TinyModelOptions opt;
   opt.layers = 2, opt.heads = 4, opt.kv_heads = 2, opt.head_dim = 16, opt.hidden = 32, opt.intermediate = 64;
   opt.vocab = 300, opt.seed = 5, opt.gate_kind = kind, opt.gate_bias_init = 1.0;
+  if (linear) opt.gate_hidden = 0;
   make_tiny_model(dir.string(), opt);
   Tiny t;
   t.ckpt = std::make_shared<const Qwen3Checkpoint>(Qwen3Checkpoint::open(dir.string()));
   t.gates = gates::RetentionGates::load((dir / "gates.safetensors").string(), t.ckpt->config());
   fs::remove_all(dir);  // the weights stay mapped; nothing is left in the temp folder
-  return cache.emplace(kind, std::move(t)).first->second;
+  return cache.emplace(std::pair{kind, linear}, std::move(t)).first->second;
 }
 
 std::vector<int32_t> random_ids(int64_t n, uint64_t seed) {
@@ -167,8 +169,11 @@ struct Simulation {
 }  // namespace
 
 TEST(Decoder, KeptSetsMatchBruteForceSchedule) {
-  for (auto kind : {gates::GateKind::trimkv, gates::GateKind::dbtrimkv}) {
-    const Tiny& t = tiny(kind);
+  // trimkv, dbtrimkv, and the linear trimkv gate (G = 0)
+  for (auto [kind, linear] : {std::pair{gates::GateKind::trimkv, false}, std::pair{gates::GateKind::dbtrimkv, false},
+                              std::pair{gates::GateKind::trimkv, true}}) {
+    const Tiny& t = tiny(kind, linear);
+    ASSERT_EQ(t.gates.is_linear(), linear);
     ResidentWeightProvider w(t.ckpt);
     const std::vector<int32_t> ids = random_ids(60, 3);
     for (PolicyKind p : {PolicyKind::window, PolicyKind::trimkv, PolicyKind::dbtrimkv})

@@ -1,6 +1,6 @@
 // retain-train --dump-grads against the float64 PyTorch autograd reference
 // (tests/fixtures/trainer/make_fixtures.py, tests/trainer/trainer_reference.py): both gate
-// kinds (and trimkv with --kl reverse, and with --capacity global), document-masked batches with padding and non-target prompts, on one rank (one
+// kinds (and trimkv with --kl reverse, with --capacity global, and the linear gate), document-masked batches with padding and non-target prompts, on one rank (one
 // micro-batch of 4, and 4 micro-batches of 1: gradient accumulation) and on 2 ranks under
 // mpirun. Every gate gradient within 1e-4 relative of the reference; the batch identical. The
 // same dumps on a GPU are in test_train_cuda.cpp.
@@ -24,10 +24,12 @@ struct Launch {
 class DumpGrads : public ::testing::TestWithParam<std::tuple<const char*, Launch>> {};
 
 TEST_P(DumpGrads, MatchesAutogradReference) {
-  // "trimkv", "dbtrimkv", "trimkv-reverse-kl" (--kl reverse) or "trimkv-global-capacity" (--capacity global):
-  // the fixture's name; the gate kind before the '-'.
+  // "trimkv", "dbtrimkv", "trimkv-reverse-kl" (--kl reverse), "trimkv-global-capacity" (--capacity global)
+  // or "trimkv-linear" (the linear gate, G = 0, from gates-trimkv-linear): the fixture's name; the gate
+  // kind before the '-'.
   const std::string fixture = std::get<0>(GetParam());
   const std::string kind = fixture.substr(0, fixture.find('-'));
+  const std::string gates_file = kind + (fixture.find("-linear") != std::string::npos ? "-linear" : "");
   const std::string kl = std::string(fixture.find("reverse-kl") != std::string::npos ? " --kl reverse" : "") +
                          (fixture.find("global-capacity") != std::string::npos ? " --capacity global" : "");
   const Launch launch = std::get<1>(GetParam());
@@ -35,7 +37,7 @@ TEST_P(DumpGrads, MatchesAutogradReference) {
   const std::string data = pack_fixture_corpus(dir);
   const std::string dump = dir / "dump.safetensors";
   const std::string args = " --model " + kModel + " --data " + data + " --gate " + kind + " --init-gates " + kFixtures +
-                           "/gates-" + kind + ".safetensors --dump-grads " + dump +
+                           "/gates-" + gates_file + ".safetensors --dump-grads " + dump +
                            " --memory 4 --global-batch 4 --seed 3 --loss-chunk 7 --micro-batch " +
                            std::to_string(launch.micro_batch) + kl;
   const std::string cmd = (launch.ranks > 1 ? mpirun(launch.ranks) : std::string()) + bin("retain-train") + args;
@@ -44,7 +46,7 @@ TEST_P(DumpGrads, MatchesAutogradReference) {
 
   const formats::SafetensorsFile got = formats::SafetensorsFile::open(dump);
   const formats::SafetensorsFile want = formats::SafetensorsFile::open(kFixtures + "/expected-" + fixture + ".safetensors");
-  const formats::SafetensorsFile init = formats::SafetensorsFile::open(kFixtures + "/gates-" + kind + ".safetensors");
+  const formats::SafetensorsFile init = formats::SafetensorsFile::open(kFixtures + "/gates-" + gates_file + ".safetensors");
   for (const char* b : {"batch/input_ids", "batch/doc_ids", "batch/target_mask"})
     EXPECT_TRUE(bytes_equal(got.tensor(b), want.tensor(b))) << b;
   int grads = 0;
@@ -68,7 +70,8 @@ TEST_P(DumpGrads, MatchesAutogradReference) {
 
 INSTANTIATE_TEST_SUITE_P(
     Kinds, DumpGrads,
-    ::testing::Combine(::testing::Values("trimkv", "dbtrimkv", "trimkv-reverse-kl", "trimkv-global-capacity"),
+    ::testing::Combine(::testing::Values("trimkv", "dbtrimkv", "trimkv-reverse-kl", "trimkv-global-capacity",
+                                                          "trimkv-linear"),
                        ::testing::Values(Launch{"one_rank", 1, 4}, Launch{"accumulate", 1, 1},
                                          Launch{"two_ranks", 2, 2}, Launch{"two_ranks_accumulate", 2, 1})),
     [](const auto& info) {

@@ -305,6 +305,34 @@ TEST_F(TrainRuns, CapacityModeIsAnOptionKeptOnResume) {
       "--capacity");
 }
 
+// --gate-hidden 0: a fresh linear trimkv gate (TRIM-KV Fig. 10) trains, its gates file holds
+// linear.weight [K, D] and bias [K] per layer, and a stopped run resumes exactly; dbtrimkv and a
+// negative width are usage errors.
+TEST_F(TrainRuns, LinearGateTrainsAndResumesExactly) {
+  const std::string full = dir_ / "full", parts = dir_ / "parts";
+  const std::string args = " --model " + kModel + " --data " + data_ +
+                           " --gate trimkv --gate-hidden 0 --bias-init 2 --memory 4 --global-batch 4 --seed 3"
+                           " --warmup 1 --loss-chunk 16 --lr 0.01 --steps 4 --save-every 2 --out ";
+  Result r = train(args + full);
+  ASSERT_EQ(r.code, 0) << r.err;
+  const formats::SafetensorsFile f = formats::SafetensorsFile::open(full + "/gates.safetensors");
+  EXPECT_EQ(f.names().size(), 2u * 2);
+  EXPECT_EQ(f.entry("model.layers.1.self_attn.retention_gate.linear.weight").shape, (Shape{2, 32}));
+  EXPECT_EQ(f.metadata().at("gate_hidden"), "0");
+  const auto m = metrics(full);
+  ASSERT_EQ(m.size(), 4u);
+  EXPECT_GT(m.at(0).at("cap").get<double>(), 0) << "bias 2 decays: a capacity loss to learn from";
+  r = train(args + parts + " --stop-after 2");
+  ASSERT_EQ(r.code, 0) << r.err;
+  r = train(args + parts + " --resume");
+  ASSERT_EQ(r.code, 0) << r.err;
+  expect_same_gates(full, parts, 0);
+  expect_same_losses(full, parts, 0);
+  const std::string bad = " --model " + kModel + " --data " + data_ + " --out " + (dir_ / "bad");
+  expect_usage_errors({bad + " --gate dbtrimkv --gate-hidden 0", bad + " --gate trimkv --gate-hidden -1"},
+                      "--gate-hidden");
+}
+
 TEST_F(TrainRuns, BadInputsAreClearErrors) {
   const std::string out = dir_ / "run";
   expect_clean_error(train(train_args(dir_ / "missing.h5", out, "trimkv", 1)), "missing.h5");

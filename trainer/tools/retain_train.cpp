@@ -100,7 +100,7 @@ int run(int argc, char** argv, dist::Comm& host_comm, std::unique_ptr<dist::Comm
        "forward: KL(teacher‖student) (DESIGN §4); reverse: KL(student‖teacher) (TRIM-KV Fig. 9's ablation)")
       ("ntp-weight", cli::po::value(&c.ntp_weight)->default_value(0.5), "weight of the next-token loss")
       ("bias-init", cli::po::value(&c.bias_init)->default_value(18.0), "initial gate bias b (18: β≈1, plain attention)")
-      ("gate-hidden", cli::po::value(&c.gate_hidden)->default_value(512), "gate hidden size G for new gates")
+      ("gate-hidden", cli::po::value(&c.gate_hidden)->default_value(512), "gate hidden size G for new gates; 0: a linear gate logβ = logsigmoid(W·h + b) (trimkv only)")
       ("init-gates", cli::po::value(&c.init_gates), "start from these gates instead of fresh ones (.safetensors, .gguf, .pth or a TRIM-KV directory)")
       ("lr", cli::po::value(&c.lr)->default_value(2e-4, "2e-4"), "peak learning rate (AdamW)")
       ("min-lr", cli::po::value(&c.min_lr)->default_value(0.0), "learning rate at the end of the cosine")
@@ -200,7 +200,9 @@ int run(int argc, char** argv, dist::Comm& host_comm, std::unique_ptr<dist::Comm
   if (c.loss_chunk <= 0) throw cli::UsageError(fmt::format("--loss-chunk must be positive, got {}", c.loss_chunk));
   if (c.micro_batch <= 0) throw cli::UsageError(fmt::format("--micro-batch must be positive, got {}", c.micro_batch));
   if (c.global_batch < 0) throw cli::UsageError(fmt::format("--global-batch must be ≥ 0, got {}", c.global_batch));
-  if (c.gate_hidden <= 0) throw cli::UsageError(fmt::format("--gate-hidden must be positive, got {}", c.gate_hidden));
+  if (c.gate_hidden < 0) throw cli::UsageError(fmt::format("--gate-hidden must be ≥ 0, got {}", c.gate_hidden));
+  if (c.gate_hidden == 0 && c.gate != gates::GateKind::trimkv && !c.kvpop)
+    throw cli::UsageError("--gate-hidden 0 (the linear gate, TRIM-KV Fig. 10) is for --gate trimkv; dbtrimkv needs G > 0");
   if (!(c.memory >= 0) || !std::isfinite(c.memory))
     throw cli::UsageError(fmt::format("--memory must be a finite number ≥ 0, got {}", c.memory));
   if (!(c.capacity_skip > 0) || !std::isfinite(c.capacity_skip))

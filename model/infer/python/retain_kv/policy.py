@@ -13,6 +13,7 @@ import torch
 from .gguf import read_gguf
 
 GATE_SUFFIXES = {
+    "linear": ["linear.weight", "bias"],  # a trimkv gate with G = 0: logβ = logsigmoid(W·h + b)
     "trimkv": ["linear1.weight", "linear1.bias", "linear2.weight", "bias"],
     "dbtrimkv": ["linear1.weight", "linear1.bias", "linear2.weight", "linear2.bias", "linear3.weight", "bias"],
 }
@@ -21,7 +22,7 @@ KVPOP_SUFFIXES = ["q_proj.weight", "k_proj.weight", "v_proj.weight", "igate.weig
                   "fgate.bias", "out.weight", "out.bias", "decay"]
 _NAME = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(retention_gate|kvpop)\.(.+)$")
 _GGUF_NAME = re.compile(r"^blk\.(\d+)\.(retention_gate|kvpop)\.(.+)$")
-_GGUF_GATE = {"fc1.weight": "linear1.weight", "fc1.bias": "linear1.bias", "fc2.weight": "linear2.weight",
+_GGUF_GATE = {"fc.weight": "linear.weight", "fc1.weight": "linear1.weight", "fc1.bias": "linear1.bias", "fc2.weight": "linear2.weight",
               "fc2.bias": "linear2.bias", "fc3.weight": "linear3.weight", "bias": "bias"}
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -198,14 +199,24 @@ def _gates(path, tensors, meta):
         return _kvpop(path, tensors, meta)
     layers = _by_layer(path, tensors, "retention_gate")
     kind = "dbtrimkv" if "linear3.weight" in layers[0] else "trimkv"
+    linear = "linear.weight" in layers[0]  # the linear gate (G = 0), a trimkv gate
+    if linear and kind == "dbtrimkv":
+        _fail(path, "holds both linear.weight (a linear trimkv gate) and linear3.weight (dbtrimkv gates)")
     if meta.get("gate_kind", kind) != kind:
         _fail(path, f"metadata says gate_kind {meta['gate_kind']!r} but the tensors are {kind} gates")
-    _check_suffixes(path, layers, GATE_SUFFIXES[kind], "retention_gate")
-    G, D = layers[0]["linear1.weight"].shape
+    if "gate_hidden" in meta and (str(meta["gate_hidden"]) in ("0", "0.0")) != linear:
+        _fail(path, f"metadata says gate_hidden {meta['gate_hidden']} but the tensors are "
+                    + ("a linear gate (linear.weight, G = 0)" if linear else "MLP gates (linear1.weight)"))
+    _check_suffixes(path, layers, GATE_SUFFIXES["linear" if linear else kind], "retention_gate")
     K = layers[0]["bias"].shape[0] if layers[0]["bias"].dim() == 1 else -1
-    shapes = {"linear1.weight": (G, D), "linear1.bias": (G,), "bias": (K,)}
-    shapes.update({"linear2.weight": (K, G)} if kind == "trimkv" else
-                  {"linear2.weight": (G, G), "linear2.bias": (G,), "linear3.weight": (K, G)})
+    if linear:
+        G, D = 0, layers[0]["linear.weight"].shape[-1]
+        shapes = {"linear.weight": (K, D), "bias": (K,)}
+    else:
+        G, D = layers[0]["linear1.weight"].shape
+        shapes = {"linear1.weight": (G, D), "linear1.bias": (G,), "bias": (K,)}
+        shapes.update({"linear2.weight": (K, G)} if kind == "trimkv" else
+                      {"linear2.weight": (G, G), "linear2.bias": (G,), "linear3.weight": (K, G)})
     _expect(path, layers, "retention_gate", shapes)
     if kind == "dbtrimkv":
         for s in SHARED:

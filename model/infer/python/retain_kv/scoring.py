@@ -1,5 +1,6 @@
 """What the policies rank tokens by, computed from the stock model's own tensors:
-- gates (trimkv, dbtrimkv, DESIGN §4): logβ = logsigmoid(MLP(h)) of the input-RMSNorm output h,
+- gates (trimkv, dbtrimkv, DESIGN §4): logβ = logsigmoid(MLP(h)) of the input-RMSNorm output h
+  (or logsigmoid(W·h + b) for a linear trimkv gate, G = 0),
   float32, as model/gates/gates.cpp;
 - KVPOP (DESIGN §5): the running stabilized mLSTM of every (layer, KV head) over x = [k; v] (the
   cached key after k_norm and RoPE, and the value), a token's score read out when it leaves the
@@ -18,6 +19,8 @@ READOUT_EPS = float(torch.tensor(1e-6, dtype=torch.float32))  # the C++ constant
 def gate_log_beta(policy, layer, h):
     """logβ F32 [T, K] of layer `layer` for h [T, D] (any float dtype)."""
     p = policy.layers[layer]
+    if "linear.weight" in p:  # the linear gate (G = 0)
+        return F.logsigmoid(F.linear(h.float(), p["linear.weight"], p["bias"]))
     a = F.silu(F.linear(h.float(), p["linear1.weight"], p["linear1.bias"]))
     if policy.kind == "dbtrimkv":
         a = F.silu(F.linear(a, p["linear2.weight"], p["linear2.bias"]))
@@ -38,7 +41,7 @@ class GateStep:
 
     def __init__(self, policy, device):
         L, K, G = len(policy.layers), policy.kv_heads, policy.gate_hidden
-        pairs = [("linear1.weight", "linear1.bias"), ("linear2.weight", "bias")] if policy.kind == "trimkv" else [
+        pairs = [("linear.weight", "bias")] if G == 0 else [("linear1.weight", "linear1.bias"), ("linear2.weight", "bias")] if policy.kind == "trimkv" else [
             ("linear1.weight", "linear1.bias"), ("linear2.weight", "linear2.bias"), ("linear3.weight", "bias")]
         # Per layer [(Wᵀ, bias)] of each linear: Wᵀ the transposed view F.linear hands addmm.
         self.weights = [[(p[w].t(), p[b]) for w, b in pairs] for p in policy.layers]
