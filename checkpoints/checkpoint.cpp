@@ -358,11 +358,13 @@ void remove_stale_temporaries(const std::string& run_dir) {
   }
 }
 
-Loaded load_checkpoint(const std::string& ckpt_dir, int64_t flat_size, int64_t begin, int64_t end) {
+Loaded load_checkpoint(const std::string& ckpt_dir, int64_t flat_size, int64_t begin, int64_t end,
+                       const std::function<void(const nlohmann::json& state)>& check_state) {
   RETAIN_CHECK(flat_size >= 0 && begin >= 0 && begin <= end, "bad range [{}, {}) of {}", begin, end, flat_size);
   const fs::path dir = ckpt_dir;
   if (!fs::is_directory(dir)) fail("{}: no such checkpoint directory", dir.string());
   StateHeader h = read_state(dir);
+  if (check_state) check_state(h.state);
   const int64_t world = h.world_size;
 
   Loaded out;

@@ -16,6 +16,7 @@
 // on M ranks.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -72,8 +73,11 @@ struct Loaded {
 // Reads state.json and the optimizer state for [begin, end) of a flat vector of flat_size
 // scalars, assembled from ALL optimizer-rank* files of the checkpoint (indices >= flat_size are
 // padding: 0). Every inconsistency (missing shard, sizes, world_size, t differing between
-// shards, NaN) is one retain::Error naming the file.
-Loaded load_checkpoint(const std::string& ckpt_dir, int64_t flat_size, int64_t begin, int64_t end);
+// shards, NaN) is one retain::Error naming the file. `check_state`, when given, sees state.json
+// first and may throw: a resume with another configuration is named by what differs, before a
+// size check would name only its consequence.
+Loaded load_checkpoint(const std::string& ckpt_dir, int64_t flat_size, int64_t begin, int64_t end,
+                       const std::function<void(const nlohmann::json& state)>& check_state = {});
 
 // Names used by the layout (exposed for tools and tests).
 std::string step_dir_name(int64_t step);                      // "step-00000100"

@@ -141,6 +141,32 @@ void add_inplace(Tensor& x, const Tensor& y) {
   cpu::add_inplace(x, y);
 }
 
+namespace {
+// a [T, A], b [T, B] and the joined [T, A + B], all F32 on one device; returns the device.
+Device check_columns(const char* op, const Tensor& a, const Tensor& b, const Tensor& joined) {
+  RETAIN_CHECK(a.dtype() == DType::F32 && b.dtype() == DType::F32 && joined.dtype() == DType::F32 && a.ndim() == 2 &&
+                   b.ndim() == 2 && joined.ndim() == 2 && b.dim(0) == a.dim(0) && joined.dim(0) == a.dim(0) &&
+                   joined.dim(1) == a.dim(1) + b.dim(1),
+               "{}: parts {} {} {} {}, joined {} {} (F32 [T, A], [T, B] and [T, A + B])", op, dtype_name(a.dtype()),
+               shape_str(a.shape()), dtype_name(b.dtype()), shape_str(b.shape()), dtype_name(joined.dtype()),
+               shape_str(joined.shape()));
+  RETAIN_CHECK(!overlap(joined, a) && !overlap(joined, b), "{}: the joined tensor overlaps a part", op);
+  return one_device(op, {&a, &b, &joined});
+}
+}  // namespace
+
+void concat_columns(const Tensor& a, const Tensor& b, Tensor& out) {
+  if (check_columns("concat_columns", a, b, out) == Device::CUDA)
+    RETAIN_CUDA_OP("concat_columns", concat_columns(a, b, out));
+  cpu::concat_columns(a, b, out);
+}
+
+void split_columns_add(const Tensor& src, Tensor& da, Tensor& db) {
+  if (check_columns("split_columns_add", da, db, src) == Device::CUDA)
+    RETAIN_CUDA_OP("split_columns_add", split_columns_add(src, da, db));
+  cpu::split_columns_add(src, da, db);
+}
+
 void attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& doc, float scale, Tensor& out) {
   expect(q, DType::F32, 3, "attention", "q");
   expect(k, DType::F32, 3, "attention", "k");

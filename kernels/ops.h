@@ -56,6 +56,12 @@ void swiglu(const Tensor& gate, const Tensor& up, Tensor& out);
 // x += y, elementwise F32.
 void add_inplace(Tensor& x, const Tensor& y);
 
+// out = [a ‖ b] row by row: a F32 [T, A], b F32 [T, B], out F32 [T, A + B] (a copy; out aliases
+// neither). The input of a retention gate that reads [k ‖ v] (model/gates/gates.h).
+void concat_columns(const Tensor& a, const Tensor& b, Tensor& out);
+// The backward of concat_columns: da += src[:, :A], db += src[:, A:] (F32; src [T, A + B]).
+void split_columns_add(const Tensor& src, Tensor& da, Tensor& db);
+
 // Causal GQA softmax attention with document masks: query t attends key i iff i ≤ t and
 // doc[i] == doc[t]; query head h uses KV head h / (H/K). score = (q·k)·scale.
 // q F32 [T, H, d]; k, v F32 [T, K, d]; doc I32 [T]; out F32 [T, H, d].

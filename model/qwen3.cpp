@@ -10,9 +10,10 @@
 namespace retain {
 
 void check_gates_fit(const Qwen3Config& c, const gates::GateDims& g) {
-  if (g.layers != c.num_hidden_layers || g.hidden != c.hidden_size || g.kv_heads != c.num_key_value_heads)
-    fail("retention gates for {} layers, hidden size {}, {} KV heads do not fit a model with {}, {}, {}", g.layers,
-         g.hidden, g.kv_heads, c.num_hidden_layers, c.hidden_size, c.num_key_value_heads);
+  const int64_t width = gates::gate_input_width(c, g.input);
+  if (g.layers != c.num_hidden_layers || g.hidden != width || g.kv_heads != c.num_key_value_heads)
+    fail("retention gates for {} layers, input width {} ({}), {} KV heads do not fit a model with {}, {}, {}", g.layers,
+         g.hidden, gates::gate_input_name(g.input), g.kv_heads, c.num_hidden_layers, width, c.num_key_value_heads);
 }
 
 Tensor positions_of(const Tensor& doc) {
@@ -132,8 +133,10 @@ void qwen3_decoder_layer(const Qwen3Config& c, const LayerWeights& w, const Rope
   Tensor attn;
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
   if (gates) {
-    // logβ [T, K] from the q/k/v input.
-    const Tensor log_beta = gates->forward(layer, h, saved ? &saved->gate : nullptr);
+    // logβ [T, K] from the q/k/v input h, or from [k ‖ v] after RoPE (GateInput::kv).
+    const Tensor gate_input = gates->input_of(h, k3, v3);
+    const Tensor log_beta = gates->forward(layer, gate_input, saved ? &saved->gate : nullptr);
+    if (saved) saved->gate_input = gate_input;
     attn = layer_attention(q3, k3, v3, &log_beta, doc, scale, layer, saved);
     if (log_beta_out) {
       RETAIN_CHECK(log_beta_out->dtype() == DType::F32 && log_beta_out->shape() == log_beta.shape(),
@@ -148,7 +151,6 @@ void qwen3_decoder_layer(const Qwen3Config& c, const LayerWeights& w, const Rope
   ops::linear(attn.reshape({T, H * d}), w.o_proj, x, /*accumulate=*/true);  // the residual add in the GEMM
   attn = Tensor();
   if (saved) {
-    saved->h = h;
     saved->q_raw = q, saved->k_raw = k;
     if (saved->attention_only) {  // x ends here: x_mid is x itself, not a copy
       saved->x_mid = x;

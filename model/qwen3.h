@@ -38,12 +38,12 @@ void check_gates_fit(const Qwen3Config& config, const gates::GateDims& dims);
 // What one decoder layer's backward needs, beyond its input x: kept by qwen3_decoder_layer
 // when asked (the student's backward recomputes one layer at a time from its checkpoint).
 struct DecoderLayerSaved {
-  Tensor h;                      // input-RMSNorm output F32 [T, D] (q/k/v and gate input)
   Tensor q_raw, k_raw;           // projections before the per-head norm, [T, H·d], [T, K·d]
   Tensor q, k, v;                // attention inputs: q, k normed and rotated, [T, H, d], [T, K, d], [T, K, d]
                                  // (F32 on the CPU; BF16 on CUDA, what its attention kernels read)
   Tensor log_beta;               // gate output F32 [T, K] (gated layers only)
   gates::GateActivations gate;   // gate pre-activations (gated layers only)
+  Tensor gate_input;             // what the gate read: h, or [k ‖ v] F32 [T, 2·K·d] (gated layers only)
   Tensor attn, lse;              // attention output [T, H, d] (dtype as q) and its log-sum-exp F32 [T, H]
                                  // (gated only)
   Tensor x_mid;                  // residual stream after attention F32 [T, D] (the post-norm input)

@@ -118,6 +118,12 @@ void layer_backward(const Qwen3Config& c, const LayerWeights& w, const RopeParam
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
   attention_backward(s, pass.doc, scale, dattn, dq, dk, dv, dlog_beta);
   if (extra_dlog_beta) ops::add_inplace(dlog_beta, *extra_dlog_beta);
+  if (gates.reads_kv()) {  // the gate read [k ‖ v] after RoPE: its input gradient joins dk and dv here
+    Tensor dx = Tensor::zeros(s.gate_input.shape(), DType::F32, dev);
+    gates.backward(layer, s.gate_input, s.gate, dlog_beta, &dx);
+    Tensor dk2 = dk.reshape({T, K * d}), dv2 = dv.reshape({T, K * d});
+    ops::split_columns_add(dx, dk2, dv2);
+  }
   ops::rope_backward(dq, pass.positions, rope.inv_freq, rope.attention_factor);
   ops::rope_backward(dk, pass.positions, rope.inv_freq, rope.attention_factor);
   {
@@ -126,13 +132,13 @@ void layer_backward(const Qwen3Config& c, const LayerWeights& w, const RopeParam
     ops::rmsnorm_backward(s.k_raw.reshape({T * K, d}), w.k_norm, eps, dkh, dkh);
   }
   s.q_raw = s.k_raw = Tensor();
-  // ∂loss/∂h: the q, k, v projections, then the gate's path (RetentionGates::backward adds it).
+  // ∂loss/∂h: the q, k, v projections, then (gates reading h) the gate's path (RetentionGates::backward adds it).
   Tensor dh = f32({T, D});
   ops::linear_backward_input(dq.reshape({T, H * d}), w.q_proj, dh);
   ops::linear_backward_input(dk.reshape({T, K * d}), w.k_proj, dh, /*accumulate=*/true);
   ops::linear_backward_input(dv.reshape({T, K * d}), w.v_proj, dh, /*accumulate=*/true);
   dq = dk = dv = Tensor();
-  gates.backward(layer, s.h, s.gate, dlog_beta, &dh);
+  if (!gates.reads_kv()) gates.backward(layer, s.gate_input, s.gate, dlog_beta, &dh);
   s = DecoderLayerSaved();
   ops::rmsnorm_backward(layer_input(checkpoint), w.input_norm, eps, dh, dx, /*accumulate=*/true);  // ∂loss/∂x_in
 }

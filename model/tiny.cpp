@@ -149,7 +149,8 @@ void make_tiny_model(const std::string& dir, const TinyModelOptions& opt) {
   std::optional<gates::RetentionGates> gates;
   if (opt.gate_kind)
     gates = gates::RetentionGates::init(
-        {*opt.gate_kind, c.num_hidden_layers, c.hidden_size, opt.gate_hidden, c.num_key_value_heads},
+        {*opt.gate_kind, c.num_hidden_layers, gates::gate_input_width(c, opt.gate_input), opt.gate_hidden,
+         c.num_key_value_heads, opt.gate_input},
         opt.gate_bias_init, opt.seed ^ 0x9e3779b97f4a7c15ULL);
   // A size guard: this tool makes test models; a typo (--hidden 65536) must not fill the disk.
   int64_t params = 0;

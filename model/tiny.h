@@ -31,6 +31,7 @@ struct TinyModelOptions {
   // but with a small logit bias by default, so that the decay is visible (b = 18 is not).
   std::optional<gates::GateKind> gate_kind;
   int64_t gate_hidden = 16;
+  gates::GateInput gate_input = gates::GateInput::hidden;
   double gate_bias_init = 2.0;
   // An existing, non-empty DIR is replaced only when set (retain-make-tiny --force): a trained
   // run's folder must not lose its config.json and gates to a mistyped --out.

@@ -134,6 +134,34 @@ TEST(Ops, SwiGluAndAdd) {
   for (int i = 0; i < 28; ++i) EXPECT_EQ(s.data<float>()[i], g.data<float>()[i] + u.data<float>()[i]);
 }
 
+// [a ‖ b] row by row, and its backward adding each part of the joined gradient into its own
+// gradient; shapes with empty parts and rows; errors for wrong shapes and aliasing.
+TEST(Ops, ConcatColumnsAndSplitColumnsAdd) {
+  std::mt19937 rng(9);
+  for (auto [T, A, B] : {std::tuple{5, 3, 4}, std::tuple{1, 1, 1}, std::tuple{0, 2, 3}, std::tuple{4, 0, 2}}) {
+    const Tensor a = randn({T, A}, rng), b = randn({T, B}, rng);
+    Tensor out = Tensor::empty({T, A + B}, DType::F32);
+    ops::concat_columns(a, b, out);
+    for (int t = 0; t < T; ++t)
+      for (int j = 0; j < A + B; ++j)
+        EXPECT_EQ(out.data<float>()[t * (A + B) + j], j < A ? a.data<float>()[t * A + j] : b.data<float>()[t * B + j - A]);
+    const Tensor g = randn({T, A + B}, rng);
+    Tensor da = a.clone(), db = b.clone();
+    ops::split_columns_add(g, da, db);
+    for (int t = 0; t < T; ++t) {
+      for (int j = 0; j < A; ++j)
+        EXPECT_EQ(da.data<float>()[t * A + j], a.data<float>()[t * A + j] + g.data<float>()[t * (A + B) + j]);
+      for (int j = 0; j < B; ++j)
+        EXPECT_EQ(db.data<float>()[t * B + j], b.data<float>()[t * B + j] + g.data<float>()[t * (A + B) + A + j]);
+    }
+  }
+  Tensor a = randn({3, 2}, rng), b = randn({3, 2}, rng), wrong = Tensor::empty({3, 5}, DType::F32);
+  EXPECT_THROW(ops::concat_columns(a, b, wrong), Error);
+  EXPECT_THROW(ops::concat_columns(a, randn({2, 2}, rng), wrong), Error);
+  Tensor joined = Tensor::empty({3, 4}, DType::F32), part = joined.reshape({6, 2}).rows(0, 3);
+  EXPECT_THROW(ops::concat_columns(part, b, joined), Error);  // a part inside the joined buffer
+}
+
 TEST(Ops, DocumentPositionsRestartPerDocument) {
   Tensor p = ops::document_positions(ints({0, 0, 0, 1, 2, 2, -1, -1, 5}));
   const std::vector<int32_t> want = {0, 1, 2, 0, 0, 1, 0, 0, 0};

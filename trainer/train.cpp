@@ -158,8 +158,15 @@ void log_fsdp_stats(const WeightProvider& weights, const dist::Comm& comm) {
 }
 
 gates::RetentionGates initial_gates(const TrainConfig& cfg, const Qwen3Config& mc) {
-  if (!cfg.init_gates.empty()) return gates::load_gates(cfg.init_gates, mc, cfg.gate).gates;  // any container
-  const gates::GateDims dims{cfg.gate, mc.num_hidden_layers, mc.hidden_size, cfg.gate_hidden, mc.num_key_value_heads};
+  if (!cfg.init_gates.empty()) {  // any container
+    gates::RetentionGates g = gates::load_gates(cfg.init_gates, mc, cfg.gate).gates;
+    if (g.dims().input != cfg.gate_input)
+      fail("--init-gates {}: these gates read {}, but --gate-input is {}", cfg.init_gates,
+           gates::gate_input_name(g.dims().input), gates::gate_input_name(cfg.gate_input));
+    return g;
+  }
+  const gates::GateDims dims{cfg.gate,        mc.num_hidden_layers, gates::gate_input_width(mc, cfg.gate_input),
+                             cfg.gate_hidden, mc.num_key_value_heads, cfg.gate_input};
   return gates::RetentionGates::init(dims, cfg.bias_init, cfg.seed);
 }
 
@@ -433,9 +440,11 @@ int run_training(const TrainConfig& cfg, dist::Comm& comm) {
   int64_t step = 0;
   collectively(comm, [&] {
     if (!resume_dir) return;
-    const ckpt::Loaded loaded = ckpt::load_checkpoint(*resume_dir, n, range.begin, range.end);
-    const std::string diff = trajectory_difference(loaded.state.at("config"), config_json);
-    if (!diff.empty()) fail("{}: cannot resume with a different configuration: {}", *resume_dir, diff);
+    const ckpt::Loaded loaded =
+        ckpt::load_checkpoint(*resume_dir, n, range.begin, range.end, [&](const nlohmann::json& state) {
+          const std::string diff = trajectory_difference(state.at("config"), config_json);
+          if (!diff.empty()) fail("{}: cannot resume with a different configuration: {}", *resume_dir, diff);
+        });
     trainee->load(loaded.gates_path);
     adam.set_state(loaded.optimizer.t, loaded.optimizer.m, loaded.optimizer.v);
     cursor = data::Cursor::from_json(loaded.state.at("cursor"), in.global_batch, ds.num_sequences(),

@@ -48,6 +48,7 @@ nlohmann::json to_json(const TrainConfig& c) {
   if (c.capacity_skip != TrainConfig{}.capacity_skip) j["capacity_skip"] = c.capacity_skip;
   if (c.fsdp_force_gather) j["fsdp_force_gather"] = true;  // only when set, likewise
   if (c.kl != ops::KlDirection::forward) j["kl"] = ops::kl_direction_name(c.kl);  // likewise
+  if (c.gate_input != gates::GateInput::hidden) j["gate_input"] = gates::gate_input_name(c.gate_input);  // likewise
   if (c.kvpop) {  // only kvpop runs have them, so gate runs' configs are as before
     j["window"] = c.window;
     j["sinks"] = c.sinks;
@@ -70,7 +71,7 @@ std::string trajectory_difference(const nlohmann::json& saved, const nlohmann::j
                                         "clip",   "global_batch", "micro_batch", "seed",       "seq_len",
                                         "window", "sinks",        "topk",        "margin_weight", "capacity_skip",
                                         "adam_beta1", "adam_beta2", "decay_every", "decay_min", "decay_max",
-                                        "target_cutoff", "kl", "capacity"};
+                                        "target_cutoff", "kl", "capacity", "gate_input"};
   // Fields that configs written before they existed lack: such a run used these values (a kvpop
   // run then ranked its targets by raw log m). Filled in only where the other side has the
   // field, so gate runs (no kvpop fields) still compare as before.
@@ -82,7 +83,7 @@ std::string trajectory_difference(const nlohmann::json& saved, const nlohmann::j
     if (!s.contains(f) && now.contains(f) && (std::string_view(f).starts_with("adam") || s.contains("window")))
       s[f] = v;
   // Fields written only when they differ from their default: absent means the default.
-  static const std::map<std::string, nlohmann::json> kImplicit = {{"kl", "forward"}};
+  static const std::map<std::string, nlohmann::json> kImplicit = {{"kl", "forward"}, {"gate_input", "hidden"}};
   for (const char* f : kFields) {
     if (const auto d = kImplicit.find(f); d != kImplicit.end() && s.contains(f) != now.contains(f)) {
       const nlohmann::json& a = s.contains(f) ? s[f] : d->second;

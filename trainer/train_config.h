@@ -20,6 +20,7 @@ struct TrainConfig {
   // Gates (DESIGN §4).
   gates::GateKind gate = gates::GateKind::trimkv;
   int64_t gate_hidden = 512;
+  gates::GateInput gate_input = gates::GateInput::hidden;  // --gate-input: h, or [k ‖ v] after RoPE
   double bias_init = 18.0;
   std::string init_gates;  // optional: start from this gate file instead of a fresh init
 

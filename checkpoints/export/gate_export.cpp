@@ -45,6 +45,7 @@ void write_safetensors(const std::string& out, const gates::RetentionGates& g, c
       {"base_config_sha256", info.base_config_sha256},
   };
   if (g.bias_init()) meta["bias_init"] = fmt_number(*g.bias_init());
+  if (g.reads_kv()) meta["gate_input"] = "kv";
   if (info.memory) meta["memory"] = fmt_number(*info.memory);
   if (info.step) meta["step"] = std::to_string(*info.step);
   if (info.max_seq_len) meta["max_seq_len"] = std::to_string(*info.max_seq_len);
@@ -68,6 +69,7 @@ void write_gguf(const std::string& out, const gates::RetentionGates& g, const Ga
       {"retention.base_model", Value::str(info.base_model)},
       {"retention.base_config_sha256", Value::str(info.base_config_sha256)},
   };
+  if (g.reads_kv()) meta.emplace_back("retention.gate_input", Value::str("kv"));
   if (info.memory) meta.emplace_back("retention.memory", Value::f64(*info.memory));
   if (g.bias_init()) meta.emplace_back("retention.bias_init", Value::f64(*g.bias_init()));
   if (info.step) meta.emplace_back("retention.step", formats::gguf::Value{formats::gguf::Type::U64, static_cast<uint64_t>(*info.step)});
@@ -85,6 +87,10 @@ void write_gguf(const std::string& out, const gates::RetentionGates& g, const Ga
 void write_trimkv_dir(const std::string& out, const gates::RetentionGates& g, const GateInfo& info, DType dtype,
                       const nlohmann::ordered_json& base_config, bool replace) {
   const gates::GateDims& d = g.dims();
+  if (g.reads_kv())
+    fail("{}: the authors' layout (config.json + {}) has no gate reading [k ‖ v] (their RetentionGate reads the "
+         "hidden state); export it as safetensors or gguf",
+         out, gates::kTrimkvWeightsFile);
   if (g.is_linear())
     fail("{}: the authors' layout (config.json + {}) has no linear gate (their RetentionGate is an MLP); export a "
          "linear gate as safetensors or gguf",

@@ -136,4 +136,26 @@ void add_inplace(Tensor& x, const Tensor& y) {
   for (int64_t i = 0; i < n; ++i) a[i] += b[i];
 }
 
+void concat_columns(const Tensor& a, const Tensor& b, Tensor& out) {
+  const int64_t T = a.dim(0), A = a.dim(1), B = b.dim(1);
+  const float *pa = a.data<float>(), *pb = b.data<float>();
+  float* po = out.data<float>();
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < T; ++t) {
+    std::copy_n(pa + t * A, A, po + t * (A + B));
+    std::copy_n(pb + t * B, B, po + t * (A + B) + A);
+  }
+}
+
+void split_columns_add(const Tensor& src, Tensor& da, Tensor& db) {
+  const int64_t T = da.dim(0), A = da.dim(1), B = db.dim(1);
+  const float* ps = src.data<float>();
+  float *pa = da.data<float>(), *pb = db.data<float>();
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t j = 0; j < A; ++j) pa[t * A + j] += ps[t * (A + B) + j];
+    for (int64_t j = 0; j < B; ++j) pb[t * B + j] += ps[t * (A + B) + A + j];
+  }
+}
+
 }  // namespace retain::cpu

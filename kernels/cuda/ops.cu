@@ -4,7 +4,8 @@
 // memory, barriers and launches. Not yet run on a GPU (none has been lent);
 // tests/cuda/test_ops_cuda.cpp is the GPU check.
 //
-// Elementwise (embedding, swiglu fwd/bwd, add_inplace, rope fwd/bwd): grid-stride loops, one
+// Elementwise (embedding, swiglu fwd/bwd, add_inplace, concat_columns/split_columns_add, rope
+// fwd/bwd): grid-stride loops, one
 // element (rope: one (token, pair) for every head) per thread step, int64 indices.
 // RMSNorm fwd/bwd: one block of kRowThreads per row (per-head q/k norm is the same op on
 // [T·H, d]); strided float32 partials, a fixed pairwise tree in shared memory, then each thread
@@ -116,6 +117,23 @@ __global__ void add_kernel(float* x, const float* y, int64_t n) {
   for (int64_t i = first_index(); i < n; i += grid_stride()) x[i] += y[i];
 }
 
+// One element of the joined [T, A + B] per thread step: copied out of (concat) or added into
+// (split) the part it belongs to.
+__global__ void concat_columns_kernel(const float* a, const float* b, float* out, int64_t A, int64_t B, int64_t n) {
+  for (int64_t i = first_index(); i < n; i += grid_stride()) {
+    const int64_t t = i / (A + B), j = i % (A + B);
+    out[i] = j < A ? a[t * A + j] : b[t * B + (j - A)];
+  }
+}
+
+__global__ void split_columns_add_kernel(const float* src, float* a, float* b, int64_t A, int64_t B, int64_t n) {
+  for (int64_t i = first_index(); i < n; i += grid_stride()) {
+    const int64_t t = i / (A + B), j = i % (A + B);
+    if (j < A) a[t * A + j] += src[i];
+    else b[t * B + (j - A)] += src[i];
+  }
+}
+
 // One block per row up to the grid limit, then rows grid-stride.
 unsigned row_blocks(int64_t rows) {
   constexpr int64_t kMaxRowBlocks = 1 << 20;
@@ -204,6 +222,22 @@ void add_inplace(Tensor& x, const Tensor& y) {
   const int64_t n = x.numel();
   if (n == 0) return;
   add_kernel<<<elem_blocks(n), kElemThreads>>>(ptr<float>(x), ptr<float>(y), n);
+  RETAIN_LAUNCH_CHECK();
+}
+
+void concat_columns(const Tensor& a, const Tensor& b, Tensor& out) {
+  const int64_t n = out.numel();
+  if (n == 0) return;
+  concat_columns_kernel<<<elem_blocks(n), kElemThreads>>>(ptr<float>(a), ptr<float>(b), ptr<float>(out), a.dim(1),
+                                                          b.dim(1), n);
+  RETAIN_LAUNCH_CHECK();
+}
+
+void split_columns_add(const Tensor& src, Tensor& da, Tensor& db) {
+  const int64_t n = src.numel();
+  if (n == 0) return;
+  split_columns_add_kernel<<<elem_blocks(n), kElemThreads>>>(ptr<float>(src), ptr<float>(da), ptr<float>(db),
+                                                             da.dim(1), db.dim(1), n);
   RETAIN_LAUNCH_CHECK();
 }
 

@@ -22,5 +22,7 @@ void rope_backward(Tensor& dx, const Tensor& positions, const Tensor& inv_freq, 
 void swiglu(const Tensor& gate, const Tensor& up, Tensor& out);
 void swiglu_backward(const Tensor& gate, const Tensor& up, const Tensor& dout, Tensor& dgate, Tensor& dup);
 void add_inplace(Tensor& x, const Tensor& y);
+void concat_columns(const Tensor& a, const Tensor& b, Tensor& out);
+void split_columns_add(const Tensor& src, Tensor& da, Tensor& db);
 
 }  // namespace retain::cuda

@@ -103,6 +103,7 @@ LoadedGates load_gguf(const std::string& path, const Qwen3Config& config, std::o
   if (auto k = str("retention.kind")) meta["gate_kind"] = *k;
   if (auto b = num("retention.bias_init")) meta["bias_init"] = fmt_number(*b);
   if (auto g = num("retention.gate_hidden")) meta["gate_hidden"] = fmt_number(*g);
+  if (auto in = str("retention.gate_input")) meta["gate_input"] = *in;
   LoadedGates out{RetentionGates::from_tensors(path, tensors, meta, config, expect), {}, Format::gguf};
   out.info.memory = num("retention.memory");
   if (auto s = num("retention.step")) out.info.step = static_cast<int64_t>(*s);

@@ -86,20 +86,28 @@ RetentionGates RetentionGates::from_tensors(const std::string& path, const std::
   if (*layers.rbegin() >= L || present != L)
     fail("{}: has gates for {} layers (layer indices {}..{}), the model has {} (num_hidden_layers)", path, present,
          *layers.begin(), *layers.rbegin(), L);
+  // The input: __metadata__ gate_input ("kv": [k ‖ v] after RoPE, 2·K·head_dim wide), else h.
+  GateInput input = GateInput::hidden;
+  if (auto it = meta.find("gate_input"); it != meta.end())
+    input = parse_gate_input(it->second, path + ": __metadata__ gate_input");
+  const int64_t width = gate_input_width(config, input);
+  const std::string width_is = input == GateInput::hidden
+                                   ? fmt::format("{} the model's hidden_size", width)
+                                   : fmt::format("{} = 2·num_key_value_heads·head_dim, gate_input kv", width);
   int64_t G = 0;
   if (!has_linear) {
     const std::string w1_name = gate_tensor_name(0, "linear1.weight");
     if (!tensors.count(w1_name)) fail("{}: missing tensor '{}'", path, w1_name);
     const Shape& w1_shape = tensors.at(w1_name).shape();
-    if (w1_shape.size() != 2 || w1_shape[0] <= 0 || w1_shape[1] != config.hidden_size)
-      fail("{}: tensor '{}' has shape {}, expected [G, {}] (G the gate width, {} the model's hidden_size)", path,
-           w1_name, shape_str(w1_shape), config.hidden_size, config.hidden_size);
+    if (w1_shape.size() != 2 || w1_shape[0] <= 0 || w1_shape[1] != width)
+      fail("{}: tensor '{}' has shape {}, expected [G, {}] (G the gate width, {})", path, w1_name, shape_str(w1_shape),
+           width, width_is);
     G = w1_shape[0];
   }
   if (auto it = meta.find("gate_hidden"); it != meta.end() && (it->second == "0") != has_linear)
     fail("{}: __metadata__ says gate_hidden {} but the tensors are {}", path, printable(it->second),
          has_linear ? "a linear gate (linear.weight, G = 0)" : "MLP gates (linear1.weight)");
-  RetentionGates g({kind, L, config.hidden_size, G, config.num_key_value_heads});
+  RetentionGates g({kind, L, width, G, config.num_key_value_heads, input});
 
   // Every expected name present with its shape; then nothing else.
   std::set<std::string> expected;
@@ -110,8 +118,8 @@ RetentionGates RetentionGates::from_tensors(const std::string& path, const std::
       if (!tensors.count(n)) fail("{}: missing tensor '{}'", path, n);
       const Shape& shape = tensors.at(n).shape();
       if (shape != p.value.shape())
-        fail("{}: tensor '{}' has shape {}, expected {} (G {}, hidden_size {}, num_key_value_heads {})", path, n,
-             shape_str(shape), shape_str(p.value.shape()), g.dims_.gate_hidden, config.hidden_size,
+        fail("{}: tensor '{}' has shape {}, expected {} (G {}, input width {}, num_key_value_heads {})", path, n,
+             shape_str(shape), shape_str(p.value.shape()), g.dims_.gate_hidden, width_is,
              config.num_key_value_heads);
       const Tensor v = as_f32(path, n, tensors.at(n));
       if (c == 0) {
@@ -174,6 +182,7 @@ void RetentionGates::save(const std::string& path, const std::map<std::string, s
       {"hidden_size", std::to_string(dims_.hidden)},
   };
   if (bias_init_) meta["bias_init"] = fmt::format("{}", *bias_init_);
+  if (reads_kv()) meta["gate_input"] = "kv";  // absent: h, as every file before it
   for (const auto& [k, v] : extra) meta[k] = v;
   formats::write_safetensors(path, named_tensors(), meta);
 }

@@ -62,6 +62,30 @@ GateKind parse_gate_kind(std::string_view s, std::string_view what) {
 
 std::string_view gate_kind_name(GateKind kind) { return kind == GateKind::trimkv ? "trimkv" : "dbtrimkv"; }
 
+GateInput parse_gate_input(std::string_view s, std::string_view what) {
+  if (s == "hidden") return GateInput::hidden;
+  if (s == "kv") return GateInput::kv;
+  fail("{}: unknown gate input '{}' (expected hidden or kv)", what, s);
+}
+
+std::string_view gate_input_name(GateInput input) { return input == GateInput::hidden ? "hidden" : "kv"; }
+
+int64_t gate_input_width(const Qwen3Config& config, GateInput input) {
+  return input == GateInput::hidden ? config.hidden_size : 2 * config.num_key_value_heads * config.head_dim;
+}
+
+Tensor RetentionGates::input_of(const Tensor& h, const Tensor& k3, const Tensor& v3) const {
+  if (!reads_kv()) return h;
+  RETAIN_CHECK(k3.ndim() == 3 && v3.shape() == k3.shape() && k3.dim(1) == dims_.kv_heads &&
+                   2 * k3.dim(1) * k3.dim(2) == dims_.hidden,
+               "kv gate input: k {} v {} for {} KV heads and input width {}", shape_str(k3.shape()),
+               shape_str(v3.shape()), dims_.kv_heads, dims_.hidden);
+  const int64_t T = k3.dim(0), n = k3.dim(1) * k3.dim(2);
+  Tensor x = Tensor::empty({T, 2 * n}, DType::F32, k3.device());
+  ops::concat_columns(k3.reshape({T, n}), v3.reshape({T, n}), x);
+  return x;
+}
+
 std::string gate_tensor_name(int64_t layer, std::string_view suffix) {
   return fmt::format("model.layers.{}.self_attn.retention_gate.{}", layer, suffix);
 }

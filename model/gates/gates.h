@@ -24,6 +24,13 @@
 namespace retain::gates {
 
 enum class GateKind { trimkv, dbtrimkv };
+// What a gate reads: the input-RMSNorm output h [T, D] (DESIGN §4), or the token's attention key and
+// value after k_norm and RoPE, x = [k_1 … k_K ‖ v_1 … v_K] [T, 2·K·head_dim] (DBTrimKV Tables 4–5's
+// ablation; the same cached quantities a KVPOP scorer reads).
+enum class GateInput { hidden, kv };
+// "hidden" / "kv"; anything else fails with "<what>: unknown gate input '<s>' (...)".
+GateInput parse_gate_input(std::string_view s, std::string_view what = "gate input");
+std::string_view gate_input_name(GateInput input);
 // "trimkv" / "dbtrimkv"; anything else fails with "<what>: unknown gate kind '<s>' (...)".
 GateKind parse_gate_kind(std::string_view s, std::string_view what = "gate kind");
 std::string_view gate_kind_name(GateKind kind);
@@ -31,10 +38,14 @@ std::string_view gate_kind_name(GateKind kind);
 struct GateDims {
   GateKind kind = GateKind::trimkv;
   int64_t layers = 0;       // L = num_hidden_layers
-  int64_t hidden = 0;       // D = hidden_size (the gate input)
+  int64_t hidden = 0;       // the gate input width: D = hidden_size, or 2·K·head_dim for GateInput::kv
   int64_t gate_hidden = 0;  // G (DESIGN default 512 for new gates); 0: the linear trimkv gate
   int64_t kv_heads = 0;     // K = num_key_value_heads (one logβ per KV head)
+  GateInput input = GateInput::hidden;
 };
+
+// The input width a model gives gates reading `input`: hidden_size, or 2·K·head_dim.
+int64_t gate_input_width(const Qwen3Config& config, GateInput input);
 
 // "model.layers.{l}.self_attn.retention_gate.{suffix}"
 std::string gate_tensor_name(int64_t layer, std::string_view suffix);
@@ -82,11 +93,18 @@ class RetentionGates : public ParameterSet {
   const GateDims& dims() const { return dims_; }
   // A trimkv gate without a hidden layer (G = 0): one "linear.weight" [K, D] and "bias" [K] per layer.
   bool is_linear() const { return dims_.gate_hidden == 0; }
+  bool reads_kv() const { return dims_.input == GateInput::kv; }
+  // The gate's input for a layer: h itself (F32 [T, D]) for hidden gates; for kv gates a new
+  // F32 [T, 2·K·d] tensor [k3 ‖ v3] from the rotated keys k3 and the values v3 (F32 [T, K, d]).
+  // On the device of its arguments. The trainer adds the gradient of a kv gate's input into dk
+  // (before the RoPE backward) and dv with ops::split_columns_add.
+  Tensor input_of(const Tensor& h, const Tensor& k3, const Tensor& v3) const;
   GateKind kind() const { return dims_.kind; }
   // The bias b was initialised to (from init(), or a loaded file's __metadata__ bias_init).
   std::optional<double> bias_init() const { return bias_init_; }
 
-  // logβ F32 [T, K] for layer `layer` from h F32 [T, D]. With `saved`, keeps what
+  // logβ F32 [T, K] for layer `layer` from its input h F32 [T, D] (D = dims().hidden: input_of()'s
+  // result). With `saved`, keeps what
   // backward() needs (O(T·G) floats). Runs on h's device: with h on CUDA it reads the device
   // mirror (sync_to_device() first) and logβ and *saved are CUDA tensors.
   Tensor forward(int64_t layer, const Tensor& h, GateActivations* saved = nullptr) const;

@@ -142,7 +142,7 @@ Tensor Decoder::feed(std::span<const int32_t> ids, bool all_logits) {
     ops::rope(k3, pos, rope.inv_freq, rope.attention_factor);
     Tensor log_beta;
     if (gates_) {
-      log_beta = gates_->forward(l, h);
+      log_beta = gates_->forward(l, gates_->input_of(h, k3, v3));  // h, or [k ‖ v] after RoPE
       const float* lb = log_beta.data<float>();
       lb_hist_[static_cast<size_t>(l)].insert(lb_hist_[static_cast<size_t>(l)].end(), lb, lb + T * K);
     }

@@ -26,7 +26,7 @@ constexpr const char* kUsage =
 
 int run(int argc, char** argv) {
   TinyModelOptions o;
-  std::string out, gate_kind;
+  std::string out, gate_kind, gate_input;
   cli::po::options_description opts("Options");
   opts.add_options()
       ("out", cli::po::value(&out)->required(), "output directory (its parent must exist; created if missing)")
@@ -46,6 +46,8 @@ int run(int argc, char** argv) {
        "refuse a model above this many GiB of BF16 (a size guard against typos; Qwen3-4B shapes need 8)")
       ("gates", cli::po::value(&gate_kind), "also write DIR/gates.safetensors: trimkv or dbtrimkv")
       ("gate-hidden", cli::po::value(&o.gate_hidden)->default_value(o.gate_hidden), "gate width G (0: a linear trimkv gate)")
+      ("gate-input", cli::po::value(&gate_input)->default_value("hidden"),
+       "what the gates read: hidden (h) or kv ([k ‖ v] after RoPE)")
       ("bias-init", cli::po::value(&o.gate_bias_init)->default_value(o.gate_bias_init), "gate logit bias b");
   cli::po::variables_map vm;
   if (!cli::parse(argc, argv, kUsage, opts, vm)) return 0;
@@ -64,8 +66,13 @@ int run(int argc, char** argv) {
     if (o.gate_hidden < 0 || (o.gate_hidden == 0 && *o.gate_kind != gates::GateKind::trimkv))
       throw cli::UsageError(fmt::format(
           "--gate-hidden must be positive (or 0, a linear trimkv gate), got {} for {} gates", o.gate_hidden, gate_kind));
-  } else if (!vm["gate-hidden"].defaulted() || !vm["bias-init"].defaulted()) {
-    throw cli::UsageError("--gate-hidden and --bias-init need --gates");
+    try {
+      o.gate_input = gates::parse_gate_input(gate_input, "--gate-input");
+    } catch (const Error& e) {
+      throw cli::UsageError(e.what());
+    }
+  } else if (!vm["gate-hidden"].defaulted() || !vm["bias-init"].defaulted() || !vm["gate-input"].defaulted()) {
+    throw cli::UsageError("--gate-hidden, --gate-input and --bias-init need --gates");
   }
 
   for (const auto& [name, v] : {std::pair{"--layers", o.layers}, std::pair{"--hidden", o.hidden},

@@ -138,6 +138,25 @@ TEST_F(OpsCuda, SwigluAndAdd) {
   }
 }
 
+// concat_columns and split_columns_add: copies and one float add per element, so exact.
+TEST_F(OpsCuda, ConcatAndSplitColumns) {
+  SKIP_WITHOUT_GPU();
+  TRACE_SEED();
+  for (auto [T, A, B] : {std::tuple<int64_t, int64_t, int64_t>{300, 128, 128}, {7, 3, 5}, {0, 4, 4}, {65, 1, 200}}) {
+    const Vec a = random_elems(T * A, rng_), b = random_elems(T * B, rng_), g = random_elems(T * (A + B), rng_);
+    Tensor want = Tensor::empty({T, A + B}, DType::F32);
+    ops::concat_columns(f32(a, {T, A}), f32(b, {T, B}), want);
+    Tensor got = gpu_empty({T, A + B});
+    ops::concat_columns(gpu(f32(a, {T, A})), gpu(f32(b, {T, B})), got);
+    EXPECT_EQ(to_vec(got), to_vec(want)) << "concat_columns " << T << " " << A << " " << B;
+    Tensor da = f32(a, {T, A}), db = f32(b, {T, B}), dad = gpu(f32(a, {T, A})), dbd = gpu(f32(b, {T, B}));
+    ops::split_columns_add(f32(g, {T, A + B}), da, db);
+    ops::split_columns_add(gpu(f32(g, {T, A + B})), dad, dbd);
+    EXPECT_EQ(to_vec(dad), to_vec(da)) << "split_columns_add a " << T << " " << A << " " << B;
+    EXPECT_EQ(to_vec(dbd), to_vec(db)) << "split_columns_add b " << T << " " << A << " " << B;
+  }
+}
+
 TEST_F(OpsCuda, BadInputs) {
   SKIP_WITHOUT_GPU();
   const Tensor table = gpu(random_table(5, 3, DType::BF16, rng_));

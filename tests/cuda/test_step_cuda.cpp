@@ -50,6 +50,7 @@ struct Case {
   int micro_batches;    // 2: gradient accumulation (the extra counting pass)
   DType weights;        // the GPU's matmul weights
   int64_t mlp_chunk;    // > 0: the GPU step's MLP chunk (set_mlp_chunk_tokens); the CPU keeps one chunk
+  bool kv_input = false;  // gates reading [k ‖ v] (their input gradient joins dk, dv before the RoPE backward)
 };
 
 // Sets the process's MLP chunk for a scope (0: leaves it).
@@ -99,6 +100,7 @@ TEST_P(StepCuda, EqualsTheCpuStep) {
   opt.layers = 2, opt.hidden = 128, opt.heads = 4, opt.kv_heads = 2, opt.head_dim = c.head_dim;
   opt.intermediate = 256, opt.vocab = 300, opt.yarn_factor = c.yarn_factor, opt.seed = 7;
   opt.gate_kind = c.kind, opt.gate_hidden = 32, opt.gate_bias_init = 2.0;  // decay visible: a real capacity loss
+  if (c.kv_input) opt.gate_input = gates::GateInput::kv;
   make_tiny_model(dir.string(), opt);
   auto ckpt = std::make_shared<const Qwen3Checkpoint>(Qwen3Checkpoint::open(dir.string()));
   const std::string gate_file = (dir / "gates.safetensors").string();
@@ -163,7 +165,8 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"trimkv_f32_weights", gates::GateKind::trimkv, 64, 0, 2, DType::F32, 0},
                       // The MLP loop of every T > 8,192 run: 256 tokens in chunks of 100, 100
                       // and 56 (forward, recomputation and backward) against the CPU's one chunk.
-                      Case{"dbtrimkv_mlp_chunk100", gates::GateKind::dbtrimkv, 64, 0, 2, DType::BF16, 100}),
+                      Case{"dbtrimkv_mlp_chunk100", gates::GateKind::dbtrimkv, 64, 0, 2, DType::BF16, 100},
+                      Case{"dbtrimkv_kv_input", gates::GateKind::dbtrimkv, 64, 0, 1, DType::BF16, 0, true}),
     [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
 
 // The device memory the student's forward leaves for the backward (the checkpoints: bf16

@@ -399,47 +399,55 @@ TEST(Export, TrainInitGatesFromEveryContainer) {
   EXPECT_TRUE(dump(dir / "x.trimkv/trimkv_weights.pth", dir / "got_pth.safetensors") == want);
 }
 
-// The linear gate (G = 0, tests/fixtures/trainer's gates-trimkv-linear): safetensors and GGUF
-// exports read back bit for bit and give the same --dump-grads; the authors' directory, which has
-// no linear gate, is a one-line refusal that leaves nothing behind.
-TEST(Export, LinearGateRoundTripsAndTheAuthorsLayoutRefusesIt) {
+// The ablation gates of tests/fixtures/trainer — the linear gate (G = 0, gates-trimkv-linear) and
+// dbtrimkv gates reading [k ‖ v] (gates-dbtrimkv-kv): safetensors and GGUF exports read back bit for
+// bit, with the same kind of gate, and give the same --dump-grads; the authors' directory, which has
+// neither, is a one-line refusal that leaves nothing behind.
+TEST(Export, AblationGatesRoundTripAndTheAuthorsLayoutRefusesThem) {
   TempDir dir;
   const std::string data = trainer::test::pack_fixture_corpus(dir);
-  const std::string src = trainer::test::kFixtures + "/gates-trimkv-linear.safetensors";
   const Qwen3Config config = Qwen3Config::load(trainer::test::kModel + "/config.json");
-  const gates::RetentionGates want_gates = gates::RetentionGates::load(src, config);
-  ASSERT_TRUE(want_gates.is_linear());
-  auto dump = [&](const std::string& init, const std::string& out) {
-    const Result r = run(bin("retain-train") + " --model " + trainer::test::kModel + " --data " + data +
-                             " --gate trimkv --init-gates " + init + " --dump-grads " + out +
-                             " --memory 4 --global-batch 2 --seed 3",
-                         dir);
-    EXPECT_EQ(r.code, 0) << r.err;
-    return read_file(out);
+  struct Case {
+    const char *file, *kind, *args, *refusal;
   };
-  const std::string want = dump(src, dir / "want.safetensors");
-  for (const char* fmt : {"safetensors", "gguf"}) {
-    const std::string out = dir / (std::string("x.") + fmt);
-    const Result r = export_(std::string("--from ") + src + " --model " + trainer::test::kModel + " --format " + fmt +
-                                 " --dtype f32 --out " + out,
-                             dir);
-    ASSERT_EQ(r.code, 0) << r.err;
-    const gates::RetentionGates back = gates::load_gates(out, config).gates;
-    ASSERT_TRUE(back.is_linear()) << fmt;
-    ASSERT_EQ(back.parameters().size(), want_gates.parameters().size()) << fmt;
-    for (size_t i = 0; i < back.parameters().size(); ++i)
-      EXPECT_TRUE(bytes_equal(back.parameters()[i].value, want_gates.parameters()[i].value))
-          << fmt << " " << back.parameters()[i].name();
-    EXPECT_TRUE(dump(out, dir / (std::string("got_") + fmt + ".safetensors")) == want) << fmt;
-  }
-  const Result r = export_("--from " + src + " --model " + trainer::test::kModel + " --format trimkv --out " +
-                               (dir / "authors"),
+  for (const Case& c : {Case{"trimkv-linear", "trimkv", "", "has no linear gate"},
+                        Case{"dbtrimkv-kv", "dbtrimkv", " --gate-input kv", "has no gate reading [k ‖ v]"}}) {
+    SCOPED_TRACE(c.file);
+    const std::string src = trainer::test::kFixtures + "/gates-" + c.file + ".safetensors";
+    const gates::RetentionGates want_gates = gates::RetentionGates::load(src, config);
+    auto dump = [&](const std::string& init, const std::string& out) {
+      const Result r = run(bin("retain-train") + " --model " + trainer::test::kModel + " --data " + data + " --gate " +
+                               c.kind + c.args + " --init-gates " + init + " --dump-grads " + out +
+                               " --memory 4 --global-batch 2 --seed 3",
                            dir);
-  EXPECT_EQ(r.code, 1) << r.err;
-  EXPECT_NE(r.err.find("has no linear gate"), std::string::npos) << r.err;
-  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
-  for (const auto& e : fs::directory_iterator(dir.path()))
-    EXPECT_EQ(e.path().filename().string().find("authors"), std::string::npos) << e.path();
+      EXPECT_EQ(r.code, 0) << r.err;
+      return read_file(out);
+    };
+    const std::string want = dump(src, dir / "want.safetensors");
+    for (const char* fmt : {"safetensors", "gguf"}) {
+      const std::string out = dir / (std::string(c.file) + "." + fmt);
+      const Result r = export_(std::string("--from ") + src + " --model " + trainer::test::kModel + " --format " + fmt +
+                                   " --dtype f32 --out " + out,
+                               dir);
+      ASSERT_EQ(r.code, 0) << r.err;
+      const gates::RetentionGates back = gates::load_gates(out, config).gates;
+      EXPECT_EQ(back.is_linear(), want_gates.is_linear()) << fmt;
+      EXPECT_EQ(back.reads_kv(), want_gates.reads_kv()) << fmt;
+      ASSERT_EQ(back.parameters().size(), want_gates.parameters().size()) << fmt;
+      for (size_t i = 0; i < back.parameters().size(); ++i)
+        EXPECT_TRUE(bytes_equal(back.parameters()[i].value, want_gates.parameters()[i].value))
+            << fmt << " " << back.parameters()[i].name();
+      EXPECT_TRUE(dump(out, dir / (std::string("got_") + fmt + ".safetensors")) == want) << fmt;
+    }
+    const Result r = export_("--from " + src + " --model " + trainer::test::kModel + " --format trimkv --out " +
+                                 (dir / "authors"),
+                             dir);
+    EXPECT_EQ(r.code, 1) << r.err;
+    EXPECT_NE(r.err.find(c.refusal), std::string::npos) << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+    for (const auto& e : fs::directory_iterator(dir.path()))
+      EXPECT_EQ(e.path().filename().string().find("authors"), std::string::npos) << e.path();
+  }
 }
 
 TEST(Export, BadInvocationsAreOneLineErrors) {

@@ -303,3 +303,48 @@ TEST(GateFileLinear, RoundTripAndOneLineErrors) {
       << load_error(mlp, cfg);
   fs::remove_all(d);
 }
+
+// Gates reading [k ‖ v] (--gate-input kv): linear1.weight [G, 2·K·head_dim], __metadata__
+// gate_input "kv" written and required to read them; a width that fits neither input, or an unknown
+// gate_input, is one line naming the file.
+TEST(GateFileKv, RoundTripAndOneLineErrors) {
+  const fs::path d = scratch();
+  Qwen3Config cfg = model_config(3, 8, 2);
+  cfg.head_dim = 6;  // 2·K·d = 24
+  const RetentionGates g = RetentionGates::init({GateKind::dbtrimkv, 3, 24, 5, 2, GateInput::kv}, 2.5, 9);
+  const std::string good = (d / "kv.safetensors").string();
+  g.save(good);
+  const formats::SafetensorsFile f = formats::SafetensorsFile::open(good);
+  EXPECT_EQ(f.metadata().at("gate_input"), "kv");
+  EXPECT_EQ(f.entry(gate_tensor_name(0, "linear1.weight")).shape, (Shape{5, 24}));
+  const RetentionGates back = RetentionGates::load(good, cfg);
+  EXPECT_TRUE(back.reads_kv());
+  EXPECT_EQ(back.dims().hidden, 24);
+  for (size_t i = 0; i < g.parameters().size(); ++i)
+    EXPECT_EQ(std::memcmp(g.parameters()[i].value.raw(), back.parameters()[i].value.raw(),
+                          g.parameters()[i].value.nbytes()),
+              0);
+  // A gates file for h has no gate_input key (files before the option read as before).
+  const std::string hidden = (d / "hidden.safetensors").string();
+  RetentionGates::init({GateKind::trimkv, 3, 8, 5, 2}, 1, 1).save(hidden);
+  EXPECT_EQ(formats::SafetensorsFile::open(hidden).metadata().count("gate_input"), 0u);
+  EXPECT_FALSE(RetentionGates::load(hidden, cfg).reads_kv());
+
+  const Tensors tensors = read_all(good);
+  const std::string bad = (d / "bad.safetensors").string();
+  formats::write_safetensors(bad, tensors, {});  // no gate_input: read as h, 8 wide
+  std::string e = load_error(bad, cfg);
+  EXPECT_TRUE(contains(e, "has shape [5, 24], expected [G, 8] (G the gate width, 8 the model's hidden_size)")) << e;
+  formats::write_safetensors(bad, tensors, {{"gate_input", "keys"}});
+  e = load_error(bad, cfg);
+  EXPECT_TRUE(contains(e, "__metadata__ gate_input: unknown gate input 'keys' (expected hidden or kv)")) << e;
+  cfg.head_dim = 4;  // 2·K·d = 16
+  e = load_error(good, cfg);
+  EXPECT_TRUE(contains(e, "expected [G, 16] (G the gate width, 16 = 2·num_key_value_heads·head_dim, gate_input kv)"))
+      << e;
+  for (const std::string& m : {load_error(bad, cfg), e}) {
+    EXPECT_EQ(m.find('\n'), std::string::npos) << m;
+    EXPECT_EQ(m.rfind(d.string(), 0), 0u) << m;
+  }
+  fs::remove_all(d);
+}

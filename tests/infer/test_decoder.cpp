@@ -8,11 +8,13 @@
 #include <algorithm>
 #include <filesystem>
 #include <map>
+#include <tuple>
 #include <random>
 #include <set>
 
 #include "model/infer/decoder.h"
 #include "model/qwen3.h"
+#include "model/student.h"
 #include "model/tiny.h"
 
 using namespace retain;
@@ -26,24 +28,25 @@ struct Tiny {
   gates::RetentionGates gates;
 };
 
-// linear: the linear trimkv gate (G = 0) instead of the MLP (G = 16).
-const Tiny& tiny(gates::GateKind kind, bool linear = false) {
-  static std::map<std::pair<gates::GateKind, bool>, Tiny> cache;
-  auto it = cache.find({kind, linear});
+// linear: the linear trimkv gate (G = 0) instead of the MLP (G = 16); kv: gates reading [k ‖ v].
+const Tiny& tiny(gates::GateKind kind, bool linear = false, bool kv = false) {
+  static std::map<std::tuple<gates::GateKind, bool, bool>, Tiny> cache;
+  auto it = cache.find({kind, linear, kv});
   if (it != cache.end()) return it->second;
   const fs::path dir = fs::path(::testing::TempDir()) /
                        (std::string("retain_decoder_") + std::string(gates::gate_kind_name(kind)) +
-                        (linear ? "_linear." : ".") + std::to_string(::getpid()));
+                        (linear ? "_linear" : "") + (kv ? "_kv." : ".") + std::to_string(::getpid()));
   TinyModelOptions opt;
   opt.layers = 2, opt.heads = 4, opt.kv_heads = 2, opt.head_dim = 16, opt.hidden = 32, opt.intermediate = 64;
   opt.vocab = 300, opt.seed = 5, opt.gate_kind = kind, opt.gate_bias_init = 1.0;
   if (linear) opt.gate_hidden = 0;
+  if (kv) opt.gate_input = gates::GateInput::kv;
   make_tiny_model(dir.string(), opt);
   Tiny t;
   t.ckpt = std::make_shared<const Qwen3Checkpoint>(Qwen3Checkpoint::open(dir.string()));
   t.gates = gates::RetentionGates::load((dir / "gates.safetensors").string(), t.ckpt->config());
   fs::remove_all(dir);  // the weights stay mapped; nothing is left in the temp folder
-  return cache.emplace(std::pair{kind, linear}, std::move(t)).first->second;
+  return cache.emplace(std::tuple{kind, linear, kv}, std::move(t)).first->second;
 }
 
 std::vector<int32_t> random_ids(int64_t n, uint64_t seed) {
@@ -87,6 +90,31 @@ TEST(Decoder, FullPolicyEqualsFullForward) {
     }
     EXPECT_EQ(dec.cache().total(), 37 * 2 * 2);
     EXPECT_EQ(V, 300);
+  }
+}
+
+// The logβ the decoder ranks by is the training forward's (student_forward, whose loss and gradients
+// tests/trainer/test_dump_grads.cpp checks against float64 autograd) for every gate input: h, the
+// linear gate, and [k ‖ v] after RoPE at the token's position — whole prompt, chunks of 5, token by
+// token. Layer 0 only: from layer 1 on the inputs differ by design (training biases attention by
+// (t − i)·logβ_i, the decoder attends its cache without the bias).
+TEST(Decoder, LogBetaIsTheTrainingForwardsForEveryGate) {
+  for (auto [kind, linear, kv] : {std::tuple{gates::GateKind::trimkv, false, false},
+                                  std::tuple{gates::GateKind::trimkv, true, false},
+                                  std::tuple{gates::GateKind::dbtrimkv, false, true}}) {
+    const Tiny& t = tiny(kind, linear, kv);
+    ResidentWeightProvider w(t.ckpt);
+    const std::vector<int32_t> ids = random_ids(23, 4);
+    const StudentPass pass =
+        student_forward(w, t.gates, Tensor::from_vector(ids, {23}), Tensor::zeros({23}, DType::I32));
+    for (int64_t chunk : {23, 5, 1}) {
+      Decoder dec(w, &t.gates, policy(PolicyKind::full, 0));
+      for (int64_t at = 0; at < 23; at += chunk)
+        dec.feed(std::span(ids).subspan(static_cast<size_t>(at), static_cast<size_t>(std::min<int64_t>(chunk, 23 - at))));
+      for (int64_t i = 0; i < 23 * 2; ++i)
+        EXPECT_NEAR(dec.log_beta_history()[0][static_cast<size_t>(i)], pass.log_beta.data<float>()[i], 2e-6)
+            << "linear " << linear << " kv " << kv << " chunk " << chunk << " entry " << i;
+    }
   }
 }
 
@@ -169,11 +197,14 @@ struct Simulation {
 }  // namespace
 
 TEST(Decoder, KeptSetsMatchBruteForceSchedule) {
-  // trimkv, dbtrimkv, and the linear trimkv gate (G = 0)
-  for (auto [kind, linear] : {std::pair{gates::GateKind::trimkv, false}, std::pair{gates::GateKind::dbtrimkv, false},
-                              std::pair{gates::GateKind::trimkv, true}}) {
-    const Tiny& t = tiny(kind, linear);
+  // trimkv, dbtrimkv, the linear trimkv gate (G = 0), and dbtrimkv gates reading [k ‖ v]
+  for (auto [kind, linear, kv] : {std::tuple{gates::GateKind::trimkv, false, false},
+                                  std::tuple{gates::GateKind::dbtrimkv, false, false},
+                                  std::tuple{gates::GateKind::trimkv, true, false},
+                                  std::tuple{gates::GateKind::dbtrimkv, false, true}}) {
+    const Tiny& t = tiny(kind, linear, kv);
     ASSERT_EQ(t.gates.is_linear(), linear);
+    ASSERT_EQ(t.gates.reads_kv(), kv);
     ResidentWeightProvider w(t.ckpt);
     const std::vector<int32_t> ids = random_ids(60, 3);
     for (PolicyKind p : {PolicyKind::window, PolicyKind::trimkv, PolicyKind::dbtrimkv})

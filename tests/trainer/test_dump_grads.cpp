@@ -1,6 +1,6 @@
 // retain-train --dump-grads against the float64 PyTorch autograd reference
 // (tests/fixtures/trainer/make_fixtures.py, tests/trainer/trainer_reference.py): both gate
-// kinds (and trimkv with --kl reverse, with --capacity global, and the linear gate), document-masked batches with padding and non-target prompts, on one rank (one
+// kinds (and trimkv with --kl reverse, with --capacity global, the linear gate; dbtrimkv reading [k ‖ v]), document-masked batches with padding and non-target prompts, on one rank (one
 // micro-batch of 4, and 4 micro-batches of 1: gradient accumulation) and on 2 ranks under
 // mpirun. Every gate gradient within 1e-4 relative of the reference; the batch identical. The
 // same dumps on a GPU are in test_train_cuda.cpp.
@@ -25,13 +25,16 @@ class DumpGrads : public ::testing::TestWithParam<std::tuple<const char*, Launch
 
 TEST_P(DumpGrads, MatchesAutogradReference) {
   // "trimkv", "dbtrimkv", "trimkv-reverse-kl" (--kl reverse), "trimkv-global-capacity" (--capacity global)
-  // or "trimkv-linear" (the linear gate, G = 0, from gates-trimkv-linear): the fixture's name; the gate
-  // kind before the '-'.
+  // "trimkv-linear" (the linear gate, G = 0, from gates-trimkv-linear) or "dbtrimkv-kv" (gates reading
+  // [k ‖ v], --gate-input kv, from gates-dbtrimkv-kv): the fixture's name; the gate kind before the '-'.
   const std::string fixture = std::get<0>(GetParam());
   const std::string kind = fixture.substr(0, fixture.find('-'));
-  const std::string gates_file = kind + (fixture.find("-linear") != std::string::npos ? "-linear" : "");
+  const bool kv = fixture.ends_with("-kv");  // gates reading [k ‖ v]: --gate-input kv
+  const std::string gates_file =
+      kind + (fixture.find("-linear") != std::string::npos ? "-linear" : "") + (kv ? "-kv" : "");
   const std::string kl = std::string(fixture.find("reverse-kl") != std::string::npos ? " --kl reverse" : "") +
-                         (fixture.find("global-capacity") != std::string::npos ? " --capacity global" : "");
+                         (fixture.find("global-capacity") != std::string::npos ? " --capacity global" : "") +
+                       (kv ? " --gate-input kv" : "");
   const Launch launch = std::get<1>(GetParam());
   TempDir dir;
   const std::string data = pack_fixture_corpus(dir);
@@ -71,7 +74,7 @@ TEST_P(DumpGrads, MatchesAutogradReference) {
 INSTANTIATE_TEST_SUITE_P(
     Kinds, DumpGrads,
     ::testing::Combine(::testing::Values("trimkv", "dbtrimkv", "trimkv-reverse-kl", "trimkv-global-capacity",
-                                                          "trimkv-linear"),
+                                                          "trimkv-linear", "dbtrimkv-kv"),
                        ::testing::Values(Launch{"one_rank", 1, 4}, Launch{"accumulate", 1, 1},
                                          Launch{"two_ranks", 2, 2}, Launch{"two_ranks_accumulate", 2, 1})),
     [](const auto& info) {

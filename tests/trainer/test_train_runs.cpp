@@ -333,6 +333,33 @@ TEST_F(TrainRuns, LinearGateTrainsAndResumesExactly) {
                       "--gate-hidden");
 }
 
+// --gate-input kv: fresh dbtrimkv gates reading [k ‖ v] train (linear1.weight [G, 2·K·head_dim],
+// gate_input "kv" in the file), the option is kept on resume and in config.toml, --init-gates must
+// agree with it, and kvpop or an unknown input are usage errors.
+TEST_F(TrainRuns, KvGateInputIsAnOptionKeptOnResume) {
+  const std::string kv = dir_ / "kv", again = dir_ / "again";
+  const std::string args = " --model " + kModel + " --data " + data_ +
+                           " --gate dbtrimkv --gate-hidden 8 --bias-init 2 --memory 4 --global-batch 4 --seed 3"
+                           " --warmup 1 --loss-chunk 16 --lr 0.01 --steps 3 --save-every 1";
+  Result r = train(args + " --gate-input kv --stop-after 2 --out " + kv);
+  ASSERT_EQ(r.code, 0) << r.err;
+  expect_clean_error(train(args + " --resume --out " + kv),
+                     "cannot resume with a different configuration: gate_input: \"kv\" in the checkpoint, \"hidden\" now");
+  r = train(args + " --gate-input kv --resume --out " + kv);
+  ASSERT_EQ(r.code, 0) << r.err;
+  const formats::SafetensorsFile f = formats::SafetensorsFile::open(kv + "/gates.safetensors");
+  EXPECT_EQ(f.metadata().at("gate_input"), "kv");
+  EXPECT_EQ(f.entry("model.layers.0.self_attn.retention_gate.linear1.weight").shape, (Shape{8, 2 * 2 * 16}));
+  r = train(" --config " + (kv + "/config.toml") + " --out " + again);  // config.toml repeats it
+  ASSERT_EQ(r.code, 0) << r.err;
+  expect_same_losses(kv, again, 0);
+  expect_clean_error(train(train_args(data_, dir_ / "bad", "dbtrimkv", 1) + " --gate-input kv"),
+                     "these gates read hidden, but --gate-input is kv");
+  const std::string bad = " --model " + kModel + " --data " + data_ + " --out " + (dir_ / "bad");
+  expect_usage_errors({bad + " --gate-input keys", kvpop_args(" --gate-input kv")}, "--gate-input");
+  EXPECT_FALSE(fs::exists(dir_ / "bad"));
+}
+
 TEST_F(TrainRuns, BadInputsAreClearErrors) {
   const std::string out = dir_ / "run";
   expect_clean_error(train(train_args(dir_ / "missing.h5", out, "trimkv", 1)), "missing.h5");

@@ -69,7 +69,7 @@ def capacity_terms(log_betas, memory, mode):
 
 
 def loss_and_grads(student, kind, P, ids, docs, mask, memory, w_kl, w_ntp, lam, kl_direction="forward",
-                   capacity=None):
+                   capacity=None, gate_input="hidden"):
     """ids/docs/mask: [B, S] int tensors (the global batch). P: name → float64 tensor (gate
     values). Returns (dict of losses, dict name → gradient), float64."""
     names = sorted(P)
@@ -90,6 +90,7 @@ def loss_and_grads(student, kind, P, ids, docs, mask, memory, w_kl, w_ntp, lam, 
     positions = 0
     cap_terms = []
     B, S = ids.shape
+    student.gate_input = gate_input  # "kv": the gates read [k ‖ v] after RoPE (autograd reaches k, v)
     for b in range(B):
         for start, n in document_runs(docs[b].tolist()):
             seg = ids[b, start:start + n].long().unsqueeze(0)
@@ -136,5 +137,7 @@ class Reference:
         self.ref = load_gate_reference()
         self.student = self.ref.Student(model_dir)
 
-    def run(self, kind, P, ids, docs, mask, memory, w_kl, w_ntp, lam, kl_direction="forward", capacity=None):
-        return loss_and_grads(self.student, kind, P, ids, docs, mask, memory, w_kl, w_ntp, lam, kl_direction, capacity)
+    def run(self, kind, P, ids, docs, mask, memory, w_kl, w_ntp, lam, kl_direction="forward", capacity=None,
+            gate_input="hidden"):
+        return loss_and_grads(self.student, kind, P, ids, docs, mask, memory, w_kl, w_ntp, lam, kl_direction, capacity,
+                              gate_input)

@@ -29,7 +29,8 @@ namespace {
 constexpr const char* kUsage =
     "Usage: retain-train --model DIR --data FILE.h5 --out RUN_DIR [--gate trimkv|dbtrimkv|kvpop]\n"
     "                    [--memory M] [--cap-weight λ] [--kl-weight W] [--ntp-weight W] [--kl reverse]\n"
-    "                    [--bias-init B] [--gate-hidden G] [--lr LR] [--steps N] [--seed S]\n"
+    "                    [--bias-init B] [--gate-hidden G] [--gate-input hidden|kv] [--lr LR] [--steps N]\n"
+    "                    [--seed S]\n"
     "                    [--resume] [--dump-grads FILE.safetensors] [--config run.toml]\n"
     "                    [more options below]\n"
     "       mpirun -np N retain-train ...   (data parallel; frozen weights sharded FSDP-style)\n\n"
@@ -66,6 +67,7 @@ int run(int argc, char** argv, dist::Comm& host_comm, std::unique_ptr<dist::Comm
   std::string device;
   double timeout = 0;  // c.timeout once the device is known (its default depends on it)
   std::string kl;      // c.kl, parsed below
+  std::string gate_input;  // c.gate_input, parsed below
   cli::po::options_description opts("Options");
   opts.add_options()
       ("model", cli::po::value(&c.model_dir)->required(), "frozen Qwen3 (Hugging Face directory)")
@@ -101,6 +103,9 @@ int run(int argc, char** argv, dist::Comm& host_comm, std::unique_ptr<dist::Comm
       ("ntp-weight", cli::po::value(&c.ntp_weight)->default_value(0.5), "weight of the next-token loss")
       ("bias-init", cli::po::value(&c.bias_init)->default_value(18.0), "initial gate bias b (18: β≈1, plain attention)")
       ("gate-hidden", cli::po::value(&c.gate_hidden)->default_value(512), "gate hidden size G for new gates; 0: a linear gate logβ = logsigmoid(W·h + b) (trimkv only)")
+      ("gate-input", cli::po::value(&gate_input)->default_value("hidden"),
+       "what the gates read: hidden (the input-RMSNorm output h, DESIGN §4) or kv (the token's keys after k_norm "
+       "and RoPE and its values, [k ‖ v], DBTrimKV Tables 4–5's ablation)")
       ("init-gates", cli::po::value(&c.init_gates), "start from these gates instead of fresh ones (.safetensors, .gguf, .pth or a TRIM-KV directory)")
       ("lr", cli::po::value(&c.lr)->default_value(2e-4, "2e-4"), "peak learning rate (AdamW)")
       ("min-lr", cli::po::value(&c.min_lr)->default_value(0.0), "learning rate at the end of the cosine")
@@ -213,6 +218,11 @@ int run(int argc, char** argv, dist::Comm& host_comm, std::unique_ptr<dist::Comm
     throw cli::UsageError(fmt::format("--capacity must be local or global, got '{}'", c.capacity));
   if (c.kvpop && vm.count("capacity"))
     throw cli::UsageError("--capacity is for the gates' capacity loss, not --gate kvpop");
+  if (gate_input != "hidden" && gate_input != "kv")
+    throw cli::UsageError(fmt::format("--gate-input must be hidden or kv, got '{}'", gate_input));
+  c.gate_input = gates::parse_gate_input(gate_input, "--gate-input");
+  if (c.kvpop && !vm["gate-input"].defaulted())
+    throw cli::UsageError("--gate-input is for the retention gates; kvpop scorers always read [k ‖ v]");
   if (kl != "forward" && kl != "reverse")
     throw cli::UsageError(fmt::format("--kl must be forward or reverse, got '{}'", kl));
   c.kl = ops::parse_kl_direction(kl);

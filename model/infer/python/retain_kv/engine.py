@@ -131,9 +131,10 @@ class Retention:
                 self._check_budget(self.budget)
             self._check_positions(kwargs.get("position_ids"), T)
             self.T = T  # tokens of this forward (every layer's)
-            self.step = (self.fast_steps and T == 1 and h.dtype == torch.float32
+            # (Gates reading [k ‖ v] score after the attention from the cached entries, per layer.)
+            self.step = (self.fast_steps and T == 1 and h.dtype == torch.float32 and self.policy.gate_input != "kv"
                          and (self.kvpop is None or self.kvpop_step is not None))
-        if self.policy.kind != "kvpop":
+        if self.policy.kind != "kvpop" and self.policy.gate_input != "kv":
             t0 = time.perf_counter()
             if self.step:
                 self.gates.keep(l, h)
@@ -186,6 +187,12 @@ class Retention:
             raise ValueError(f"{self.policy.source}: layer {l} holds {layer.keys.shape[-2]} entries, expected "
                              f"{self.books.width[l] + T}: the cache was changed outside the policy (one sequence "
                              f"per cache)")
+        if self.policy.gate_input == "kv":  # gates reading [k_1 … k_K ‖ v_1 … v_K] of the new tokens (after RoPE)
+            t0 = time.perf_counter()
+            k = layer.keys[0, :, -T:, :].transpose(0, 1).reshape(T, -1)
+            v = layer.values[0, :, -T:, :].transpose(0, 1).reshape(T, -1)
+            self.pending[l] = gate_log_beta(self.policy, l, torch.cat([k, v], 1)).t()
+            self._spent("score", T, time.perf_counter() - t0)
         if self.kvpop is not None:
             t0 = time.perf_counter()
             if self.step:  # the new token's [k; v], for the step of all layers after the last

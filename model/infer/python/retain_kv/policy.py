@@ -36,6 +36,7 @@ class Policy:
     kv_heads: int
     hidden: int = 0           # gates: the gate input width D (= hidden_size)
     gate_hidden: int = 0      # gates: G
+    gate_input: str = "hidden"  # gates: what they read, h ("hidden") or [k ‖ v] after RoPE ("kv"; width 2·K·d)
     head_dim: int = 0         # kvpop: d
     window: int = 0           # kvpop geometry (from the file's metadata)
     sinks: int = 0
@@ -58,6 +59,9 @@ class Policy:
         if self.kind == "kvpop":
             want, have = want + f" × head_dim {self.head_dim}", have + f" × head_dim {head_dim}"
             fits = self.head_dim == head_dim
+        elif self.gate_input == "kv":
+            want, have = want + f" × [k ‖ v] width {self.hidden}", have + f" × 2·K·head_dim {2 * K * head_dim}"
+            fits = self.hidden == 2 * K * head_dim
         else:
             want, have = want + f" × hidden {self.hidden}", have + f" × hidden {config.hidden_size}"
             fits = self.hidden == config.hidden_size
@@ -223,7 +227,11 @@ def _gates(path, tensors, meta):
             for l, layer in enumerate(layers):
                 if not torch.equal(layer[s], layers[0][s]):
                     _fail(path, f"shared tensor '{s}' differs between layer 0 and layer {l} (dbtrimkv ties it)")
-    return Policy(kind=kind, source=path, layers=layers, kv_heads=K, hidden=D, gate_hidden=G, metadata=meta)
+    gate_input = str(meta.get("gate_input", "hidden"))
+    if gate_input not in ("hidden", "kv"):
+        _fail(path, f"metadata gate_input {gate_input!r} is neither 'hidden' nor 'kv'")
+    return Policy(kind=kind, source=path, layers=layers, kv_heads=K, hidden=D, gate_hidden=G, gate_input=gate_input,
+                  metadata=meta)
 
 
 def _kvpop(path, tensors, meta):

@@ -1,7 +1,8 @@
-"""The linear trimkv gate (retain-train --gate-hidden 0, TRIM-KV Fig. 10: logβ = logsigmoid(W·h + b)):
-retain_kv reads it from every container retain-export writes for it, refuses the authors' layout
-(which has no linear gate) at export, scores it bit for bit as its float64-checked formula in float32,
-and decodes under RetainCache and RetainPress exactly as retain-generate does."""
+"""The ablation gates: the linear trimkv gate (retain-train --gate-hidden 0, TRIM-KV Fig. 10:
+logβ = logsigmoid(W·h + b)) and gates reading [k ‖ v] after RoPE (--gate-input kv, DBTrimKV Tables
+4–5). retain_kv reads them from every container retain-export writes for them (the authors' layout
+has neither: the export refuses), scores the linear gate bit for bit as its float64-checked formula
+in float32, and decodes under RetainCache and RetainPress exactly as retain-generate does."""
 import json
 import os
 import random
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import RECALL, greedy, hf_generate, retain_generate, run, tool
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from transformers import DynamicCache
 
 from retain_kv import RetainCache, RetainPress, load_policy
@@ -33,6 +34,25 @@ def linear_gates(path, seed=7):
     return path
 
 
+def kv_gates(path, seed=9, G=24):
+    """Random dbtrimkv gates reading [k ‖ v] for models/recall-qwen3 (input width 2·K·head_dim)."""
+    with open(os.path.join(RECALL, "config.json")) as f:
+        c = json.load(f)
+    L, K, d = c["num_hidden_layers"], c["num_key_value_heads"], c["head_dim"]
+    g = torch.Generator().manual_seed(seed)
+    w3, b = torch.randn(K, G, generator=g) * 1.5 / G ** 0.5, 1 + 3 * torch.rand(K, generator=g)
+    t = {}
+    for l in range(L):
+        p = f"model.layers.{l}.self_attn.retention_gate."
+        t[p + "linear1.weight"] = torch.randn(G, 2 * K * d, generator=g) * 1.5 / (2 * K * d) ** 0.5
+        t[p + "linear1.bias"] = torch.randn(G, generator=g) * 0.5
+        t[p + "linear2.weight"] = torch.randn(G, G, generator=g) * 1.5 / G ** 0.5
+        t[p + "linear2.bias"] = torch.randn(G, generator=g) * 0.5
+        t[p + "linear3.weight"], t[p + "bias"] = w3.clone(), b.clone()
+    save_file(t, path, metadata={"gate_kind": "dbtrimkv", "gate_hidden": str(G), "gate_input": "kv"})
+    return path
+
+
 def test_reads_every_container_and_the_authors_layout_is_refused(tmp_path):
     src = linear_gates(str(tmp_path / "linear.safetensors"))
     original = load_policy(src)
@@ -48,6 +68,47 @@ def test_reads_every_container_and_the_authors_layout_is_refused(tmp_path):
     with pytest.raises(RuntimeError, match="has no linear gate"):
         run([tool("retain-export"), "--from", src, "--format", "trimkv", "--out", out, "--model", RECALL])
     assert not os.path.exists(out)
+
+
+def test_kv_gates_round_trip_and_must_fit_the_model(tmp_path, recall_model):
+    src = kv_gates(str(tmp_path / "kv.safetensors"))
+    original = load_policy(src)
+    assert (original.kind, original.gate_input, original.hidden) == ("dbtrimkv", "kv", 256)
+    original.check_model(recall_model.config)
+    for fmt in ("safetensors", "gguf"):
+        out = str(tmp_path / f"x.{fmt}")
+        run([tool("retain-export"), "--from", src, "--format", fmt, "--out", out, "--dtype", "f32", "--model", RECALL])
+        got = load_policy(out)
+        assert got.gate_input == "kv", fmt
+        for x, y in zip(got.layers, original.layers):
+            assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x), fmt
+    with pytest.raises(RuntimeError, match=r"has no gate reading \[k ‖ v\]"):
+        run([tool("retain-export"), "--from", src, "--format", "trimkv", "--out", str(tmp_path / "a"), "--model", RECALL])
+    original.gate_input = "hidden"  # the same tensors read as gates of h: they do not fit
+    with pytest.raises(ValueError, match=r"kv.safetensors: dbtrimkv policy for .* × hidden 256, the model has"):
+        original.check_model(recall_model.config)
+    bad = str(tmp_path / "bad.safetensors")
+    save_file(load_file(src), bad, metadata={"gate_input": "keys"})
+    with pytest.raises(ValueError, match=r"bad.safetensors: metadata gate_input 'keys' is neither"):
+        load_policy(bad)
+
+
+@pytest.mark.parametrize("budget,chunk", [(24, 0), (40, 37)])
+def test_kv_gates_decode_as_retain_generate(recall_model, tmp_path, budget, chunk):
+    gates = kv_gates(str(tmp_path / "kv.safetensors"))
+    prompt, new = [random.Random(budget + chunk + 1).randrange(16, 256) for _ in range(200)], 10
+    want = retain_generate(tmp_path, RECALL, gates, "dbtrimkv", budget, prompt, new, chunk)
+    cache = RetainCache(recall_model, gates, budget)
+    got = hf_generate(recall_model, cache, prompt, new) if chunk == 0 else greedy(recall_model, cache, prompt, new,
+                                                                                  chunk)
+    assert got == want["generated_ids"]
+    assert cache.kept_positions() == want["kept_positions"]
+    press = RetainPress(gates, budget)
+    with press(recall_model):
+        got = (hf_generate(recall_model, DynamicCache(), prompt, new) if chunk == 0 else
+               greedy(recall_model, DynamicCache(), prompt, new, chunk))
+    assert got == want["generated_ids"]
+    assert press.kept_positions() == want["kept_positions"]
 
 
 def test_damaged_linear_files(tmp_path):
