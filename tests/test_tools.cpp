@@ -179,7 +179,10 @@ TEST_F(Tools, MakeTinyValidatesOptions) {
            {"--tie --no-tie", "exclusive"},
            {"--layers 0", "positive"},
            {"--gates lstm", "--gates: unknown gate kind 'lstm'"},
-           {"--gates trimkv --gate-hidden 0", "--gate-hidden must be positive"},
+           {"--gates dbtrimkv --gate-hidden 0", "--gate-hidden must be positive (or 0, a linear trimkv gate)"},
+           {"--gates trimkv --gate-hidden -2", "--gate-hidden must be positive"},
+           {"--gates trimkv --gate-input keys", "--gate-input: unknown gate input 'keys'"},
+           {"--gate-input kv", "need --gates"},
            {"--bias-init 3", "need --gates"},
            {"--gates trimkv --bias-init nan", "--bias-init must be a finite number, got nan"},
            {"--yarn-factor inf", "--yarn-factor must be a finite number, got inf"}}) {
