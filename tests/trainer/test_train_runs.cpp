@@ -41,6 +41,11 @@ class TrainRuns : public ::testing::Test {
       EXPECT_NE(u.err.find(option), std::string::npos) << u.err;
     }
   }
+  // Fresh gates (no --init-gates) of `gate` (the --gate value and its options) with a visible decay.
+  std::string fresh_gate_args(const std::string& gate) {
+    return " --model " + kModel + " --data " + data_ + " --gate " + gate +
+           " --bias-init 2 --memory 4 --global-batch 4 --seed 3 --warmup 1 --loss-chunk 16 --lr 0.01";
+  }
   // A kvpop run's command line (for options kvpop refuses).
   std::string kvpop_args(const std::string& extra) {
     return " --model " + kModel + " --data " + data_ + " --out " + (dir_ / "bad") + " --gate kvpop --topk 4" + extra;
@@ -310,9 +315,7 @@ TEST_F(TrainRuns, CapacityModeIsAnOptionKeptOnResume) {
 // negative width are usage errors.
 TEST_F(TrainRuns, LinearGateTrainsAndResumesExactly) {
   const std::string full = dir_ / "full", parts = dir_ / "parts";
-  const std::string args = " --model " + kModel + " --data " + data_ +
-                           " --gate trimkv --gate-hidden 0 --bias-init 2 --memory 4 --global-batch 4 --seed 3"
-                           " --warmup 1 --loss-chunk 16 --lr 0.01 --steps 4 --save-every 2 --out ";
+  const std::string args = fresh_gate_args("trimkv --gate-hidden 0") + " --steps 4 --save-every 2 --out ";
   Result r = train(args + full);
   ASSERT_EQ(r.code, 0) << r.err;
   const formats::SafetensorsFile f = formats::SafetensorsFile::open(full + "/gates.safetensors");
@@ -338,9 +341,7 @@ TEST_F(TrainRuns, LinearGateTrainsAndResumesExactly) {
 // agree with it, and kvpop or an unknown input are usage errors.
 TEST_F(TrainRuns, KvGateInputIsAnOptionKeptOnResume) {
   const std::string kv = dir_ / "kv", again = dir_ / "again";
-  const std::string args = " --model " + kModel + " --data " + data_ +
-                           " --gate dbtrimkv --gate-hidden 8 --bias-init 2 --memory 4 --global-batch 4 --seed 3"
-                           " --warmup 1 --loss-chunk 16 --lr 0.01 --steps 3 --save-every 1";
+  const std::string args = fresh_gate_args("dbtrimkv --gate-hidden 8") + " --steps 3 --save-every 1";
   Result r = train(args + " --gate-input kv --stop-after 2 --out " + kv);
   ASSERT_EQ(r.code, 0) << r.err;
   expect_clean_error(train(args + " --resume --out " + kv),

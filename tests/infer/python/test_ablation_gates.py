@@ -93,24 +93,6 @@ def test_kv_gates_round_trip_and_must_fit_the_model(tmp_path, recall_model):
         load_policy(bad)
 
 
-@pytest.mark.parametrize("budget,chunk", [(24, 0), (40, 37)])
-def test_kv_gates_decode_as_retain_generate(recall_model, tmp_path, budget, chunk):
-    gates = kv_gates(str(tmp_path / "kv.safetensors"))
-    prompt, new = [random.Random(budget + chunk + 1).randrange(16, 256) for _ in range(200)], 10
-    want = retain_generate(tmp_path, RECALL, gates, "dbtrimkv", budget, prompt, new, chunk)
-    cache = RetainCache(recall_model, gates, budget)
-    got = hf_generate(recall_model, cache, prompt, new) if chunk == 0 else greedy(recall_model, cache, prompt, new,
-                                                                                  chunk)
-    assert got == want["generated_ids"]
-    assert cache.kept_positions() == want["kept_positions"]
-    press = RetainPress(gates, budget)
-    with press(recall_model):
-        got = (hf_generate(recall_model, DynamicCache(), prompt, new) if chunk == 0 else
-               greedy(recall_model, DynamicCache(), prompt, new, chunk))
-    assert got == want["generated_ids"]
-    assert press.kept_positions() == want["kept_positions"]
-
-
 def test_damaged_linear_files(tmp_path):
     src = linear_gates(str(tmp_path / "linear.safetensors"))
     tensors = {k: v for k, v in load_policy(src).layers[0].items()}
@@ -147,11 +129,15 @@ def test_gate_step_is_the_linear_formula():
             assert torch.allclose(gate_log_beta(policy, l, h[0]).double(), exact, rtol=2e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("budget,chunk", [(24, 0), (24, 37), (150, 64)])
-def test_decodes_as_retain_generate(recall_model, tmp_path, budget, chunk):
-    gates = linear_gates(str(tmp_path / "linear.safetensors"))
+@pytest.mark.parametrize("gate,budget,chunk", [("linear", 24, 0), ("linear", 24, 37), ("linear", 150, 64),
+                                               ("kv", 24, 0), ("kv", 40, 37)])
+def test_decodes_as_retain_generate(recall_model, tmp_path, gate, budget, chunk):
+    """RetainCache and RetainPress: the tokens and kept positions of retain-generate (the linear gate
+    under trimkv's per-head eviction, the [k ‖ v] gates under dbtrimkv's global one)."""
+    gates, policy = ((linear_gates(str(tmp_path / "linear.safetensors")), "trimkv") if gate == "linear" else
+                     (kv_gates(str(tmp_path / "kv.safetensors")), "dbtrimkv"))
     prompt, new = [random.Random(budget + chunk).randrange(16, 256) for _ in range(300)], 12
-    want = retain_generate(tmp_path, RECALL, gates, "trimkv", budget, prompt, new, chunk)
+    want = retain_generate(tmp_path, RECALL, gates, policy, budget, prompt, new, chunk)
     cache = RetainCache(recall_model, gates, budget)
     got = hf_generate(recall_model, cache, prompt, new) if chunk == 0 else greedy(recall_model, cache, prompt, new,
                                                                                   chunk)
