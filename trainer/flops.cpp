@@ -14,8 +14,10 @@ StepFlops step_flops(const Qwen3Config& c, const gates::GateDims& g, const std::
                GK = static_cast<double>(g.kv_heads);
   const double dense_per_token = 2 * D * (H * d + 2 * K * d) + 2 * H * d * D + 6 * D * I;
   const double attention_per_pair = 4 * d * H;
-  const double gate_per_token = g.gate_hidden == 0 ? 2 * D * GK  // the linear gate: W [K, D]
-                                                  : 2 * (D * G + G * GK) + (g.kind == gates::GateKind::dbtrimkv ? 2 * G * G : 0);
+  const double GD = static_cast<double>(g.hidden);  // the gate's input width (D, or 2·K·d for [k ‖ v])
+  const double gate_per_token = g.gate_hidden == 0  // the linear gate: W [K, GD]
+                                    ? 2 * GD * GK
+                                    : 2 * (GD * G + G * GK) + (g.kind == gates::GateKind::dbtrimkv ? 2 * G * G : 0);
   StepFlops f;
   for (const MicroBatchShape& mb : mbs) {
     double tokens = 0, pairs = 0;

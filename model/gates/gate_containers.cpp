@@ -26,8 +26,9 @@ constexpr const char* kTrimkvWeights = kTrimkvWeightsFile;
 
 // gate-file suffix ↔ GGUF suffix
 const std::pair<const char*, const char*> kSuffixes[] = {
-    {"linear.weight", "fc.weight"},   {"linear1.weight", "fc1.weight"}, {"linear1.bias", "fc1.bias"},   {"linear2.weight", "fc2.weight"},
-    {"linear2.bias", "fc2.bias"},     {"linear3.weight", "fc3.weight"}, {"bias", "bias"},
+    {"linear.weight", "fc.weight"},   {"linear1.weight", "fc1.weight"}, {"linear1.bias", "fc1.bias"},
+    {"linear2.weight", "fc2.weight"}, {"linear2.bias", "fc2.bias"},     {"linear3.weight", "fc3.weight"},
+    {"bias", "bias"},
 };
 
 std::string fmt_number(double x) { return fmt::format("{}", x); }

@@ -55,8 +55,7 @@ RetentionGates RetentionGates::from_tensors(const std::string& path, const std::
   std::vector<std::string> names;
   for (const auto& kv : tensors) names.push_back(kv.first);
 
-  // Kind: linear3 exists only in dbtrimkv gates.
-  // The linear gate (G = 0) is the only one with a "linear.weight".
+  // Kind: linear3 exists only in dbtrimkv gates; "linear.weight" only in the linear gate (G = 0).
   bool has_linear3 = false, has_linear = false;
   std::set<int64_t> layers;
   for (const std::string& n : names) {

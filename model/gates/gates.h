@@ -104,9 +104,8 @@ class RetentionGates : public ParameterSet {
   std::optional<double> bias_init() const { return bias_init_; }
 
   // logβ F32 [T, K] for layer `layer` from its input h F32 [T, D] (D = dims().hidden: input_of()'s
-  // result). With `saved`, keeps what
-  // backward() needs (O(T·G) floats). Runs on h's device: with h on CUDA it reads the device
-  // mirror (sync_to_device() first) and logβ and *saved are CUDA tensors.
+  // result). With `saved`, keeps what backward() needs (O(T·G) floats). Runs on h's device: with h
+  // on CUDA it reads the device mirror (sync_to_device() first) and logβ and *saved are CUDA tensors.
   Tensor forward(int64_t layer, const Tensor& h, GateActivations* saved = nullptr) const;
   // Given dlog_beta = ∂loss/∂logβ F32 [T, K] for the h and activations of forward(layer):
   // adds ∂loss/∂θ into the parameter gradients and, when dh is given, adds ∂loss/∂h into

@@ -65,9 +65,12 @@ MicroBatchShape shape_of(const std::vector<int>& doc, int64_t loss_positions) {
   return s;
 }
 
-void expect_count(gates::GateKind kind) {
+// G = 0: the linear gate; kv: gates reading [k ‖ v] (input width 2·K·head_dim).
+void expect_count(gates::GateKind kind, int64_t G = 6, bool kv = false) {
   const Qwen3Config c = small_config();
-  const gates::GateDims dims{kind, c.num_hidden_layers, c.hidden_size, 6, c.num_key_value_heads};
+  const gates::GateInput input = kv ? gates::GateInput::kv : gates::GateInput::hidden;
+  const gates::GateDims dims{kind, c.num_hidden_layers, gates::gate_input_width(c, input), G, c.num_key_value_heads,
+                             input};
   const std::vector<int> doc_a{0, 0, 0, 1, 1, 2, 2, 2, 2, -1, -1};
   const std::vector<int> doc_b{5, 5, 5, 5, 5, 5, 7};
   const std::vector<std::vector<int>> docs{doc_a, doc_b};
@@ -104,6 +107,10 @@ void expect_count(gates::GateKind kind) {
 
 TEST(StepFlops, TrimkvMatchesACountFromShapesAndPairs) { expect_count(gates::GateKind::trimkv); }
 TEST(StepFlops, DbtrimkvMatchesACountFromShapesAndPairs) { expect_count(gates::GateKind::dbtrimkv); }
+TEST(StepFlops, AblationGatesMatchACountFromShapesAndPairs) {
+  expect_count(gates::GateKind::trimkv, 0);                // the linear gate
+  expect_count(gates::GateKind::dbtrimkv, 6, /*kv=*/true);  // [k ‖ v]
+}
 
 // Qwen3-4B (36 layers, D 2560, 32/8 heads, d 128, I 9728): a forward costs 2 FLOPs per
 // non-embedding matmul weight per token, ≈ 2 × 3.6e9 (Qwen's model card: 3.6B non-embedding

@@ -102,7 +102,8 @@ int run(int argc, char** argv, dist::Comm& host_comm, std::unique_ptr<dist::Comm
        "forward: KL(teacher‖student) (DESIGN §4); reverse: KL(student‖teacher) (TRIM-KV Fig. 9's ablation)")
       ("ntp-weight", cli::po::value(&c.ntp_weight)->default_value(0.5), "weight of the next-token loss")
       ("bias-init", cli::po::value(&c.bias_init)->default_value(18.0), "initial gate bias b (18: β≈1, plain attention)")
-      ("gate-hidden", cli::po::value(&c.gate_hidden)->default_value(512), "gate hidden size G for new gates; 0: a linear gate logβ = logsigmoid(W·h + b) (trimkv only)")
+      ("gate-hidden", cli::po::value(&c.gate_hidden)->default_value(512),
+       "gate hidden size G for new gates; 0: a linear gate logβ = logsigmoid(W·h + b) (trimkv only)")
       ("gate-input", cli::po::value(&gate_input)->default_value("hidden"),
        "what the gates read: hidden (the input-RMSNorm output h, DESIGN §4) or kv (the token's keys after k_norm "
        "and RoPE and its values, [k ‖ v], DBTrimKV Tables 4–5's ablation)")
