@@ -10,13 +10,14 @@ from safetensors.torch import load_file, save_file
 from retain_kv import RetainCache, load_policy
 
 
-def with_metadata(tmp_path, name, **extra):
-    """models/recall-qwen3's kvpop policy with `extra` added to its __metadata__."""
+def with_metadata(tmp_path, name, drop=(), **extra):
+    """models/recall-qwen3's kvpop policy with the keys `drop` removed from its __metadata__ and
+    `extra` added."""
     from safetensors import safe_open
 
     src = POLICIES["kvpop"]
     with safe_open(src, "pt") as f:
-        meta = dict(f.metadata() or {})
+        meta = {k: v for k, v in (f.metadata() or {}).items() if k not in drop}
     meta.update({k: str(v) for k, v in extra.items()})
     out = str(tmp_path / name)
     save_file(load_file(src), out, metadata=meta)
@@ -53,5 +54,6 @@ def test_bad_decay_keys_are_refused(tmp_path):
         with pytest.raises(ValueError, match=r"bad\.safetensors: .*" + what.replace("(", r"\(")) as e:
             load_policy(with_metadata(tmp_path, "bad.safetensors", **extra))
         assert "\n" not in str(e.value)
-    p = load_policy(with_metadata(tmp_path, "one.safetensors", decay_every=1))
+    # Without the keys: n = 1 and the KVPOP paper's range, retain-train's defaults.
+    p = load_policy(with_metadata(tmp_path, "one.safetensors", drop=("decay_every", "decay_min", "decay_max")))
     assert (p.decay_every, p.decay_min, p.decay_max) == (1, 0.999, 0.999999)
