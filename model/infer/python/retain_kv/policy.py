@@ -22,8 +22,9 @@ KVPOP_SUFFIXES = ["q_proj.weight", "k_proj.weight", "v_proj.weight", "igate.weig
                   "fgate.bias", "out.weight", "out.bias", "decay"]
 _NAME = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(retention_gate|kvpop)\.(.+)$")
 _GGUF_NAME = re.compile(r"^blk\.(\d+)\.(retention_gate|kvpop)\.(.+)$")
-_GGUF_GATE = {"fc.weight": "linear.weight", "fc1.weight": "linear1.weight", "fc1.bias": "linear1.bias", "fc2.weight": "linear2.weight",
-              "fc2.bias": "linear2.bias", "fc3.weight": "linear3.weight", "bias": "bias"}
+_GGUF_GATE = {"fc.weight": "linear.weight", "fc1.weight": "linear1.weight", "fc1.bias": "linear1.bias",
+              "fc2.weight": "linear2.weight", "fc2.bias": "linear2.bias", "fc3.weight": "linear3.weight",
+              "bias": "bias"}
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
@@ -34,7 +35,7 @@ class Policy:
     source: str               # the path it was read from (named in every error)
     layers: list              # per layer: {suffix: tensor}
     kv_heads: int
-    hidden: int = 0           # gates: the gate input width D (= hidden_size)
+    hidden: int = 0           # gates: the gate input width D (hidden_size; 2·K·head_dim for gate_input "kv")
     gate_hidden: int = 0      # gates: G
     gate_input: str = "hidden"  # gates: what they read, h ("hidden") or [k ‖ v] after RoPE ("kv"; width 2·K·d)
     head_dim: int = 0         # kvpop: d
