@@ -373,26 +373,35 @@ TEST(Export, AuthorsForwardEqualsRetainForward) {
   }
 }
 
+// retain-train --dump-grads from the trainer fixture's model and the packed corpus `data`, its gates
+// --init-gates `init` (`gate` the --gate value and its options): the dump file's bytes.
+std::string dump_grads(const std::string& data, const std::string& gate, const std::string& init,
+                       const std::string& out, const TempDir& dir) {
+  const Result r = run(bin("retain-train") + " --model " + trainer::test::kModel + " --data " + data + " --gate " +
+                           gate + " --init-gates " + init + " --dump-grads " + out +
+                           " --memory 4 --global-batch 2 --seed 3",
+                       dir);
+  EXPECT_EQ(r.code, 0) << r.err;
+  return read_file(out);
+}
+
+// retain-export of `src` (gates for the trainer fixture's model) as `fmt`, in float32.
+Result export_f32(const std::string& src, const std::string& fmt, const std::string& out, const TempDir& dir) {
+  return export_("--from " + src + " --model " + trainer::test::kModel + " --format " + fmt + " --dtype f32 --out " + out,
+                 dir);
+}
+
 // retain-train --init-gates takes every container: a .pth and a TRIM-KV directory exported from
 // the trainer fixture's gates give the same --dump-grads file as the safetensors original.
 TEST(Export, TrainInitGatesFromEveryContainer) {
   TempDir dir;
   const std::string data = trainer::test::pack_fixture_corpus(dir);
   const std::string src = trainer::test::kFixtures + "/gates-dbtrimkv.safetensors";
-  auto dump = [&](const std::string& init, const std::string& out) {
-    const Result r = run(bin("retain-train") + " --model " + trainer::test::kModel + " --data " + data +
-                             " --gate dbtrimkv --init-gates " + init + " --dump-grads " + out +
-                             " --memory 4 --global-batch 2 --seed 3",
-                         dir);
-    EXPECT_EQ(r.code, 0) << r.err;
-    return read_file(out);
-  };
+  auto dump = [&](const std::string& init, const std::string& out) { return dump_grads(data, "dbtrimkv", init, out, dir); };
   const std::string want = dump(src, dir / "want.safetensors");
   for (const char* fmt : {"trimkv", "gguf"}) {
     const std::string out = dir / (std::string("x.") + fmt);
-    const Result r = export_(std::string("--from ") + src + " --model " + trainer::test::kModel + " --format " + fmt +
-                                 " --dtype f32 --out " + out,
-                             dir);
+    const Result r = export_f32(src, fmt, out, dir);
     ASSERT_EQ(r.code, 0) << r.err;
     EXPECT_TRUE(dump(out, dir / (std::string("got_") + fmt + ".safetensors")) == want) << fmt;
   }
@@ -416,19 +425,12 @@ TEST(Export, AblationGatesRoundTripAndTheAuthorsLayoutRefusesThem) {
     const std::string src = trainer::test::kFixtures + "/gates-" + c.file + ".safetensors";
     const gates::RetentionGates want_gates = gates::RetentionGates::load(src, config);
     auto dump = [&](const std::string& init, const std::string& out) {
-      const Result r = run(bin("retain-train") + " --model " + trainer::test::kModel + " --data " + data + " --gate " +
-                               c.kind + c.args + " --init-gates " + init + " --dump-grads " + out +
-                               " --memory 4 --global-batch 2 --seed 3",
-                           dir);
-      EXPECT_EQ(r.code, 0) << r.err;
-      return read_file(out);
+      return dump_grads(data, std::string(c.kind) + c.args, init, out, dir);
     };
     const std::string want = dump(src, dir / "want.safetensors");
     for (const char* fmt : {"safetensors", "gguf"}) {
       const std::string out = dir / (std::string(c.file) + "." + fmt);
-      const Result r = export_(std::string("--from ") + src + " --model " + trainer::test::kModel + " --format " + fmt +
-                                   " --dtype f32 --out " + out,
-                               dir);
+      const Result r = export_f32(src, fmt, out, dir);
       ASSERT_EQ(r.code, 0) << r.err;
       const gates::RetentionGates back = gates::load_gates(out, config).gates;
       EXPECT_EQ(back.is_linear(), want_gates.is_linear()) << fmt;

@@ -8,9 +8,9 @@
 #include <algorithm>
 #include <filesystem>
 #include <map>
-#include <tuple>
 #include <random>
 #include <set>
+#include <tuple>
 
 #include "model/infer/decoder.h"
 #include "model/qwen3.h"
