@@ -196,6 +196,14 @@ def bench_flex(torch, timer, a, T, device, q, k, v, dout, logb, doc):
     """(fwd, bwd, fwd+bwd, note, how flex was compiled)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
+    # The backward is timed on one graph (retain_graph=True), which a compiled backward refuses
+    # when it donates its saved buffers (seen on an H200 with torch 2.11: "compiled with non-empty
+    # donated buffers"); donation only lets it reuse their memory.
+    try:
+        import torch._functorch.config as functorch_config
+        functorch_config.donated_buffer = False
+    except (ImportError, AttributeError):  # a torch without the option donates nothing
+        pass
     lb = logb[0][None].clone().requires_grad_(True)  # [1, K, T], as the reference's retention weights
     lb_const = lb.detach()
     scale = a.head_dim ** -0.5

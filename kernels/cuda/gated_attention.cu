@@ -540,12 +540,13 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const Params p) {
 // forward_kernel's algorithm and register layouts with its two products on wgmma: a
 // warpgroup's 4 warps own a 64-row query block as forward_kernel's CTA does, and a warp's share
 // of an m64nN product is exactly its mma.sync fragments (16 rows × N as N/8 m16n8 tiles), so
-// the masking, gating and online softmax are the same code. S = Q·Kᵀ takes Q from registers
-// (loaded once) and K from shared memory (K-major), O += P·V takes P from registers and V from
-// shared memory (MN-major); no ldmatrix, one instruction per 16-deep step for the warpgroup.
-// Tiles are in wgmma's 128-byte-swizzled panel layout at 1,024-aligned addresses. Loads stay
-// on cp.async (2 stages), each thread's copies made visible to wgmma's async proxy before the
-// barrier. Unverified on a GPU (emulated only).
+// the masking, gating and online softmax are the same code. S = Q·Kᵀ takes Q and K from shared
+// memory (K-major; wgmma_rows_times_rows_t says why not Q from registers), O += P·V takes P
+// from registers and V from shared memory (MN-major); no ldmatrix, one instruction per 16-deep
+// step for the warpgroup. Tiles are in wgmma's 128-byte-swizzled panel layout at 1,024-aligned
+// addresses. Loads stay on cp.async (2 stages), each thread's copies made visible to wgmma's
+// async proxy before the barrier. d = 128 passed on an H200 (docs/gpu-ledger.md); d = 64 failed
+// there before the change above, and is unverified since.
 //
 // Every wgmma kernel starts its shared memory at the first 1,024-aligned byte (wgmma_smem_pad),
 // so every tile stays aligned, tile_bytes being a multiple; the launches add kWgmmaSmemPad of
@@ -564,6 +565,12 @@ __device__ __forceinline__ uint32_t wgmma_smem_pad(const unsigned char* smem) {
 // acc (the warpgroup's 64 rows × NT·8) = A·Bᵀ over D/16 k-steps, both operands 64-row tiles
 // read K-major from shared memory (desc_a, desc_b: their descriptors at row 0, column 0):
 // S = Q·Kᵀ-shaped products. Issued only; the caller fences, commits and waits.
+// The held operand (Q; Q and dO in dq) is read from shared memory on every key tile, not kept in
+// registers as wgmma's register A: on an H200 (2026-11-28, nvcc 13.0) ptxas gave the registers
+// of a Q held across the key loop to the same iteration's P (and dS) fragments at d = 64, so
+// every key tile after the first multiplied by the last tile's weights (docs/gpu-ledger.md,
+// the first kernels.gated-attention run); tests/cuda/test_sass_report.py --object fails a build
+// whose loops carry a product's register operand that they also overwrite.
 template <int D, int NT>
 __device__ __forceinline__ void wgmma_rows_times_rows_t(float (&acc)[NT][4], uint64_t desc_a, uint64_t desc_b) {
 #pragma unroll
@@ -571,34 +578,6 @@ __device__ __forceinline__ void wgmma_rows_times_rows_t(float (&acc)[NT][4], uin
     const uint64_t step = wgmma::k_major_step(kBlock, 0, 16 * ks);
     wgmma::mma_ss<false>(acc, desc_a + step, desc_b + step, ks > 0);
   }
-}
-
-// A warp's 16 rows (from warp·16) of a kBlock × D panel-layout tile at `tile` (TileCopy<D, true>,
-// 1,024-aligned) as wgmma's register A operand, frag[ks] = k-step ks (the mma.m16n8k16 A
-// fragment: rows g and g + 8, columns 2c, 2c + 1 and those + 8): one 32-bit shared load per
-// register, once per CTA.
-template <int D>
-__device__ __forceinline__ void panel_rows_to_a(const bf16* tile, int warp, int lane, uint32_t (&frag)[D / 16][4]) {
-  const int g = lane / 4, c = lane % 4;
-  const auto* bytes = reinterpret_cast<const unsigned char*>(tile);
-#pragma unroll
-  for (int ks = 0; ks < D / 16; ++ks)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int row = warp * kRowsPerWarp + g + 8 * (j % 2), col = 16 * ks + 2 * c + 8 * (j / 2);
-      frag[ks][j] = *reinterpret_cast<const uint32_t*>(bytes + wgmma::tile_offset(kBlock, row, col));
-    }
-}
-
-// acc (64 rows × NT·8) = A·Bᵀ over D/16 k-steps with A in registers (panel_rows_to_a) and B a
-// 64-row tile read K-major from shared memory: S = Q·Kᵀ with Q held by the warpgroup, so only
-// K crosses from shared memory (half the operand traffic of both from shared memory).
-template <int D, int NT>
-__device__ __forceinline__ void wgmma_frags_times_rows_t(float (&acc)[NT][4], const uint32_t (&a)[D / 16][4],
-                                                         uint64_t desc_b) {
-#pragma unroll
-  for (int ks = 0; ks < D / 16; ++ks)
-    wgmma::mma_rs<false>(acc, a[ks], desc_b + wgmma::k_major_step(kBlock, 0, 16 * ks), ks > 0);
 }
 
 // The weights W (fp32 C fragments of 64 rows × kBlock columns) as the register A operand of
@@ -713,15 +692,12 @@ __global__ void __launch_bounds__(kForwardThreads) forward_wgmma_kernel(const Pa
     if (qbs[g] < p.nb)
       copy_tile(sm.kept(g), p.q + int64_t{h} * D, int64_t{p.H} * D, block_begin(qbs[g]),
                 static_cast<int>(block_size(p.T, qbs[g])));
-  cp_async_commit();  // Q alone, so that its fragments can be read while the first key tile lands
+  cp_async_commit();  // Q (the loop's first wait covers it with the first key tile)
   __syncthreads();    // the walk bits
   int64_t kb = prev_walk_bit(sm.any(), all.hi - 1, all.lo);  // from the diagonal down, as forward_kernel
   if (kb >= all.lo) keys.store(keys.fetch(p, copy_tile, kv, kb, 0), 0);
   cp_async_commit();
-  cp_async_wait<1>();  // Q
-  __syncthreads();
-  uint32_t qf[D / 16][4];  // the warpgroup holds its Q: S = Q·Kᵀ reads only K from shared memory
-  panel_rows_to_a<D>(sm.kept(group), warp, lane, qf);
+  const uint64_t desc_q = wgmma::k_major_desc(wgmma::smem_address(sm.kept(group)), kBlock, 0, 0);
 
   float o_acc[D / 8][4] = {};
   float m[2] = {kNegInf, kNegInf};
@@ -741,13 +717,11 @@ __global__ void __launch_bounds__(kForwardThreads) forward_wgmma_kernel(const Pa
       const uint32_t k_s = aK + static_cast<uint32_t>(stage) * kTileBytes<D>;
       const uint32_t v_s = aV + static_cast<uint32_t>(stage) * kTileBytes<D>;
       float s[kBlock / 8][4];
-      wgmma::fence_operand(qf);
       wgmma::fence();
-      wgmma_frags_times_rows_t<D>(s, qf, wgmma::k_major_desc(k_s, kBlock, 0, 0));  // Q·Kᵀ
+      wgmma_rows_times_rows_t<D>(s, desc_q, wgmma::k_major_desc(k_s, kBlock, 0, 0));  // Q·Kᵀ
       wgmma::commit_group();
       wgmma::wait_group<0>();
       wgmma::fence_operand(s);
-      wgmma::fence_operand(qf);
 
       softmax_tile(s, rows, lane, keys, stage, block_begin(kb), walk_bit(full, kb), p.scale2, m, l, o_acc);
       uint32_t pa[kBlock / 16][4];
@@ -799,7 +773,7 @@ __device__ __forceinline__ int64_t start_dq(const Params& p, const DqSmem<D>& sm
   fill_walk(sm.visit, sm.full, walk, [&](int64_t kb) { return walk_bits(tiles, qb, kb); });
   copy_tile(sm.kept(0), p.q + int64_t{h} * D, int64_t{p.H} * D, q0, nq);
   copy_tile(sm.kept(1), p.dout + int64_t{h} * D, int64_t{p.H} * D, q0, nq);
-  cp_async_commit();  // Q and dO alone: dq_wgmma_kernel reads them into registers first
+  cp_async_commit();  // Q and dO (the loop's first wait covers them with the first key tile)
   __syncthreads();    // the walk bits
   const int64_t kb = next_walk_bit(sm.visit, walk.lo, walk.hi);
   if (kb < walk.hi) sm.keys().store(sm.keys().fetch(p, copy_tile, kv, kb, 0), 0);
@@ -869,7 +843,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const Params p) {
 // dq_kernel on wgmma (RETAIN_ATTENTION_BACKWARD=wgmma, sm_90), as forward_wgmma_kernel is
 // forward_kernel: S = Q·Kᵀ and dP = dO·Vᵀ from shared memory in one commit group, dS in the
 // same registers by the same code, dq += dS·K with dS from registers and K read transposed.
-// Unverified on a GPU (emulated only).
+// As the forward: d = 128 passed on an H200, d = 64 is unverified since its fix.
 template <int D>
 __global__ void __launch_bounds__(kThreads) dq_wgmma_kernel(const Params p) {
   extern __shared__ __align__(128) unsigned char smem[];
@@ -886,11 +860,8 @@ __global__ void __launch_bounds__(kThreads) dq_wgmma_kernel(const Params p) {
   const TileFilter tiles = tile_filter(p, kv);
   const WalkRange walk = key_walk_range(tiles, qb);
   int64_t kb = start_dq<D>(p, sm, copy_tile, tiles, walk, qb, h, kv);
-  cp_async_wait<1>();  // Q and dO
-  __syncthreads();
-  uint32_t qf[D / 16][4], dof[D / 16][4];  // held by the warpgroup: S and dP read only K and V
-  panel_rows_to_a<D>(sm.kept(0), warp, lane, qf);
-  panel_rows_to_a<D>(sm.kept(1), warp, lane, dof);
+  const uint64_t desc_q = wgmma::k_major_desc(wgmma::smem_address(sm.kept(0)), kBlock, 0, 0);
+  const uint64_t desc_do = wgmma::k_major_desc(wgmma::smem_address(sm.kept(1)), kBlock, 0, 0);
 
   float dq_acc[D / 8][4] = {};
   int stage = 0;
@@ -907,17 +878,13 @@ __global__ void __launch_bounds__(kThreads) dq_wgmma_kernel(const Params p) {
     const uint32_t k_s = aK + static_cast<uint32_t>(stage) * kTileBytes<D>;
     const uint32_t v_s = aV + static_cast<uint32_t>(stage) * kTileBytes<D>;
     float s[kBlock / 8][4], dp[kBlock / 8][4];
-    wgmma::fence_operand(qf);
-    wgmma::fence_operand(dof);
     wgmma::fence();
-    wgmma_frags_times_rows_t<D>(s, qf, wgmma::k_major_desc(k_s, kBlock, 0, 0));    // Q·Kᵀ
-    wgmma_frags_times_rows_t<D>(dp, dof, wgmma::k_major_desc(v_s, kBlock, 0, 0));  // dO·Vᵀ
+    wgmma_rows_times_rows_t<D>(s, desc_q, wgmma::k_major_desc(k_s, kBlock, 0, 0));    // Q·Kᵀ
+    wgmma_rows_times_rows_t<D>(dp, desc_do, wgmma::k_major_desc(v_s, kBlock, 0, 0));  // dO·Vᵀ
     wgmma::commit_group();
     wgmma::wait_group<0>();
     wgmma::fence_operand(s);
     wgmma::fence_operand(dp);
-    wgmma::fence_operand(qf);
-    wgmma::fence_operand(dof);
 
     query_row_dscores(s, dp, lane, rows.t, rows.doc_t, block_begin(kb), keys.lb2 + stage * kBlock,
                       keys.ncl + stage * kBlock, keys.doc + stage * kBlock, walk_bit(sm.full, kb), p.scale2,

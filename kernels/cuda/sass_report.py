@@ -249,6 +249,106 @@ def analyse(name, instrs, res):
     return result
 
 
+# ---- registers a loop carries into a warpgroup product's A operand ------------------------
+
+NO_REGISTER_DEST = {"ST", "STS", "STG", "STL", "RED", "LDGSTS", "BAR", "BRA", "BRX", "JMP", "JMX", "EXIT", "RET",
+                    "CALL", "WARPSYNC", "DEPBAR", "LDGDEPBAR", "MEMBAR", "FENCE", "WARPGROUP", "NOP", "BSSY",
+                    "BSYNC", "BPT", "ERRBAR", "CCTL", "KILL", "YIELD", "R2P", "FCHK"}
+REGISTER = re.compile(r"^R(\d+)$")
+
+
+def operands(ins):
+    return [a.strip() for a in ins.args.split(",")] if ins.args else []
+
+
+def defined_registers(ins):
+    """The general registers an instruction writes (R0..R254; RZ, uniform registers and
+    predicates are not), as a set of numbers. Over-approximates rather than misses: a
+    destination's width comes from the opcode (.64 two registers, .128 four, an HGMMA.64xNx16
+    its N/2 accumulators, an HMMA.16816.F32 four)."""
+    base, op = ins.base, ins.op
+    if base in NO_REGISTER_DEST or base.endswith("SETP") or base.startswith("U"):
+        return set()
+    ops = operands(ins)
+    if base in ("SHFL", "LOP3", "PLOP3", "VOTE", "IADD3", "LEA", "IMAD") and ops and not REGISTER.match(ops[0]):
+        ops = [o for o in ops if not re.fullmatch(r"!?U?P[T0-6]", o)]  # predicate outputs first
+    m = REGISTER.match(ops[0]) if ops else None
+    if not m:
+        return set()
+    first = int(m.group(1))
+    if base == "HGMMA":
+        shape = HGMMA_SHAPE.match(op)
+        width = int(shape.group(1)) // 2 if shape else 64
+    elif base == "HMMA":
+        width = 4 if ".F32" in op else 2
+    elif base == "LDSM":
+        width = 4 if op.endswith(".4") else 2 if op.endswith(".2") else 1
+    elif ".128" in op:
+        width = 4
+    elif ".64" in op or ".WIDE" in op or (base.startswith("D") and base not in ("DEPBAR",)) or ".F64" in op:
+        width = 2
+    else:
+        width = 1
+    return set(range(first, first + width))
+
+
+def register_a_operand(ins):
+    """The 4 registers of an HGMMA's A operand when it comes from registers (RS), else None."""
+    if ins.base != "HGMMA":
+        return None
+    ops = operands(ins)
+    m = REGISTER.match(ops[1]) if len(ops) > 1 else None
+    return set(range(int(m.group(1)), int(m.group(1)) + 4)) if m else None
+
+
+def carried_a_operands(instrs):
+    """[(HGMMA address, register, address of the loop's write)]: registers an HGMMA reads as its
+    register A operand that hold, on some path from the loop's head, the value they had when
+    the loop was entered (nothing in the loop wrote them yet), while the loop also writes them.
+    On the next trip the product then multiplies whatever the loop wrote, not the operand held
+    for the whole loop: what ptxas did to a Q kept in registers by forward_wgmma_kernel<64>
+    (kernels/cuda/gated_attention.cu, wgmma_rows_times_rows_t)."""
+    blocks, succ = basic_blocks(instrs)
+    loops = natural_loops(succ)
+    found = set()
+    for header, body in loops.items():
+        writes = {}  # register → first address in the body that writes it
+        for b in sorted(body):
+            s, e = blocks[b]
+            for ins in instrs[s:e]:
+                for r in defined_registers(ins):
+                    writes.setdefault(r, ins.addr)
+        for b in body:
+            s, e = blocks[b]
+            for i in range(s, e):
+                regs = register_a_operand(instrs[i])
+                if not regs:
+                    continue
+                for r in sorted(regs & set(writes)):
+                    if _reaches_unwritten(instrs, blocks, succ, header, body, b, i, r):
+                        found.add((instrs[i].addr, r, writes[r]))
+    return sorted(found)
+
+
+def _reaches_unwritten(instrs, blocks, succ, header, body, target_block, target_index, reg):
+    """Whether some path from the loop head to instruction target_index (in target_block),
+    within the loop and without taking its back edges, writes no `reg` before it."""
+    seen, stack = set(), [header]
+    while stack:
+        b = stack.pop()
+        if b in seen:
+            continue
+        seen.add(b)
+        s, e = blocks[b]
+        stop = target_index if b == target_block else e
+        if any(reg in defined_registers(ins) for ins in instrs[s:stop]):
+            continue
+        if b == target_block:
+            return True
+        stack.extend(n for n in succ[b] if n in body and n != header)
+    return False
+
+
 def demangle_short(name):
     """forward_kernel<128> from an Itanium-mangled name: the <length><identifier> piece that
     ends in "kernel" (the nearest length prefix; the digits before it may belong to a hash)."""

@@ -26,7 +26,7 @@ def attention(doc):
                            ("retain_over_sdpa_cudnn", r.get("retain_over_sdpa_cudnn"))):
             print(f"FIGURE {t}.{key}={'n/a' if value is None else f'{value:.2f}'}")
     for r in doc.get("rows", []):
-        if r.get("op") == "gated fwd+bwd" and "ms" in r:
+        if r.get("op") == "gated fwd+bwd" and r.get("ms") is not None:  # null: that peer could not run it
             print(f"FIGURE {short(r['seq'])}.{r.get('impl', '?')}_fwd_bwd_ms={r['ms']:.2f}")
 
 

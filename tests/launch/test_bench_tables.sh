@@ -46,12 +46,14 @@ fig=$(python3 "$repo/launch/gpu-steps/figures.py" train "$tmp/t1.json"); rc=$?
 check "figures train exits 0" '[ $rc -eq 0 ]'
 check "figures train: step seconds and peak" \
   'grep -qx "FIGURE 128k.trimkv.step_s=59.00" <<<"$fig" && grep -qx "FIGURE 32k.trimkv.peak_gb=20.00" <<<"$fig"'
-printf '{"rows": [{"seq": 32768, "op": "gated fwd+bwd", "impl": "retain", "ms": 12.5}],
+printf '{"rows": [{"seq": 32768, "op": "gated fwd+bwd", "impl": "retain", "ms": 12.5},
+                 {"seq": 32768, "op": "gated fwd+bwd", "impl": "flex", "ms": null, "note": "backward unavailable"}],
         "ratios": [{"seq": 32768, "op": "gated fwd+bwd", "retain_over_flex": 2.345, "retain_over_sdpa_cudnn": null},
                    {"seq": 32768, "op": "gated fwd", "retain_over_flex": 9, "retain_over_sdpa_cudnn": 9}]}' >"$tmp/a.json"
 fig=$(python3 "$repo/launch/gpu-steps/figures.py" attention "$tmp/a.json"); rc=$?
 check "figures attention: the fwd+bwd ratios only" '[ $rc -eq 0 ] && [ "$(grep -c _over_ <<<"$fig")" -eq 2 ] &&
-  grep -qx "FIGURE 32k.retain_over_flex=2.35" <<<"$fig" && grep -qx "FIGURE 32k.retain_over_sdpa_cudnn=n/a" <<<"$fig"'
+  grep -qx "FIGURE 32k.retain_over_flex=2.35" <<<"$fig" && grep -qx "FIGURE 32k.retain_over_sdpa_cudnn=n/a" <<<"$fig" &&
+  grep -qx "FIGURE 32k.retain_fwd_bwd_ms=12.50" <<<"$fig" && ! grep -q flex_fwd_bwd_ms <<<"$fig"'
 printf '{"rows": [{"seq": 131072, "op": "capacity fwd+bwd (L=36)", "ms": 30.0, "share_of_gated_fwd_bwd": 0.0212}]}' >"$tmp/c.json"
 fig=$(python3 "$repo/launch/gpu-steps/figures.py" capacity "$tmp/c.json"); rc=$?
 check "figures capacity: the share" '[ $rc -eq 0 ] && grep -qx "FIGURE 128k.capacity_share_pct=2.12" <<<"$fig"'
