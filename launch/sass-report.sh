@@ -5,8 +5,8 @@
 #
 #   launch/sass-report.sh [--kernel REGEX] [--json FILE] [--all-loops]
 #
-# cuobjdump is taken from PATH or /usr/local/cuda/bin; where neither has it, the NVIDIA wheel
-# `nvidia-cuda-cuobjdump` is downloaded with pip into build/tools (once). Builds the kernels'
+# cuobjdump and nvdisasm come from launch/cuda-tools.sh (PATH, /usr/local/cuda/bin, or NVIDIA's
+# wheels unpacked into build/tools once). Builds the kernels'
 # objects in ${BUILD_DIR:-build} first (./launch/build.sh configures it when missing).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,32 +23,9 @@ while [ $# -gt 0 ]; do
   esac
 done
 
-# A CUDA tool from PATH or /usr/local/cuda/bin, else from NVIDIA's PyPI wheel into build/tools
-# (once): cuobjdump, and nvdisasm, which cuobjdump -sass runs (from PATH) to disassemble.
-tools="$BUILD_DIR/tools"
-find_tool() {  # name wheel → the executable's path on stdout
-  local name=$1 wheel=$2 found
-  found=$(command -v "$name" || true)
-  [ -n "$found" ] || { [ -x "/usr/local/cuda/bin/$name" ] && found=/usr/local/cuda/bin/$name; } || true
-  if [ -z "$found" ]; then
-    found="$tools/$name"
-    if [ ! -x "$found" ]; then
-      echo "sass-report: no $name here; fetching the $wheel wheel into $tools" >&2
-      mkdir -p "$tools/wheel"
-      python3 -m pip download --quiet --no-deps --dest "$tools/wheel" "$wheel" >&2 ||
-        { echo "sass-report: pip could not download $wheel (install CUDA's $name instead)" >&2; exit 1; }
-      local file
-      file=$(ls "$tools"/wheel/"${wheel//-/_}"-*.whl | head -n 1)
-      python3 -c "import sys, zipfile; z = zipfile.ZipFile(sys.argv[1]); n = [f for f in z.namelist() if f.endswith('/bin/' + sys.argv[3])][0]; open(sys.argv[2], 'wb').write(z.read(n))" \
-        "$file" "$found.tmp" "$name"
-      chmod +x "$found.tmp" && mv "$found.tmp" "$found"
-    fi
-  fi
-  echo "$found"
-}
-cuobjdump=$(find_tool cuobjdump nvidia-cuda-cuobjdump)
-nvdisasm=$(find_tool nvdisasm nvidia-cuda-nvdisasm)
-export PATH="$(dirname "$nvdisasm"):$PATH"
+tooldir=$(BUILD_DIR=$BUILD_DIR launch/cuda-tools.sh) || exit 1  # cuobjdump and nvdisasm
+cuobjdump=$tooldir/cuobjdump
+export PATH="$tooldir:$PATH"
 
 [ -f "$BUILD_DIR/build.ninja" ] || ./launch/build.sh >&2
 grep -q '^RETAIN_CUDA_EMU:BOOL=ON' "$BUILD_DIR/CMakeCache.txt" 2>/dev/null &&

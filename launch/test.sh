@@ -23,6 +23,12 @@ trap 'if [ ${#stages[@]} -gt 0 ]; then echo "test.sh: stage times (total ${SECON
 ./launch/install-deps.sh
 stage_done deps
 ./launch/build.sh
+# The SASS checks (tests/cuda/test_sass_report.py: the kernels' loops, and no register an HGMMA
+# holds across a loop overwritten in it) read the machine code with cuobjdump, which the CUDA
+# toolkit here may lack: launch/cuda-tools.sh fetches it once into build/tools (~6 MB).
+if command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ]; then
+  ./launch/cuda-tools.sh >/dev/null || echo "test.sh: no cuobjdump here: the SASS checks will say SKIPPED"
+fi
 stage_done build
 ctest --test-dir "${BUILD_DIR:-build}" --output-on-failure --timeout 600 --parallel "$(nproc)" "$@"
 stage_done ctest

@@ -231,6 +231,8 @@ def analyse(name, instrs, res):
     result = {"kernel": name, "instructions": len(instrs),
               "hmma": sum(tensor_units(i) for i in instrs), "loops": []}
     result.update(res.get(name, {}))
+    result["carried_a_operands"] = [{"hgmma": f"{a:#x}", "register": f"R{r}", "written_at": f"{w:#x}"}
+                                    for a, r, w in carried_a_operands(instrs)]
     for header in sorted(loops):
         body = loops[header]
         paths = loop_paths(instrs, blocks, succ, header, body, loops)
@@ -371,6 +373,9 @@ def print_report(results, min_hmma, out):
             continue
         print(f"{demangle_short(r['kernel'])}: {r.get('regs', '?')} registers, stack {r.get('stack', '?')} B, "
               f"local {r.get('local', '?')} B, {r['instructions']} instructions, {r['hmma']} HMMA", file=out)
+        for c in r.get("carried_a_operands", []):
+            print(f"  WRONG CODE? the HGMMA at {c['hgmma']} reads {c['register']} as held from before its loop, "
+                  f"which the loop overwrites at {c['written_at']}", file=out)
         for l in loops:
             top = l["paths"][0]
             head = f"  loop at {l['address']} (depth {l['depth']}): "

@@ -9,7 +9,9 @@ from the real sm_90a SASS, hold the mma.sync count their tile math implies, no r
 no global load in front of a tile but the prefetched row, and stay below the instruction
 budget per HMMA they were tuned to, with no register spills in the innermost tile loop
 (kernels/cuda/gated_attention.cu; docs/benchmarks.md).
-Exits 77 (skipped) when no cuobjdump is found (PATH, /usr/local/cuda/bin, --cuobjdump).
+No loop may overwrite a register that one of its HGMMA reads as an operand held from before the
+loop (sass_report.carried_a_operands: wrong code that no emulator sees).
+Exits 77 (skipped) when no cuobjdump is found (PATH, /usr/local/cuda/bin, --cuobjdump, --tools-dir).
 """
 import argparse
 import os
@@ -94,6 +96,30 @@ def fixture_tests():
         "        /*0020*/                   EXIT ;\n")
     units = [sass_report.tensor_units(i) for i in hg.get("_Z2hgv", [])]
     check(units == [16, 8, 0], f"HGMMA units {units}, want [16, 8, 0]", failures)
+    # A loop whose warpgroup product reads R100..R103 as its register A operand. Held: loaded
+    # before the loop (0x10) and overwritten after the product (0x40), as ptxas 13.0 compiled
+    # forward_wgmma_kernel<64> (every trip after the first multiplied what 0x40 wrote): found.
+    # Computed per trip before the product (0x20): not. Never written in the loop: not.
+    def carried(listing):
+        f = sass_report.parse_functions("\t\tFunction : _Z4loopv\n" + listing)
+        return sass_report.carried_a_operands(f["_Z4loopv"])
+    head = ("        /*0000*/                   S2R R0, SR_TID.X ;\n"
+            "        /*0010*/                   LDS.128 R100, [R0] ;\n")
+    product = "        /*0030*/                   HGMMA.64x64x16.F32.BF16 R24, R100, gdesc[UR8], R24, gsb0 ;\n"
+    tail = ("        /*0050*/              @P0 BRA 0x20 ;\n"
+            "        /*0060*/                   EXIT ;\n")
+    nop = "        /*0020*/                   NOP ;\n"
+    clobber = "        /*0040*/                   F2FP.BF16.F32.PACK_AB R101, R25, R24 ;\n"
+    found = carried(head + nop + product + clobber + tail)
+    check(found == [(0x30, 101, 0x40)], f"a held A operand the loop overwrites: {found}", failures)
+    per_trip = "        /*0020*/                   LDS.128 R100, [R0+0x10] ;\n"
+    found = carried(head + per_trip + product + clobber + tail)
+    check(found == [], f"an A operand loaded on every trip: {found}", failures)
+    found = carried(head + nop + product + "        /*0040*/                   FADD R26, R25, R24 ;\n" + tail)
+    check(found == [], f"a held A operand nothing overwrites: {found}", failures)
+    check(sass_report.defined_registers(sass_report.parse_functions(
+        "\t\tFunction : _Z1fv\n        /*0000*/                   SHFL.BFLY PT, R3, R20, 0x1, 0x1f ;\n")["_Z1fv"][0])
+          == {3}, "SHFL's register destination follows its predicate", failures)
     for mangled, short in (
             ("_ZN6retain4cuda51_GLOBAL__N__89fe8727_18_gated_attention_cu_c214ada59dq_kernelILi128EEEvNS1_6ParamsE",
              "dq_kernel<128>"),
@@ -107,8 +133,9 @@ def fixture_tests():
     return failures
 
 
-def find_cuobjdump(given):
-    for c in ([given] if given else []) + ["cuobjdump", "/usr/local/cuda/bin/cuobjdump"]:
+def find_cuobjdump(given, tools_dir):
+    extra = [os.path.join(tools_dir, "cuobjdump")] if tools_dir else []
+    for c in ([given] if given else []) + ["cuobjdump", "/usr/local/cuda/bin/cuobjdump"] + extra:
         path = shutil.which(c) or (c if os.access(c, os.X_OK) else None)
         if path:
             return path
@@ -129,12 +156,13 @@ KERNELS = {
     "dkdv_kernelILi128": (4 * 2 * 8, 3.44),           # per 16-query sub-tile: 4 products
     "dkdv_kernelILi64": (4 * 4 * 4, 4.55),            # per 32-query sub-tile
     # The wgmma kernels: the same products as HGMMA.64xNx16 (N/8 HMMA each per warp),
-    # descriptors built once per tile, Q (and dO) held in registers by forward and dq (2026-11-24,
-    # nvcc 13.0). dk/dv takes whole 64-query tiles.
-    "forward_wgmma_kernelILi128": (2 * 8 * 8, 3.39),
-    "forward_wgmma_kernelILi64": (2 * 8 * 4, 7.09),
-    "dq_wgmma_kernelILi128": (3 * 8 * 8, 2.25),
-    "dq_wgmma_kernelILi64": (3 * 8 * 4, 4.19),
+    # descriptors built once per tile, dk/dv on whole 64-query tiles; forward and dq read Q (and
+    # dO) from shared memory since 2026-11-28 (nvcc 13.0; held in registers they issued 4 to 10 %
+    # fewer instructions, and at d = 64 ptxas gave those registers away: carried_a_operands).
+    "forward_wgmma_kernelILi128": (2 * 8 * 8, 3.52),
+    "forward_wgmma_kernelILi64": (2 * 8 * 4, 7.47),
+    "dq_wgmma_kernelILi128": (3 * 8 * 8, 2.47),
+    "dq_wgmma_kernelILi64": (3 * 8 * 4, 4.41),
     "dkdv_wgmma_kernelILi128": (4 * 8 * 8, 2.25),
     "dkdv_wgmma_kernelILi64": (4 * 8 * 4, 4.13),
 }
@@ -153,8 +181,9 @@ def object_tests(obj, cuobjdump):
     import subprocess
     failures = []
     texts = {}
+    env = dict(os.environ, PATH=os.path.dirname(cuobjdump) + os.pathsep + os.environ.get("PATH", ""))  # its nvdisasm
     for flag in ("-sass", "-res-usage"):
-        p = subprocess.run([cuobjdump, "-arch", "sm_90a", flag, obj], capture_output=True, text=True)
+        p = subprocess.run([cuobjdump, "-arch", "sm_90a", flag, obj], capture_output=True, text=True, env=env)
         if p.returncode != 0:
             return [f"cuobjdump {flag} {obj}: {p.stderr.strip()}"]
         texts[flag] = p.stdout
@@ -166,6 +195,9 @@ def object_tests(obj, cuobjdump):
             failures.append(f"{key}: {len(names)} kernels match")
             continue
         r = sass_report.analyse(names[0], funcs[names[0]], res)
+        check(not r["carried_a_operands"], f"{key}: a loop overwrites a register its HGMMA reads as held from "
+              f"before the loop (wrong code, as ptxas 13.0 made of a Q held in registers): {r['carried_a_operands']}",
+              failures)
         check(r.get("local") == 0, f"{key}: no local memory ({r.get('local')} B)", failures)
         tile_loops = [l for l in r["loops"] if l["paths"] and l["paths"][0]["hmma"]]
         innermost = max(tile_loops, key=lambda l: l["depth"]) if tile_loops else None
@@ -195,11 +227,12 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--object", help="gated_attention.cu's object file (sm_90a SASS)")
     ap.add_argument("--cuobjdump", help="the cuobjdump to use")
+    ap.add_argument("--tools-dir", help="where launch/cuda-tools.sh puts cuobjdump and nvdisasm (BUILD_DIR/tools)")
     args = ap.parse_args()
     if args.object:
-        cuobjdump = find_cuobjdump(args.cuobjdump)
+        cuobjdump = find_cuobjdump(args.cuobjdump, args.tools_dir)
         if not cuobjdump:
-            print("skipped: no cuobjdump (PATH, /usr/local/cuda/bin); launch/sass-report.sh fetches one")
+            print("skipped: no cuobjdump (PATH, /usr/local/cuda/bin, --tools-dir); launch/cuda-tools.sh fetches one")
             sys.exit(77)
         failures = object_tests(args.object, cuobjdump)
     else:
