@@ -157,6 +157,14 @@ void check_capacity_loss_inputs(const char* op, const Tensor& log_beta, const Te
 
 }  // namespace
 
+std::string cuda_attention_kernels(bool backward) {
+#ifdef RETAIN_CUDA_KERNELS
+  return cuda::attention_kernels(backward);
+#else
+  fail("{}: this build of retain has no CUDA support", backward ? "gated_attention_backward" : "gated_attention");
+#endif
+}
+
 void gated_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& log_beta, const Tensor& doc,
                      float scale, Tensor& out, Tensor& lse) {
   const char* op = "gated_attention";

@@ -6,6 +6,7 @@
 // i ≤ t and doc[i] == doc[t] >= 0; tokens with doc < 0 are padding and enter no sum.
 #pragma once
 #include <cstdint>
+#include <string>
 
 #include "kernels/tensor.h"
 
@@ -79,5 +80,10 @@ CapacityLoss capacity_loss(const Tensor& log_beta, const Tensor& doc, const Tens
 void capacity_loss_backward(const Tensor& log_beta, const Tensor& doc, const Tensor& positions,
                             double memory, CapacityMode mode, double scale, Tensor& dlog_beta,
                             double skip_exponent = kExactSkipExponent);
+
+// The CUDA kernels gated_attention (backward = false) or its backward runs on this device:
+// "mma" or "wgmma", as RETAIN_ATTENTION_FORWARD / RETAIN_ATTENTION_BACKWARD pick them (unset:
+// wgmma on an sm_90 GPU, else mma); fails in a build without CUDA.
+std::string cuda_attention_kernels(bool backward);
 
 }  // namespace retain::ops

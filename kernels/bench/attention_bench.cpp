@@ -50,9 +50,9 @@ const char* const kAttentionUsage =
     "                Attention costs the same either way.\n"
     "--capacity-skip E (default 60, exact) skips capacity tiles below e^-E instead: a smaller E\n"
     "is retain-train's opt-in approximation (kernels/retention.h states its error bound).\n"
-    "RETAIN_ATTENTION_FORWARD=wgmma and RETAIN_ATTENTION_BACKWARD=wgmma time the CUDA forward and\n"
-    "backward on Hopper's wgmma (sm_90 only, not yet run on a GPU) instead of the default\n"
-    "mma.sync kernels (=mma); the JSON records which.\n\n"
+    "RETAIN_ATTENTION_FORWARD and RETAIN_ATTENTION_BACKWARD pick the CUDA kernels of each pass:\n"
+    "wgmma (Hopper's warpgroup products, sm_90 only), mma (mma.sync) or auto (unset: wgmma on an\n"
+    "sm_90 GPU, else mma); the JSON records which ran.\n\n"
     "FLOPs (the FlashAttention benchmarks' convention): a causal forward counts T²/2 query-key\n"
     "pairs per head — the diagonal counted half; the exact T(T+1)/2 is T/2 pairs more, 0.006%\n"
     "at T = 8192 — with D documents T²/(2D); each pair costs two d-length dot products (q·k and\n"
@@ -236,11 +236,8 @@ int attention_bench(int argc, char** argv) {
     j["tool"] = "retain-bench attention";
     j["date"] = date;
     j["device"] = device_name_arg;
-    for (const auto& [key, variable] : {std::pair<const char*, const char*>{"attention_forward", "RETAIN_ATTENTION_FORWARD"},
-                                        {"attention_backward", "RETAIN_ATTENTION_BACKWARD"}}) {
-      const char* kernel = std::getenv(variable);
-      j[key] = !on_gpu ? "cpu" : kernel ? kernel : "mma";
-    }
+    j["attention_forward"] = on_gpu ? ops::cuda_attention_kernels(false) : "cpu";
+    j["attention_backward"] = on_gpu ? ops::cuda_attention_kernels(true) : "cpu";
     j["heads"] = H;
     j["kv_heads"] = K;
     j["head_dim"] = d;

@@ -36,10 +36,14 @@ void gated_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
 // for them (a probe kernel asks the device once; a build without 90a among its architectures
 // has only traps there). wgmma_unavailable_reason says why not, or is empty. The environment
 // variables RETAIN_ATTENTION_FORWARD and RETAIN_ATTENTION_BACKWARD pick each pass's kernels:
-// mma (default; mma.sync) or wgmma (Hopper's warpgroup products, not yet run on a GPU); any
-// other value is an error, and wgmma where it cannot run is one too, naming the reason.
+// mma (mma.sync), wgmma (Hopper's warpgroup products) or auto (unset: wgmma where it runs,
+// else mma; mma on the CUDA emulator); any other value is an error, and wgmma where it cannot
+// run is one too, naming the reason.
 bool wgmma_supported();
 std::string wgmma_unavailable_reason();
+// The kernels the forward (backward) pass runs on this device as those variables pick them:
+// "mma" or "wgmma" (fails as the pass would on a bad value).
+std::string attention_kernels(bool backward);
 
 // ---- end of retention-gated attention ----------------------------------------------------
 

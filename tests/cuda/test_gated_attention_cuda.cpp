@@ -365,59 +365,6 @@ void weight_skip_keeps_negligible_errors() {
   GTEST_SKIP() << "built without the CUDA kernels";
 #endif
 }
-TEST(GatedAttentionCuda, WeightSkipKeepsNegligibleErrors) {
-  SKIP_WITHOUT_GPU();
-  weight_skip_keeps_negligible_errors();
-}
-
-// Run with --gtest_also_run_disabled_tests by tests/cuda/run_sanitizer.sh to ask "is there a
-// device?" (fails without one).
-TEST(GatedAttentionCuda, DISABLED_DevicePresent) { ASSERT_GT(cuda_device_count(), 0); }
-
-void small_shapes_match_cpu_reference() {
-  const uint32_t seed = fresh_seed();
-  std::cout << "seed " << seed << "\n";
-  for (size_t x = 0; x < kSmall.size(); ++x) check_case(kSmall[x], seed + static_cast<uint32_t>(x));
-}
-TEST(GatedAttentionCuda, SmallShapesMatchCpuReference) {
-  SKIP_WITHOUT_GPU();
-  small_shapes_match_cpu_reference();
-}
-
-// Many tiles per row: long documents (online softmax across tiles, the all-allowed fast path,
-// the 2-stage pipeline) and many short ones (the document-range skip).
-void longer_sequences_match_cpu_reference() {
-  const uint32_t seed = fresh_seed();
-  std::cout << "seed " << seed << "\n";
-  const std::vector<Case> cases = {
-      {1000, 8, 1, 64, Docs::contiguous},
-      {1000, 4, 2, 128, Docs::one},
-      {2048, 4, 1, 128, Docs::contiguous},
-      {2048, 8, 8, 64, Docs::one, true},
-  };
-  for (size_t x = 0; x < cases.size(); ++x) check_case(cases[x], seed + static_cast<uint32_t>(x));
-}
-TEST(GatedAttentionCuda, LongerSequencesMatchCpuReference) {
-  SKIP_WITHOUT_GPU();
-  longer_sequences_match_cpu_reference();
-}
-
-// No atomics and fixed loop orders: two runs are bitwise equal.
-void repeated_runs_are_bitwise_equal() {
-  std::mt19937 rng(fresh_seed());
-  const Problem p = make_problem({700, 8, 2, 128, Docs::contiguous}, rng);
-  const Results a = run_gpu(p), b = run_gpu(p);
-  EXPECT_EQ(a.out, b.out);
-  EXPECT_EQ(a.dq, b.dq);
-  EXPECT_EQ(a.dk, b.dk);
-  EXPECT_EQ(a.dv, b.dv);
-  EXPECT_EQ(a.dlb, b.dlb);
-}
-TEST(GatedAttentionCuda, RepeatedRunsAreBitwiseEqual) {
-  SKIP_WITHOUT_GPU();
-  repeated_runs_are_bitwise_equal();
-}
-
 // An environment variable set for a scope (restored after): RETAIN_ATTENTION_FORWARD and
 // RETAIN_ATTENTION_BACKWARD pick the kernels.
 class ScopedEnv {
@@ -439,6 +386,69 @@ class ScopedEnv {
   std::string name_, old_;
   bool had_ = false;
 };
+
+// The GatedAttentionCuda tests pin the mma.sync kernels: unset, an sm_90 GPU would run wgmma
+// (use_wgmma's auto), which GatedAttentionCudaWgmma checks through the same cases.
+struct PinMma {
+  ScopedEnv forward{"RETAIN_ATTENTION_FORWARD", "mma"}, backward{"RETAIN_ATTENTION_BACKWARD", "mma"};
+};
+
+TEST(GatedAttentionCuda, WeightSkipKeepsNegligibleErrors) {
+  SKIP_WITHOUT_GPU();
+  const PinMma mma;
+  weight_skip_keeps_negligible_errors();
+}
+
+// Run with --gtest_also_run_disabled_tests by tests/cuda/run_sanitizer.sh to ask "is there a
+// device?" (fails without one).
+TEST(GatedAttentionCuda, DISABLED_DevicePresent) { ASSERT_GT(cuda_device_count(), 0); }
+
+void small_shapes_match_cpu_reference() {
+  const uint32_t seed = fresh_seed();
+  std::cout << "seed " << seed << "\n";
+  for (size_t x = 0; x < kSmall.size(); ++x) check_case(kSmall[x], seed + static_cast<uint32_t>(x));
+}
+TEST(GatedAttentionCuda, SmallShapesMatchCpuReference) {
+  SKIP_WITHOUT_GPU();
+  const PinMma mma;
+  small_shapes_match_cpu_reference();
+}
+
+// Many tiles per row: long documents (online softmax across tiles, the all-allowed fast path,
+// the 2-stage pipeline) and many short ones (the document-range skip).
+void longer_sequences_match_cpu_reference() {
+  const uint32_t seed = fresh_seed();
+  std::cout << "seed " << seed << "\n";
+  const std::vector<Case> cases = {
+      {1000, 8, 1, 64, Docs::contiguous},
+      {1000, 4, 2, 128, Docs::one},
+      {2048, 4, 1, 128, Docs::contiguous},
+      {2048, 8, 8, 64, Docs::one, true},
+  };
+  for (size_t x = 0; x < cases.size(); ++x) check_case(cases[x], seed + static_cast<uint32_t>(x));
+}
+TEST(GatedAttentionCuda, LongerSequencesMatchCpuReference) {
+  SKIP_WITHOUT_GPU();
+  const PinMma mma;
+  longer_sequences_match_cpu_reference();
+}
+
+// No atomics and fixed loop orders: two runs are bitwise equal.
+void repeated_runs_are_bitwise_equal() {
+  std::mt19937 rng(fresh_seed());
+  const Problem p = make_problem({700, 8, 2, 128, Docs::contiguous}, rng);
+  const Results a = run_gpu(p), b = run_gpu(p);
+  EXPECT_EQ(a.out, b.out);
+  EXPECT_EQ(a.dq, b.dq);
+  EXPECT_EQ(a.dk, b.dk);
+  EXPECT_EQ(a.dv, b.dv);
+  EXPECT_EQ(a.dlb, b.dlb);
+}
+TEST(GatedAttentionCuda, RepeatedRunsAreBitwiseEqual) {
+  SKIP_WITHOUT_GPU();
+  const PinMma mma;
+  repeated_runs_are_bitwise_equal();
+}
 
 // Both passes on Hopper's wgmma (forward_wgmma_kernel, dq_wgmma_kernel, dkdv_wgmma_kernel;
 // RETAIN_ATTENTION_FORWARD=wgmma RETAIN_ATTENTION_BACKWARD=wgmma; sm_90 only) through the same
@@ -510,12 +520,12 @@ TEST(GatedAttentionCuda, BadInputsAreOneLineErrors) {
   {
     const ScopedEnv bogus("RETAIN_ATTENTION_FORWARD", "mma.sync");
     test_support::expect_one_line_error([&] { ops::gated_attention(q, k, v, lb, doc, scale, out, lse); },
-                                        "RETAIN_ATTENTION_FORWARD must be mma or wgmma, not 'mma.sync'");
+                                        "RETAIN_ATTENTION_FORWARD must be mma, wgmma or auto, not 'mma.sync'");
   }
   {
     const ScopedEnv bogus("RETAIN_ATTENTION_BACKWARD", "hgmma");
     test_support::expect_one_line_error(
         [&] { ops::gated_attention_backward(q, k, v, lb, doc, scale, out, lse, q, dq, dk, dv, dlb); },
-        "RETAIN_ATTENTION_BACKWARD must be mma or wgmma, not 'hgmma'");
+        "RETAIN_ATTENTION_BACKWARD must be mma, wgmma or auto, not 'hgmma'");
   }
 }
