@@ -279,11 +279,19 @@ int train_bench(int argc, char** argv) {
           row.ntp = losses.ntp();
           row.cap = losses.cap();
         }
-        if (it < warmup) continue;
-        step_ms.push_back(std::chrono::duration<double, std::milli>(t2 - t0).count());
         const double opt = std::chrono::duration<double, std::milli>(t2 - t1).count();
         const double phase[6] = {times.teacher * 1e3, times.student * 1e3, times.capacity * 1e3,
                                  times.loss * 1e3,    times.backward * 1e3, opt};
+        // Each step's time and phases as it ends, on stderr: a run cut short (a device call's
+        // deadline, Ctrl-C) still tells where a long step's time went.
+        std::cerr << fmt::format("retain-bench: T={} {}: {} {} took {:.2f} s (teacher {:.2f}, student {:.2f}, "
+                                 "capacity {:.2f}, loss {:.2f}, backward {:.2f}, optimizer {:.2f})\n",
+                                 T, row.gate, it < warmup ? "warm-up" : "step", it < warmup ? it + 1 : it - warmup + 1,
+                                 std::chrono::duration<double>(t2 - t0).count(), phase[0] / 1e3, phase[1] / 1e3,
+                                 phase[2] / 1e3, phase[3] / 1e3, phase[4] / 1e3, phase[5] / 1e3)
+                  << std::flush;
+        if (it < warmup) continue;
+        step_ms.push_back(std::chrono::duration<double, std::milli>(t2 - t0).count());
         for (int p = 0; p < 6; ++p) ph[p].push_back(phase[p]);
       }
       row.step_ms = median_of(step_ms);
