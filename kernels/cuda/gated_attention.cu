@@ -545,8 +545,8 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const Params p) {
 // from registers and V from shared memory (MN-major); no ldmatrix, one instruction per 16-deep
 // step for the warpgroup. Tiles are in wgmma's 128-byte-swizzled panel layout at 1,024-aligned
 // addresses. Loads stay on cp.async (2 stages), each thread's copies made visible to wgmma's
-// async proxy before the barrier. d = 128 passed on an H200 (docs/gpu-ledger.md); d = 64 failed
-// there before the change above, and is unverified since.
+// async proxy before the barrier. On an H200 (docs/gpu-ledger.md) d = 128 passed from the first
+// run, d = 64 once Q left the registers (wgmma_rows_times_rows_t).
 //
 // Every wgmma kernel starts its shared memory at the first 1,024-aligned byte (wgmma_smem_pad),
 // so every tile stays aligned, tile_bytes being a multiple; the launches add kWgmmaSmemPad of
@@ -843,7 +843,8 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const Params p) {
 // dq_kernel on wgmma (RETAIN_ATTENTION_BACKWARD=wgmma, sm_90), as forward_wgmma_kernel is
 // forward_kernel: S = Q·Kᵀ and dP = dO·Vᵀ from shared memory in one commit group, dS in the
 // same registers by the same code, dq += dS·K with dS from registers and K read transposed.
-// As the forward: d = 128 passed on an H200, d = 64 is unverified since its fix.
+// As the forward: on an H200 d = 128 passed from the first run, d = 64 once Q and dO left the
+// registers.
 template <int D>
 __global__ void __launch_bounds__(kThreads) dq_wgmma_kernel(const Params p) {
   extern __shared__ __align__(128) unsigned char smem[];
