@@ -14,13 +14,15 @@ for dir in $(dirname "$(command -v cuobjdump 2>/dev/null || echo /nonexistent/x)
   if [ -x "$dir/cuobjdump" ] && [ -x "$dir/nvdisasm" ]; then (cd "$dir" && pwd); exit 0; fi
 done
 mkdir -p "$tools/wheel"
+# Pinned: the SASS checks parse this version's listing (it reads nvcc 13.0's sm_90a code).
+version=13.5.37
 for name in cuobjdump nvdisasm; do
   wheel=nvidia-cuda-$name
-  if ! ls "$tools"/wheel/"${wheel//-/_}"-*.whl >/dev/null 2>&1; then
-    python3 -m pip download --quiet --no-deps --dest "$tools/wheel" "$wheel" >&2 ||
+  if ! ls "$tools"/wheel/"${wheel//-/_}"-$version-*.whl >/dev/null 2>&1; then
+    python3 -m pip download --quiet --no-deps --dest "$tools/wheel" "$wheel==$version" >&2 ||
       { echo "cuda-tools: pip could not download $wheel (install CUDA's $name instead)" >&2; exit 1; }
   fi
-  file=$(ls "$tools"/wheel/"${wheel//-/_}"-*.whl | head -n 1)
+  file=$(ls "$tools"/wheel/"${wheel//-/_}"-$version-*.whl | head -n 1)
   # Unpacked beside, then renamed: a run cut short leaves no half-written tool.
   python3 -c "import sys, zipfile; z = zipfile.ZipFile(sys.argv[1]); n = [f for f in z.namelist() if f.endswith('/bin/' + sys.argv[3])][0]; open(sys.argv[2], 'wb').write(z.read(n))" \
     "$file" "$tools/$name.tmp.$$" "$name" ||
