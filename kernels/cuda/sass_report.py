@@ -232,7 +232,7 @@ def analyse(name, instrs, res):
               "hmma": sum(tensor_units(i) for i in instrs), "loops": []}
     result.update(res.get(name, {}))
     result["carried_a_operands"] = [{"hgmma": f"{a:#x}", "register": f"R{r}", "written_at": f"{w:#x}"}
-                                    for a, r, w in carried_a_operands(instrs)]
+                                    for a, r, w in carried_a_operands(instrs, (blocks, succ, loops))]
     for header in sorted(loops):
         body = loops[header]
         paths = loop_paths(instrs, blocks, succ, header, body, loops)
@@ -303,23 +303,27 @@ def register_a_operand(ins):
     return set(range(int(m.group(1)), int(m.group(1)) + 4)) if m else None
 
 
-def carried_a_operands(instrs):
+def carried_a_operands(instrs, cfg=None):
     """[(HGMMA address, register, address of the loop's write)]: registers an HGMMA reads as its
     register A operand that hold, on some path from the loop's head, the value they had when
     the loop was entered (nothing in the loop wrote them yet), while the loop also writes them.
     On the next trip the product then multiplies whatever the loop wrote, not the operand held
     for the whole loop: what ptxas did to a Q kept in registers by forward_wgmma_kernel<64>
-    (kernels/cuda/gated_attention.cu, wgmma_rows_times_rows_t)."""
-    blocks, succ = basic_blocks(instrs)
-    loops = natural_loops(succ)
+    (kernels/cuda/gated_attention.cu, wgmma_rows_times_rows_t). `cfg`: the (blocks, successors,
+    loops) of basic_blocks and natural_loops when the caller has them already."""
+    if cfg is None:
+        blocks, succ = basic_blocks(instrs)
+        cfg = (blocks, succ, natural_loops(succ))
+    blocks, succ, loops = cfg
+    defs = [defined_registers(ins) for ins in instrs]  # each instruction's writes, read once
     found = set()
     for header, body in loops.items():
         writes = {}  # register → first address in the body that writes it
         for b in sorted(body):
             s, e = blocks[b]
-            for ins in instrs[s:e]:
-                for r in defined_registers(ins):
-                    writes.setdefault(r, ins.addr)
+            for i in range(s, e):
+                for r in defs[i]:
+                    writes.setdefault(r, instrs[i].addr)
         for b in body:
             s, e = blocks[b]
             for i in range(s, e):
@@ -327,14 +331,15 @@ def carried_a_operands(instrs):
                 if not regs:
                     continue
                 for r in sorted(regs & set(writes)):
-                    if _reaches_unwritten(instrs, blocks, succ, header, body, b, i, r):
+                    if _reaches_unwritten(defs, blocks, succ, header, body, b, i, r):
                         found.add((instrs[i].addr, r, writes[r]))
     return sorted(found)
 
 
-def _reaches_unwritten(instrs, blocks, succ, header, body, target_block, target_index, reg):
+def _reaches_unwritten(defs, blocks, succ, header, body, target_block, target_index, reg):
     """Whether some path from the loop head to instruction target_index (in target_block),
-    within the loop and without taking its back edges, writes no `reg` before it."""
+    within the loop and without taking its back edges, writes no `reg` before it (defs: the
+    registers each instruction writes)."""
     seen, stack = set(), [header]
     while stack:
         b = stack.pop()
@@ -343,7 +348,7 @@ def _reaches_unwritten(instrs, blocks, succ, header, body, target_block, target_
         seen.add(b)
         s, e = blocks[b]
         stop = target_index if b == target_block else e
-        if any(reg in defined_registers(ins) for ins in instrs[s:stop]):
+        if any(reg in defs[i] for i in range(s, stop)):
             continue
         if b == target_block:
             return True
