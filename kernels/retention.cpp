@@ -1,6 +1,7 @@
 // Shape/dtype/value checks and device dispatch for kernels/retention.h. Failures are one
 // line naming the op, the argument and what was expected.
 #include "kernels/retention.h"
+#include "kernels/retention_spans.h"
 
 #include <cmath>
 #include <cstring>
@@ -242,6 +243,131 @@ void capacity_loss_backward(const Tensor& log_beta, const Tensor& doc, const Ten
     return cuda::capacity_loss_backward(log_beta, doc, positions, memory, mode, scale, dlog_beta, skip_exponent);
 #endif
   cpu::capacity_loss_backward(log_beta, doc, positions, memory, mode, scale, dlog_beta, skip_exponent);
+}
+
+// ---- Spans of a longer sequence (kernels/retention_spans.h) ----
+
+namespace {
+
+// The span ops run on the CPU only (the CUDA kernels take no chunk offsets yet).
+void span_on_cpu(const char* op, std::initializer_list<const Tensor*> ts) {
+  for (const Tensor* t : ts)
+    if (t->device() != Device::CPU)
+      fail("{}: runs on the CPU only in this build (context parallelism on CUDA is not written yet); a tensor is on {}",
+           op, device_name(t->device()));
+}
+
+void check_span(const char* op, const char* what, int64_t start, int64_t n) {
+  if (start < 0) fail("{}: {} {} is negative", op, what, start);
+  if (start + n >= (int64_t{1} << 24)) fail("{}: {} + length = {} is not below 2^24", op, what, start + n);
+}
+
+// q, k, v, log_beta, the docs as a span pair: [Tq, H, d], [Tk, K, d], [Tk, K], [Tq], [Tk] (F32, I32).
+AttentionDims check_span_attention(const char* op, const Tensor& q, const Tensor& q_doc, int64_t q_start,
+                                   const Tensor& k, const Tensor& v, const Tensor& log_beta, const Tensor& k_doc,
+                                   int64_t k_start, float scale) {
+  span_on_cpu(op, {&q, &q_doc, &k, &v, &log_beta, &k_doc});
+  expect_ndim(op, "q", q, DType::F32, 3, "[Tq, H, d]");
+  expect_ndim(op, "k", k, DType::F32, 3, "[Tk, K, d]");
+  const int64_t Tq = q.dim(0), H = q.dim(1), d = q.dim(2), Tk = k.dim(0), K = k.dim(1);
+  if (K <= 0 || H % K != 0) fail("{}: {} query heads are not a multiple of {} KV heads", op, H, K);
+  expect(op, "k", k, DType::F32, {Tk, K, d}, "[Tk, K, d]");
+  expect(op, "v", v, DType::F32, {Tk, K, d}, "[Tk, K, d]");
+  expect(op, "log_beta", log_beta, DType::F32, {Tk, K}, "[Tk, K]");
+  expect(op, "q_doc", q_doc, DType::I32, {Tq}, "[Tq]");
+  expect(op, "k_doc", k_doc, DType::I32, {Tk}, "[Tk]");
+  if (!std::isfinite(scale)) fail("{}: scale {} is not finite", op, scale);
+  check_span(op, "q_start", q_start, Tq);
+  check_span(op, "k_start", k_start, Tk);
+  check_log_beta(op, log_beta);
+  return {Tq, H, K, d};
+}
+
+void check_capacity_span(const char* op, const Tensor& log_beta, const Tensor& k_doc, int64_t k_start,
+                         const Tensor& q_doc, int64_t q_start, const Tensor& rows, const char* rows_name,
+                         double skip_exponent) {
+  span_on_cpu(op, {&log_beta, &k_doc, &q_doc, &rows});
+  if (!(skip_exponent > 0)) fail("{}: skip exponent {} is not > 0", op, skip_exponent);
+  expect_ndim(op, "log_beta", log_beta, DType::F32, 3, "[L, Tk, K]");
+  const int64_t L = log_beta.dim(0), Tk = log_beta.dim(1), K = log_beta.dim(2);
+  expect(op, "k_doc", k_doc, DType::I32, {Tk}, "[Tk]");
+  expect_ndim(op, "q_doc", q_doc, DType::I32, 1, "[Tq]");
+  expect(op, rows_name, rows, DType::F64, {L, q_doc.dim(0), K}, "[L, Tq, K]");
+  check_span(op, "q_start", q_start, q_doc.dim(0));
+  check_span(op, "k_start", k_start, Tk);
+  check_log_beta(op, log_beta);
+}
+
+}  // namespace
+
+void gated_attention_span(const Tensor& q, const Tensor& q_doc, int64_t q_start, const Tensor& k, const Tensor& v,
+                          const Tensor& log_beta, const Tensor& k_doc, int64_t k_start, float scale, Tensor& out,
+                          Tensor& lse) {
+  const char* op = "gated_attention_span";
+  const AttentionDims a = check_span_attention(op, q, q_doc, q_start, k, v, log_beta, k_doc, k_start, scale);
+  span_on_cpu(op, {&out, &lse});
+  expect(op, "out", out, DType::F32, q.shape(), "[Tq, H, d]");
+  expect(op, "lse", lse, DType::F32, {a.T, a.H}, "[Tq, H]");
+  cpu::gated_attention_span(q, q_doc, q_start, k, v, log_beta, k_doc, k_start, scale, out, lse);
+}
+
+void merge_attention(Tensor& out, Tensor& lse, const Tensor& part_out, const Tensor& part_lse) {
+  const char* op = "merge_attention";
+  span_on_cpu(op, {&out, &lse, &part_out, &part_lse});
+  expect_ndim(op, "out", out, DType::F32, 3, "[R, H, d]");
+  expect(op, "lse", lse, DType::F32, {out.dim(0), out.dim(1)}, "[R, H]");
+  expect(op, "part_out", part_out, DType::F32, out.shape(), "[R, H, d]");
+  expect(op, "part_lse", part_lse, DType::F32, lse.shape(), "[R, H]");
+  cpu::merge_attention(out, lse, part_out, part_lse);
+}
+
+void gated_attention_span_backward(const Tensor& q, const Tensor& q_doc, int64_t q_start, const Tensor& k,
+                                   const Tensor& v, const Tensor& log_beta, const Tensor& k_doc, int64_t k_start,
+                                   float scale, const Tensor& out, const Tensor& lse, const Tensor& dout, Tensor& dq,
+                                   Tensor& dk, Tensor& dv, Tensor& dlog_beta) {
+  const char* op = "gated_attention_span_backward";
+  const AttentionDims a = check_span_attention(op, q, q_doc, q_start, k, v, log_beta, k_doc, k_start, scale);
+  span_on_cpu(op, {&out, &lse, &dout, &dq, &dk, &dv, &dlog_beta});
+  expect(op, "out", out, DType::F32, q.shape(), "[Tq, H, d]");
+  expect(op, "lse", lse, DType::F32, {a.T, a.H}, "[Tq, H]");
+  expect(op, "dout", dout, DType::F32, q.shape(), "[Tq, H, d]");
+  expect(op, "dq", dq, DType::F32, q.shape(), "[Tq, H, d]");
+  expect(op, "dk", dk, DType::F32, k.shape(), "[Tk, K, d]");
+  expect(op, "dv", dv, DType::F32, k.shape(), "[Tk, K, d]");
+  expect(op, "dlog_beta", dlog_beta, DType::F32, log_beta.shape(), "[Tk, K]");
+  cpu::gated_attention_span_backward(q, q_doc, q_start, k, v, log_beta, k_doc, k_start, scale, out, lse, dout, dq,
+                                     dk, dv, dlog_beta);
+}
+
+void capacity_sums_span(const Tensor& log_beta, const Tensor& k_doc, int64_t k_start, const Tensor& q_doc,
+                        int64_t q_start, Tensor& S, double skip_exponent) {
+  check_capacity_span("capacity_sums_span", log_beta, k_doc, k_start, q_doc, q_start, S, "S", skip_exponent);
+  cpu::capacity_sums_span(log_beta, k_doc, k_start, q_doc, q_start, S, skip_exponent);
+}
+
+CapacityLoss capacity_hinge(const Tensor& S, const Tensor& doc, const Tensor& positions, double memory,
+                            CapacityMode mode, Tensor* g) {
+  const char* op = "capacity_hinge";
+  span_on_cpu(op, {&S, &doc, &positions});
+  expect_ndim(op, "S", S, DType::F64, 3, "[L, T, K]");
+  expect(op, "doc", doc, DType::I32, {S.dim(1)}, "[T]");
+  expect(op, "positions", positions, DType::I32, {S.dim(1)}, "[T]");
+  if (g) {
+    span_on_cpu(op, {g});
+    expect(op, "g", *g, DType::F64, S.shape(), "[L, T, K]");
+  }
+  check_positions(op, positions);
+  if (!std::isfinite(memory) || memory < 0) fail("{}: memory M = {} is not a finite number ≥ 0", op, memory);
+  return cpu::capacity_hinge(S, doc, positions, memory, mode, g);
+}
+
+void capacity_grad_span(const Tensor& log_beta, const Tensor& k_doc, int64_t k_start, const Tensor& q_doc,
+                        int64_t q_start, const Tensor& g, Tensor& dlog_beta, double skip_exponent) {
+  const char* op = "capacity_grad_span";
+  check_capacity_span(op, log_beta, k_doc, k_start, q_doc, q_start, g, "g", skip_exponent);
+  span_on_cpu(op, {&dlog_beta});
+  expect(op, "dlog_beta", dlog_beta, DType::F64, log_beta.shape(), "[L, Tk, K]");
+  cpu::capacity_grad_span(log_beta, k_doc, k_start, q_doc, q_start, g, dlog_beta, skip_exponent);
 }
 
 }  // namespace retain::ops

@@ -71,11 +71,26 @@ void gated_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
                               const Tensor& out, const Tensor& lse, const Tensor& dout,
                               Tensor& dq, Tensor& dk, Tensor& dv, Tensor& dlog_beta);
 
+void gated_attention_span(const Tensor& q, const Tensor& q_doc, int64_t q_start, const Tensor& k, const Tensor& v,
+                          const Tensor& log_beta, const Tensor& k_doc, int64_t k_start, float scale, Tensor& out,
+                          Tensor& lse);
+void merge_attention(Tensor& out, Tensor& lse, const Tensor& part_out, const Tensor& part_lse);
+void gated_attention_span_backward(const Tensor& q, const Tensor& q_doc, int64_t q_start, const Tensor& k,
+                                   const Tensor& v, const Tensor& log_beta, const Tensor& k_doc, int64_t k_start,
+                                   float scale, const Tensor& out, const Tensor& lse, const Tensor& dout, Tensor& dq,
+                                   Tensor& dk, Tensor& dv, Tensor& dlog_beta);
+
 void capacity_sums(const Tensor& log_beta, const Tensor& doc, Tensor& S, double skip_exponent);
 ops::CapacityLoss capacity_loss(const Tensor& log_beta, const Tensor& doc, const Tensor& positions,
                                 double memory, ops::CapacityMode mode, double skip_exponent);
 void capacity_loss_backward(const Tensor& log_beta, const Tensor& doc, const Tensor& positions,
                             double memory, ops::CapacityMode mode, double scale, Tensor& dlog_beta,
                             double skip_exponent);
+void capacity_sums_span(const Tensor& log_beta, const Tensor& k_doc, int64_t k_start, const Tensor& q_doc,
+                        int64_t q_start, Tensor& S, double skip_exponent);
+void capacity_grad_span(const Tensor& log_beta, const Tensor& k_doc, int64_t k_start, const Tensor& q_doc,
+                        int64_t q_start, const Tensor& g, Tensor& dlog_beta, double skip_exponent);
+ops::CapacityLoss capacity_hinge(const Tensor& S, const Tensor& doc, const Tensor& positions, double memory,
+                                 ops::CapacityMode mode, Tensor* g);
 
 }  // namespace retain::cpu
