@@ -212,6 +212,41 @@ std::unique_ptr<Request> Comm::all_gather_bytes_async(const void* send, void* re
   return std::make_unique<StagedRequest>(std::move(b), std::move(r));
 }
 
+namespace {
+// A ring shift through stand-ins: the backend's request, then the copy out on wait().
+class StagedShift final : public Request {
+ public:
+  StagedShift(std::unique_ptr<Staged> in, std::unique_ptr<Staged> out, std::unique_ptr<Request> inner)
+      : in_(std::move(in)), out_(std::move(out)), inner_(std::move(inner)) {}
+  ~StagedShift() override { inner_.reset(); }  // waits for the transfer; the stand-ins outlive it
+  void wait() override {
+    if (done_) return;
+    done_ = true;
+    inner_->wait();
+    out_->copy_out();
+  }
+  bool test() override { return done_ || inner_->test(); }
+
+ private:
+  std::unique_ptr<Staged> in_, out_;
+  std::unique_ptr<Request> inner_;
+  bool done_ = false;
+};
+}  // namespace
+
+std::unique_ptr<Request> Comm::ring_shift_bytes_async(const void* send, void* recv, size_t bytes) {
+  if (bytes == 0) return std::make_unique<DoneRequest>();
+  check_ptr("ring_shift_bytes_async", "send", send);
+  check_ptr("ring_shift_bytes_async", "recv", recv);
+  if (overlap(span_of(send, bytes), span_of(recv, bytes))) fail("ring_shift_bytes_async: send and recv overlap");
+  auto in = std::make_unique<Staged>(send, bytes, native_device_buffers());
+  auto out = std::make_unique<Staged>(recv, bytes, native_device_buffers());
+  in->copy_in();
+  auto r = do_ring_shift_bytes_async(in->ptr(), out->ptr(), bytes);
+  if (!in->staged() && !out->staged()) return r;
+  return std::make_unique<StagedShift>(std::move(in), std::move(out), std::move(r));
+}
+
 void Comm::reduce_scatter(const float* send, float* recv, size_t count_per_rank) {
   if (count_per_rank == 0) return;
   check_ptr("reduce_scatter", "send", send);

@@ -87,6 +87,13 @@ class Comm {
   // FSDP provider gathers its mixed bf16/f32 layers with.
   std::unique_ptr<Request> all_gather_bytes_async(const void* send, void* recv, size_t bytes_per_rank);
 
+  // The ring shift of context parallelism (trainer/context_parallel.h), without blocking: rank
+  // r sends `bytes` bytes of `send` to rank (r + 1) % size() and receives rank (r − 1)'s into
+  // `recv` (in a one-rank world its own bytes). Collective: every rank calls it with the same
+  // byte count, in the same order among the collectives. send and recv must not overlap; both
+  // belong to the request until wait() returns (all_gather_async's rule).
+  std::unique_ptr<Request> ring_shift_bytes_async(const void* send, void* recv, size_t bytes);
+
   // send holds size() * count_per_rank; recv[i] = sum over ranks r of
   // send_of_rank_r[rank() * count_per_rank + i]. send and recv must not overlap.
   void reduce_scatter(const float* send, float* recv, size_t count_per_rank);
@@ -145,6 +152,7 @@ class Comm {
   virtual void do_all_gather_bytes(const void* send, void* recv, size_t bytes_per_rank) = 0;
   virtual std::unique_ptr<Request> do_all_gather_bytes_async(const void* send, void* recv,
                                                              size_t bytes_per_rank) = 0;
+  virtual std::unique_ptr<Request> do_ring_shift_bytes_async(const void* send, void* recv, size_t bytes) = 0;
   virtual void do_reduce_scatter(const float* send, float* recv, size_t count_per_rank) = 0;
   virtual void do_all_reduce(float* buf, size_t count) = 0;
   virtual void do_all_reduce(double* buf, size_t count) = 0;

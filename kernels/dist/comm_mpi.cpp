@@ -155,7 +155,7 @@ class MpiRequest final : public Request {
   ~MpiRequest() override {
     // A collective cannot be abandoned; errors have nowhere to go from a destructor.
     if (!done_) {
-      Watched watched(watchdog_, "wait for all_gather_async", clock_, false, false);
+      Watched watched(watchdog_, "wait for a nonblocking collective", clock_, false, false);
       MPI_Waitall(static_cast<int>(requests_.size()), requests_.data(), MPI_STATUSES_IGNORE);
       clock_->busy_ns += now_ns() - start_ns_;
     }
@@ -169,7 +169,7 @@ class MpiRequest final : public Request {
     if (done_) return;
     done_ = true;  // even if it fails: the destructor must not wait on a failed collective
     {
-      Watched watched(watchdog_, "wait for all_gather_async", clock_, false, false);
+      Watched watched(watchdog_, "wait for a nonblocking collective", clock_, false, false);
       MPI_CHECK(
           MPI_Waitall(static_cast<int>(requests_.size()), requests_.data(), MPI_STATUSES_IGNORE));
     }
@@ -297,6 +297,24 @@ class MpiComm final : public Comm {
       }
     }
   }
+
+  // Isend to the next rank, Irecv from the previous, in max_chunk() pieces (MPI keeps the
+  // order of messages between two ranks on one tag, so the pieces match up in turn).
+  std::unique_ptr<Request> do_ring_shift_bytes_async(const void* send, void* recv, size_t bytes) override {
+    auto request = std::make_unique<MpiRequest>(watchdog_.get(), &clock_);
+    Watched watched(watchdog_.get(), "ring_shift_bytes_async", &clock_, false);
+    const int next = (rank_ + 1) % size_, prev = (rank_ + size_ - 1) % size_;
+    for (size_t off = 0; off < bytes; off += max_chunk()) {
+      const int n = as_int(std::min(max_chunk(), bytes - off));
+      MPI_Request r = MPI_REQUEST_NULL;
+      MPI_CHECK(MPI_Irecv(static_cast<char*>(recv) + off, n, MPI_BYTE, prev, kRingTag, comm_, &r));
+      request->add(r);
+      MPI_CHECK(MPI_Isend(static_cast<const char*>(send) + off, n, MPI_BYTE, next, kRingTag, comm_, &r));
+      request->add(r);
+    }
+    return request;
+  }
+  static constexpr int kRingTag = 39;
 
   void do_reduce_scatter(const float* send, float* recv, size_t count) override {
     Watched watched(watchdog_.get(), "reduce_scatter", &clock_, true);

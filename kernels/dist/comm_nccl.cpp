@@ -238,6 +238,16 @@ class NcclComm final : public Comm {
         "all_gather_bytes_async",
         [&](cudaStream_t s) { return ncclAllGather(send, recv, bytes, ncclUint8, comm_, s); }));
   }
+  std::unique_ptr<Request> do_ring_shift_bytes_async(const void* send, void* recv, size_t bytes) override {
+    const int next = (rank_ + 1) % size_, prev = (rank_ + size_ - 1) % size_;
+    return async_request(enqueue("ring_shift_bytes_async", [&](cudaStream_t s) {
+      ncclResult_t r = ncclGroupStart();
+      if (r == ncclSuccess) r = ncclSend(send, bytes, ncclUint8, next, comm_, s);
+      if (r == ncclSuccess) r = ncclRecv(recv, bytes, ncclUint8, prev, comm_, s);
+      const ncclResult_t end = ncclGroupEnd();  // closes the group even after a failed call
+      return r != ncclSuccess ? r : end;
+    }));
+  }
   void do_reduce_scatter(const float* send, float* recv, size_t count) override {
     run("reduce_scatter",
         [&](cudaStream_t s) { return ncclReduceScatter(send, recv, count, ncclFloat, ncclSum, comm_, s); });

@@ -439,6 +439,30 @@ TEST_P(Chunked, AllReduceMax) {
   EXPECT_EQ(stop, 1.0);
 }
 
+TEST_P(Chunked, RingShift) {
+  // Each rank's bytes reach the next rank; two shifts in flight at once, as a ring step holds
+  // the keys/values and their gradients.
+  for (size_t count : kCounts) {
+    if (too_many_pieces(count)) continue;
+    auto value = [](int rank, size_t i) { return uint8_t((rank * 131 + int(i) * 7) & 0xff); };
+    std::vector<uint8_t> a(count), b(count + 5), got_a(count, 0), got_b(count + 5, 0);
+    for (size_t i = 0; i < count; ++i) a[i] = value(r(), i);
+    for (size_t i = 0; i < count + 5; ++i) b[i] = value(r() + 1000, i);
+    auto req_a = comm().ring_shift_bytes_async(a.data(), got_a.data(), count);
+    auto req_b = comm().ring_shift_bytes_async(b.data(), got_b.data(), count + 5);
+    req_b->wait();
+    req_a->wait();
+    const int from = (r() + s() - 1) % s();
+    size_t bad = 0;
+    for (size_t i = 0; i < count; ++i) bad += got_a[i] != value(from, i);
+    for (size_t i = 0; i < count + 5; ++i) bad += got_b[i] != value(from + 1000, i);
+    EXPECT_EQ(bad, 0u) << "count " << count;
+  }
+  std::vector<uint8_t> x(8);
+  EXPECT_THROW(comm().ring_shift_bytes_async(x.data(), x.data() + 4, 8), retain::Error);  // overlap
+  EXPECT_THROW(comm().ring_shift_bytes_async(nullptr, x.data(), 8), retain::Error);
+}
+
 // INT_MAX: one call per collective; 1000 and 64: several pieces, the last one short; 7: many.
 INSTANTIATE_TEST_SUITE_P(MaxChunk, Chunked, ::testing::Values(size_t{INT_MAX}, 1000, 64, 7),
                          [](const auto& p) {
