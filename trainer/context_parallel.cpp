@@ -1,0 +1,423 @@
+// The ring ops of context parallelism (trainer/context_parallel.h) over kernels/retention_spans.h.
+//
+// A ring step: every rank holds one rank's keys (a "packet": its two chunks' keys, values,
+// logβ and document ids in a flat buffer, sized for the largest rank so that every rank
+// shifts the same byte count), computes its query chunks against that rank's key chunks, and
+// passes the packet on to the next rank while receiving the previous rank's. The forward
+// starts the next shift before computing (the transfer overlaps the tiles); the backward's
+// packets also carry the keys' gradient sums, which can move only after the step has added
+// to them, so they shift after the compute, in a second transfer; after N steps they are home.
+#include "trainer/context_parallel.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <initializer_list>
+#include <limits>
+#include <memory>
+#include <vector>
+
+#include "kernels/base/error.h"
+#include "kernels/retention_spans.h"
+
+namespace retain::trainer {
+
+ContextLayout::ContextLayout(int64_t T, int ranks) : T_(T), ranks_(ranks) {
+  if (ranks < 1) fail("context parallelism: {} ranks is not ≥ 1", ranks);
+  if (T < 2 * static_cast<int64_t>(ranks))
+    fail("context parallelism: a sequence of {} tokens cannot be cut into 2 × {} chunks (it needs ≥ {} tokens)", T,
+         ranks, 2 * static_cast<int64_t>(ranks));
+}
+
+std::array<TokenSpan, 2> ContextLayout::spans(int rank) const {
+  if (rank < 0 || rank >= ranks_) fail("context parallelism: rank {} is not in [0, {})", rank, ranks_);
+  const int64_t front = rank, back = 2 * static_cast<int64_t>(ranks_) - 1 - rank;
+  return {TokenSpan{chunk_begin(front), chunk_begin(front + 1) - chunk_begin(front)},
+          TokenSpan{chunk_begin(back), chunk_begin(back + 1) - chunk_begin(back)}};
+}
+
+int64_t ContextLayout::local_tokens(int rank) const {
+  const auto s = spans(rank);
+  return s[0].length + s[1].length;
+}
+
+int64_t ContextLayout::max_local_tokens() const {
+  int64_t m = 0;
+  for (int r = 0; r < ranks_; ++r) m = std::max(m, local_tokens(r));
+  return m;
+}
+
+namespace {
+
+// Elements of one index of dimension `dim` and the count of indices before it.
+struct Strides {
+  int64_t outer, inner;
+};
+Strides strides(const Tensor& t, int64_t dim) {
+  int64_t outer = 1, inner = 1;
+  for (int64_t a = 0; a < dim; ++a) outer *= t.dim(a);
+  for (int64_t a = dim + 1; a < t.ndim(); ++a) inner *= t.dim(a);
+  return {outer, inner};
+}
+
+// Copies indices [from, from + n) of dimension dim of src into [to, to + n) of dst (same dtype,
+// same sizes in every other dimension).
+void copy_range(const Tensor& src, int64_t from, Tensor& dst, int64_t to, int64_t n, int64_t dim) {
+  const Strides s = strides(src, dim);
+  const size_t es = dtype_size(src.dtype());
+  const int64_t ns = src.dim(dim), nd = dst.dim(dim);
+  for (int64_t o = 0; o < s.outer; ++o)
+    std::memcpy(static_cast<char*>(dst.raw()) + static_cast<size_t>((o * nd + to) * s.inner) * es,
+                static_cast<const char*>(src.raw()) + static_cast<size_t>((o * ns + from) * s.inner) * es,
+                static_cast<size_t>(n * s.inner) * es);
+}
+
+void check_dim(const char* op, const Tensor& t, int64_t dim, int64_t want) {
+  if (t.device() != Device::CPU) fail("{}: context parallelism runs on the CPU only in this build", op);
+  if (t.ndim() <= dim || t.dim(dim) != want)
+    fail("{}: a tensor of shape {} does not hold this rank's {} tokens in dimension {}", op, shape_str(t.shape()),
+         want, dim);
+}
+
+}  // namespace
+
+Tensor ContextLayout::local(const Tensor& whole, int rank, int64_t dim) const {
+  check_dim("ContextLayout::local", whole, dim, T_);
+  Shape shape = whole.shape();
+  shape[static_cast<size_t>(dim)] = local_tokens(rank);
+  Tensor out = Tensor::empty(shape, whole.dtype());
+  int64_t at = 0;
+  for (const TokenSpan& s : spans(rank)) {
+    copy_range(whole, s.start, out, at, s.length, dim);
+    at += s.length;
+  }
+  return out;
+}
+
+void ContextLayout::put_local(const Tensor& local, int rank, Tensor& whole, int64_t dim) const {
+  check_dim("ContextLayout::put_local", local, dim, local_tokens(rank));
+  check_dim("ContextLayout::put_local", whole, dim, T_);
+  int64_t at = 0;
+  for (const TokenSpan& s : spans(rank)) {
+    copy_range(local, at, whole, s.start, s.length, dim);
+    at += s.length;
+  }
+}
+
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// A flat buffer of named tensors whose token dimension is sized for the largest rank; a
+// rank's tensors occupy the start of their field, contiguous, with its own token count.
+class Packet {
+ public:
+  // Adds a field of `per_token` elements per token (times `outer` blocks: [outer, T, ...]).
+  int add(DType dtype, int64_t per_token, int64_t max_tokens, int64_t outer = 1) {
+    offsets_.push_back(bytes_);
+    dtypes_.push_back(dtype);
+    bytes_ += (static_cast<size_t>(outer * max_tokens * per_token) * dtype_size(dtype) + 7) / 8 * 8;
+    return static_cast<int>(offsets_.size()) - 1;
+  }
+  size_t bytes() const { return bytes_; }
+  size_t offset(int field) const { return offsets_[static_cast<size_t>(field)]; }
+  Tensor view(const Tensor& buffer, int field, const Shape& shape) const {
+    return buffer.view_bytes(offsets_[static_cast<size_t>(field)], shape, dtypes_[static_cast<size_t>(field)]);
+  }
+  Tensor buffer() const { return Tensor::zeros({static_cast<int64_t>(std::max<size_t>(bytes_, 8))}, DType::U8); }
+
+ private:
+  std::vector<size_t> offsets_;
+  std::vector<DType> dtypes_;
+  size_t bytes_ = 0;
+};
+
+// A rank's chunk i in its local rows: [offset, offset + length) of the local dimension.
+int64_t local_offset(const std::array<TokenSpan, 2>& s, int i) { return i == 0 ? 0 : s[0].length; }
+
+// The key chunk lies wholly after the query chunk: no allowed pair (causal).
+bool after(const TokenSpan& keys, const TokenSpan& queries) { return keys.start >= queries.end(); }
+
+struct Group {
+  int rank, ranks;
+};
+Group check_group(const char* op, dist::Comm& group, const ContextLayout& layout) {
+  if (group.size() != layout.ranks())
+    fail("{}: the group has {} ranks, the layout {}", op, group.size(), layout.ranks());
+  return {group.rank(), group.size()};
+}
+
+}  // namespace
+
+void ring_gated_attention(dist::Comm& group, const ContextLayout& layout, const Tensor& q, const Tensor& k,
+                          const Tensor& v, const Tensor& log_beta, const Tensor& doc, float scale, Tensor& out,
+                          Tensor& lse) {
+  const char* op = "ring_gated_attention";
+  const auto [r, N] = check_group(op, group, layout);
+  const int64_t Tl = layout.local_tokens(r), Tm = layout.max_local_tokens();
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&q, &k, &v, &log_beta, &doc, &out, &lse}) check_dim(op, *t, 0, Tl);
+  const int64_t H = q.dim(1), K = k.dim(1), d = k.dim(2);
+
+  Packet p;
+  const int fk = p.add(DType::F32, K * d, Tm), fv = p.add(DType::F32, K * d, Tm), fl = p.add(DType::F32, K, Tm),
+            fd = p.add(DType::I32, 1, Tm);
+  std::array<Tensor, 2> buf{p.buffer(), p.buffer()};
+  p.view(buf[0], fk, k.shape()).copy_from(k);
+  p.view(buf[0], fv, v.shape()).copy_from(v);
+  p.view(buf[0], fl, log_beta.shape()).copy_from(log_beta);
+  p.view(buf[0], fd, doc.shape()).copy_from(doc);
+
+  std::memset(out.raw(), 0, out.nbytes());
+  std::fill(lse.data<float>(), lse.data<float>() + lse.numel(), kNegInf);
+  const auto mine = layout.spans(r);
+  Tensor part_out = Tensor::empty({Tl, H, d}, DType::F32), part_lse = Tensor::empty({Tl, H}, DType::F32);
+  int cur = 0;
+  for (int step = 0; step < N; ++step) {
+    const int src = (r - step + N) % N;
+    std::unique_ptr<dist::Request> next;
+    if (step + 1 < N) next = group.ring_shift_bytes_async(buf[cur].raw(), buf[cur ^ 1].raw(), p.bytes());
+    const int64_t Ts = layout.local_tokens(src);
+    const Tensor ks = p.view(buf[cur], fk, {Ts, K, d}), vs = p.view(buf[cur], fv, {Ts, K, d}),
+                 ls = p.view(buf[cur], fl, {Ts, K}), ds = p.view(buf[cur], fd, {Ts});
+    const auto theirs = layout.spans(src);
+    for (int qi = 0; qi < 2; ++qi)
+      for (int ki = 0; ki < 2; ++ki) {
+        const TokenSpan &qs = mine[qi], &kspan = theirs[ki];
+        if (after(kspan, qs)) continue;
+        const int64_t q0 = local_offset(mine, qi), k0 = local_offset(theirs, ki);
+        Tensor po = part_out.rows(0, qs.length), pl = part_lse.rows(0, qs.length);
+        ops::gated_attention_span(q.rows(q0, q0 + qs.length), doc.rows(q0, q0 + qs.length), qs.start,
+                                  ks.rows(k0, k0 + kspan.length), vs.rows(k0, k0 + kspan.length),
+                                  ls.rows(k0, k0 + kspan.length), ds.rows(k0, k0 + kspan.length), kspan.start, scale,
+                                  po, pl);
+        Tensor o = out.rows(q0, q0 + qs.length), l = lse.rows(q0, q0 + qs.length);
+        ops::merge_attention(o, l, po, pl);
+      }
+    if (next) next->wait();
+    cur ^= 1;
+  }
+}
+
+void ring_gated_attention_backward(dist::Comm& group, const ContextLayout& layout, const Tensor& q,
+                                   const Tensor& k, const Tensor& v, const Tensor& log_beta, const Tensor& doc,
+                                   float scale, const Tensor& out, const Tensor& lse, const Tensor& dout,
+                                   Tensor& dq, Tensor& dk, Tensor& dv, Tensor& dlog_beta) {
+  const char* op = "ring_gated_attention_backward";
+  const auto [r, N] = check_group(op, group, layout);
+  const int64_t Tl = layout.local_tokens(r), Tm = layout.max_local_tokens();
+  for (const Tensor* t :
+       std::initializer_list<const Tensor*>{&q, &k, &v, &log_beta, &doc, &out, &lse, &dout, &dq, &dk, &dv, &dlog_beta})
+    check_dim(op, *t, 0, Tl);
+  const int64_t K = k.dim(1), d = k.dim(2);
+
+  // Two segments, so that each moves on its own: the keys (sent ahead) and their gradients.
+  Packet p;
+  const int fk = p.add(DType::F32, K * d, Tm), fv = p.add(DType::F32, K * d, Tm), fl = p.add(DType::F32, K, Tm),
+            fd = p.add(DType::I32, 1, Tm);
+  const int fdk = p.add(DType::F32, K * d, Tm), fdv = p.add(DType::F32, K * d, Tm), fdl = p.add(DType::F32, K, Tm);
+  const size_t key_bytes = p.offset(fdk), grad_bytes = p.bytes() - key_bytes;
+  std::array<Tensor, 2> buf{p.buffer(), p.buffer()};
+  p.view(buf[0], fk, k.shape()).copy_from(k);
+  p.view(buf[0], fv, v.shape()).copy_from(v);
+  p.view(buf[0], fl, log_beta.shape()).copy_from(log_beta);
+  p.view(buf[0], fd, doc.shape()).copy_from(doc);
+
+  std::memset(dq.raw(), 0, dq.nbytes());
+  const auto mine = layout.spans(r);
+  int cur = 0;
+  for (int step = 0; step < N; ++step) {
+    const int src = (r - step + N) % N;
+    char* here = static_cast<char*>(buf[cur].raw());
+    char* there = static_cast<char*>(buf[cur ^ 1].raw());
+    std::unique_ptr<dist::Request> keys;
+    if (step + 1 < N) keys = group.ring_shift_bytes_async(here, there, key_bytes);
+    const int64_t Ts = layout.local_tokens(src);
+    const Tensor ks = p.view(buf[cur], fk, {Ts, K, d}), vs = p.view(buf[cur], fv, {Ts, K, d}),
+                 ls = p.view(buf[cur], fl, {Ts, K}), ds = p.view(buf[cur], fd, {Ts});
+    Tensor dks = p.view(buf[cur], fdk, {Ts, K, d}), dvs = p.view(buf[cur], fdv, {Ts, K, d}),
+           dls = p.view(buf[cur], fdl, {Ts, K});
+    const auto theirs = layout.spans(src);
+    for (int qi = 0; qi < 2; ++qi)
+      for (int ki = 0; ki < 2; ++ki) {
+        const TokenSpan &qs = mine[qi], &kspan = theirs[ki];
+        if (after(kspan, qs)) continue;
+        const int64_t q0 = local_offset(mine, qi), q1 = q0 + qs.length;
+        const int64_t k0 = local_offset(theirs, ki), k1 = k0 + kspan.length;
+        Tensor dq_rows = dq.rows(q0, q1), dk_rows = dks.rows(k0, k1), dv_rows = dvs.rows(k0, k1),
+               dl_rows = dls.rows(k0, k1);
+        ops::gated_attention_span_backward(q.rows(q0, q1), doc.rows(q0, q1), qs.start, ks.rows(k0, k1),
+                                           vs.rows(k0, k1), ls.rows(k0, k1), ds.rows(k0, k1), kspan.start, scale,
+                                           out.rows(q0, q1), lse.rows(q0, q1), dout.rows(q0, q1), dq_rows, dk_rows,
+                                           dv_rows, dl_rows);
+      }
+    // The gradient sums move on after this step added to them (the last shift takes them home).
+    auto grads = group.ring_shift_bytes_async(here + key_bytes, there + key_bytes, grad_bytes);
+    grads->wait();
+    if (keys) keys->wait();
+    cur ^= 1;
+  }
+  dk.copy_from(p.view(buf[cur], fdk, dk.shape()));
+  dv.copy_from(p.view(buf[cur], fdv, dv.shape()));
+  dlog_beta.copy_from(p.view(buf[cur], fdl, dlog_beta.shape()));
+}
+
+namespace {
+
+// The capacity ops' per-chunk tensors: [L, length, K] of each of a rank's two chunks (the
+// span ops want consecutive tokens, and a rank's two chunks are not).
+std::array<Tensor, 2> split_chunks(const Tensor& x, const std::array<TokenSpan, 2>& s) {
+  std::array<Tensor, 2> out;
+  for (int i = 0; i < 2; ++i) {
+    out[i] = Tensor::empty({x.dim(0), s[i].length, x.dim(2)}, x.dtype());
+    copy_range(x, local_offset(s, i), out[i], 0, s[i].length, 1);
+  }
+  return out;
+}
+
+struct CapacityRing {
+  Packet p;
+  int fl[2], fd;
+};
+
+// The capacity sums S F64 [L, len, K] of this rank's two chunks over every key of the sequence.
+std::array<Tensor, 2> ring_capacity_sums(dist::Comm& group, const ContextLayout& layout, int r, int N,
+                                         const Tensor& log_beta, const Tensor& doc, double E) {
+  const int64_t L = log_beta.dim(0), K = log_beta.dim(2), Tm = layout.max_local_tokens();
+  const auto mine = layout.spans(r);
+  Packet p;
+  const int fl = p.add(DType::F32, K, Tm, L), fd = p.add(DType::I32, 1, Tm);
+  std::array<Tensor, 2> buf{p.buffer(), p.buffer()};
+  // logβ as its two chunks, one after the other, each [L, len, K] (the field holds L·Tm·K).
+  {
+    const auto parts = split_chunks(log_beta, mine);
+    p.view(buf[0], fl, {L, mine[0].length, K}).copy_from(parts[0]);
+    buf[0].view_bytes(p.offset(fl) + parts[0].nbytes(), {L, mine[1].length, K}, DType::F32).copy_from(parts[1]);
+    p.view(buf[0], fd, doc.shape()).copy_from(doc);
+  }
+  std::array<Tensor, 2> S{Tensor::zeros({L, mine[0].length, K}, DType::F64),
+                          Tensor::zeros({L, mine[1].length, K}, DType::F64)};
+  int cur = 0;
+  for (int step = 0; step < N; ++step) {
+    const int src = (r - step + N) % N;
+    std::unique_ptr<dist::Request> next;
+    if (step + 1 < N) next = group.ring_shift_bytes_async(buf[cur].raw(), buf[cur ^ 1].raw(), p.bytes());
+    const auto theirs = layout.spans(src);
+    const Tensor ds = p.view(buf[cur], fd, {layout.local_tokens(src)});
+    const Tensor lk[2] = {p.view(buf[cur], fl, {L, theirs[0].length, K}),
+                          buf[cur].view_bytes(p.offset(fl) + static_cast<size_t>(L * theirs[0].length * K) * 4,
+                                              {L, theirs[1].length, K}, DType::F32)};
+    for (int qi = 0; qi < 2; ++qi)
+      for (int ki = 0; ki < 2; ++ki) {
+        if (after(theirs[ki], mine[qi])) continue;
+        const int64_t q0 = local_offset(mine, qi), k0 = local_offset(theirs, ki);
+        ops::capacity_sums_span(lk[ki], ds.rows(k0, k0 + theirs[ki].length), theirs[ki].start,
+                                doc.rows(q0, q0 + mine[qi].length), mine[qi].start, S[qi], E);
+      }
+    if (next) next->wait();
+    cur ^= 1;
+  }
+  return S;
+}
+
+void check_capacity(const char* op, const ContextLayout& layout, int r, const Tensor& log_beta, const Tensor& doc,
+                    const Tensor& positions) {
+  const int64_t Tl = layout.local_tokens(r);
+  check_dim(op, log_beta, 1, Tl);
+  check_dim(op, doc, 0, Tl);
+  check_dim(op, positions, 0, Tl);
+  if (log_beta.ndim() != 3 || log_beta.dtype() != DType::F32)
+    fail("{}: log_beta must be F32 [L, T_local, K], got {} {}", op, dtype_name(log_beta.dtype()),
+         shape_str(log_beta.shape()));
+}
+
+}  // namespace
+
+ops::CapacityLoss ring_capacity_loss(dist::Comm& group, const ContextLayout& layout, const Tensor& log_beta,
+                                     const Tensor& doc, const Tensor& positions, double memory,
+                                     ops::CapacityMode mode, double E) {
+  const char* op = "ring_capacity_loss";
+  const auto [r, N] = check_group(op, group, layout);
+  check_capacity(op, layout, r, log_beta, doc, positions);
+  const auto S = ring_capacity_sums(group, layout, r, N, log_beta, doc, E);
+  const auto mine = layout.spans(r);
+  ops::CapacityLoss loss;
+  for (int i = 0; i < 2; ++i) {
+    const int64_t a = local_offset(mine, i), b = a + mine[i].length;
+    const ops::CapacityLoss part = ops::capacity_hinge(S[i], doc.rows(a, b), positions.rows(a, b), memory, mode);
+    loss.sum += part.sum;
+    loss.positive += part.positive;
+  }
+  return loss;
+}
+
+void ring_capacity_loss_backward(dist::Comm& group, const ContextLayout& layout, const Tensor& log_beta,
+                                 const Tensor& doc, const Tensor& positions, double memory, ops::CapacityMode mode,
+                                 double scale, Tensor& dlog_beta, double E) {
+  const char* op = "ring_capacity_loss_backward";
+  const auto [r, N] = check_group(op, group, layout);
+  check_capacity(op, layout, r, log_beta, doc, positions);
+  check_dim(op, dlog_beta, 1, layout.local_tokens(r));
+  const int64_t L = log_beta.dim(0), K = log_beta.dim(2), Tm = layout.max_local_tokens();
+  const auto mine = layout.spans(r);
+  const auto S = ring_capacity_sums(group, layout, r, N, log_beta, doc, E);
+  std::array<Tensor, 2> g;
+  for (int i = 0; i < 2; ++i) {
+    const int64_t a = local_offset(mine, i), b = a + mine[i].length;
+    g[i] = Tensor::empty(S[i].shape(), DType::F64);
+    ops::capacity_hinge(S[i], doc.rows(a, b), positions.rows(a, b), memory, mode, &g[i]);
+  }
+
+  // The keys' logβ and documents, then their F64 gradient sums (moved after each step).
+  Packet p;
+  const int fl = p.add(DType::F32, K, Tm, L), fd = p.add(DType::I32, 1, Tm), fg = p.add(DType::F64, K, Tm, L);
+  const size_t key_bytes = p.offset(fg), grad_bytes = p.bytes() - key_bytes;
+  std::array<Tensor, 2> buf{p.buffer(), p.buffer()};
+  {
+    const auto parts = split_chunks(log_beta, mine);
+    p.view(buf[0], fl, {L, mine[0].length, K}).copy_from(parts[0]);
+    buf[0].view_bytes(p.offset(fl) + parts[0].nbytes(), {L, mine[1].length, K}, DType::F32).copy_from(parts[1]);
+    p.view(buf[0], fd, doc.shape()).copy_from(doc);
+  }
+  int cur = 0;
+  for (int step = 0; step < N; ++step) {
+    const int src = (r - step + N) % N;
+    char* here = static_cast<char*>(buf[cur].raw());
+    char* there = static_cast<char*>(buf[cur ^ 1].raw());
+    std::unique_ptr<dist::Request> keys;
+    if (step + 1 < N) keys = group.ring_shift_bytes_async(here, there, key_bytes);
+    const auto theirs = layout.spans(src);
+    const Tensor ds = p.view(buf[cur], fd, {layout.local_tokens(src)});
+    const size_t front_f32 = static_cast<size_t>(L * theirs[0].length * K) * 4;
+    const Tensor lk[2] = {p.view(buf[cur], fl, {L, theirs[0].length, K}),
+                          buf[cur].view_bytes(p.offset(fl) + front_f32, {L, theirs[1].length, K}, DType::F32)};
+    Tensor gk[2] = {p.view(buf[cur], fg, {L, theirs[0].length, K}),
+                    buf[cur].view_bytes(p.offset(fg) + front_f32 * 2, {L, theirs[1].length, K}, DType::F64)};
+    for (int qi = 0; qi < 2; ++qi)
+      for (int ki = 0; ki < 2; ++ki) {
+        if (after(theirs[ki], mine[qi])) continue;
+        const int64_t q0 = local_offset(mine, qi), k0 = local_offset(theirs, ki);
+        ops::capacity_grad_span(lk[ki], ds.rows(k0, k0 + theirs[ki].length), theirs[ki].start,
+                                doc.rows(q0, q0 + mine[qi].length), mine[qi].start, g[qi], gk[ki], E);
+      }
+    auto grads = group.ring_shift_bytes_async(here + key_bytes, there + key_bytes, grad_bytes);
+    grads->wait();
+    if (keys) keys->wait();
+    cur ^= 1;
+  }
+  // Home: this rank's own keys' sums, chunk by chunk, scaled and rounded into dlog_beta.
+  const size_t front_f64 = static_cast<size_t>(L * mine[0].length * K) * 8;
+  const Tensor home[2] = {p.view(buf[cur], fg, {L, mine[0].length, K}),
+                          buf[cur].view_bytes(p.offset(fg) + front_f64, {L, mine[1].length, K}, DType::F64)};
+  float* out = dlog_beta.data<float>();
+  const int64_t Tl = layout.local_tokens(r);
+  for (int i = 0; i < 2; ++i) {
+    const double* h = home[i].data<double>();
+    const int64_t len = mine[i].length, off = local_offset(mine, i);
+    for (int64_t l = 0; l < L; ++l)
+      for (int64_t t = 0; t < len; ++t)
+        for (int64_t k = 0; k < K; ++k)
+          out[(l * Tl + off + t) * K + k] = static_cast<float>(scale * h[(l * len + t) * K + k]);
+  }
+}
+
+}  // namespace retain::trainer
