@@ -78,9 +78,13 @@ Tensor loss_positions(const Tensor& doc, const Tensor& target_mask) {
   return out;
 }
 
-QualitySums kl_ntp_chunked(const Tensor& teacher_hidden, const Tensor& student_hidden, const Tensor& lm_head,
-                           const Tensor& ids, const Tensor& mask, int64_t chunk, double kl_scale, double ntp_scale,
-                           Tensor* d_student_hidden, KlDirection kl) {
+namespace {
+
+// The checks and the run both entry points share: `list(V)` lists the loss positions.
+template <typename List>
+QualitySums run_kl_ntp(const Tensor& teacher_hidden, const Tensor& student_hidden, const Tensor& lm_head,
+                       const Tensor& ids, const char* ids_name, int64_t chunk, double kl_scale, double ntp_scale,
+                       Tensor* d_student_hidden, KlDirection kl, List list) {
   check_f32_2d(teacher_hidden, "teacher_hidden");
   check_f32_2d(student_hidden, "student_hidden");
   const Device device = teacher_hidden.device();
@@ -92,17 +96,12 @@ QualitySums kl_ntp_chunked(const Tensor& teacher_hidden, const Tensor& student_h
     RETAIN_CHECK((lm_head.dtype() == DType::F32 || lm_head.dtype() == DType::BF16) && lm_head.ndim() == 2,
                  "kl_ntp_chunked: lm_head must be a 2-d F32 or BF16 tensor, got {} {}", dtype_name(lm_head.dtype()),
                  shape_str(lm_head.shape()));
-  RETAIN_CHECK(ids.device() == Device::CPU && mask.device() == Device::CPU,
-               "kl_ntp_chunked: ids and mask must be CPU tensors (the host lists the loss positions), got {} and {}",
-               device_name(ids.device()), device_name(mask.device()));
   const int64_t T = teacher_hidden.dim(0), D = teacher_hidden.dim(1), V = lm_head.dim(0);
   RETAIN_CHECK(student_hidden.shape() == teacher_hidden.shape() && lm_head.dim(1) == D,
                "kl_ntp_chunked: teacher {} student {} lm_head {}", shape_str(teacher_hidden.shape()),
                shape_str(student_hidden.shape()), shape_str(lm_head.shape()));
-  RETAIN_CHECK(ids.dtype() == DType::I32 && ids.shape() == Shape{T}, "kl_ntp_chunked: ids must be I32 [{}], got {} {}",
-               T, dtype_name(ids.dtype()), shape_str(ids.shape()));
-  RETAIN_CHECK(mask.dtype() == DType::U8 && mask.shape() == Shape{T}, "kl_ntp_chunked: mask must be U8 [{}], got {} {}",
-               T, dtype_name(mask.dtype()), shape_str(mask.shape()));
+  RETAIN_CHECK(ids.dtype() == DType::I32 && ids.shape() == Shape{T}, "kl_ntp_chunked: {} must be I32 [{}], got {} {}",
+               ids_name, T, dtype_name(ids.dtype()), shape_str(ids.shape()));
   RETAIN_CHECK(chunk > 0, "kl_ntp_chunked: chunk {}", chunk);
   RETAIN_CHECK(V > 0, "kl_ntp_chunked: empty vocabulary");
   if (d_student_hidden) {
@@ -122,7 +121,7 @@ QualitySums kl_ntp_chunked(const Tensor& teacher_hidden, const Tensor& student_h
       cuda::memset_device(d_student_hidden->raw(), 0, d_student_hidden->nbytes());
   }
 
-  const LossPositions lp = list_positions(ids, mask, V);
+  const LossPositions lp = list(V);
   if (lp.pos.empty()) return {};
 #ifdef RETAIN_CUDA_KERNELS
   if (device != Device::CPU)
@@ -131,6 +130,43 @@ QualitySums kl_ntp_chunked(const Tensor& teacher_hidden, const Tensor& student_h
 #endif
   return cpu::kl_ntp_chunked(teacher_hidden, student_hidden, lm_head, lp, chunk, kl_scale, ntp_scale,
                              d_student_hidden, kl);
+}
+
+}  // namespace
+
+QualitySums kl_ntp_chunked(const Tensor& teacher_hidden, const Tensor& student_hidden, const Tensor& lm_head,
+                           const Tensor& ids, const Tensor& mask, int64_t chunk, double kl_scale, double ntp_scale,
+                           Tensor* d_student_hidden, KlDirection kl) {
+  RETAIN_CHECK(ids.device() == Device::CPU && mask.device() == Device::CPU,
+               "kl_ntp_chunked: ids and mask must be CPU tensors (the host lists the loss positions), got {} and {}",
+               device_name(ids.device()), device_name(mask.device()));
+  const int64_t T = teacher_hidden.ndim() == 2 ? teacher_hidden.dim(0) : -1;
+  RETAIN_CHECK(mask.dtype() == DType::U8 && mask.shape() == Shape{T}, "kl_ntp_chunked: mask must be U8 [{}], got {} {}",
+               T, dtype_name(mask.dtype()), shape_str(mask.shape()));
+  return run_kl_ntp(teacher_hidden, student_hidden, lm_head, ids, "ids", chunk, kl_scale, ntp_scale, d_student_hidden,
+                    kl, [&](int64_t V) { return list_positions(ids, mask, V); });
+}
+
+QualitySums kl_ntp_chunked_targets(const Tensor& teacher_hidden, const Tensor& student_hidden, const Tensor& lm_head,
+                                   const Tensor& targets, int64_t chunk, double kl_scale, double ntp_scale,
+                                   Tensor* d_student_hidden, KlDirection kl) {
+  RETAIN_CHECK(targets.device() == Device::CPU,
+               "kl_ntp_chunked: targets must be a CPU tensor (the host lists the loss positions), got {}",
+               device_name(targets.device()));
+  return run_kl_ntp(teacher_hidden, student_hidden, lm_head, targets, "targets", chunk, kl_scale, ntp_scale,
+                    d_student_hidden, kl, [&](int64_t V) {
+                      LossPositions lp;
+                      const int32_t* id = targets.data<int32_t>();
+                      for (int64_t t = 0; t < targets.numel(); ++t) {
+                        if (id[t] < 0) continue;
+                        if (id[t] >= V)
+                          fail("kl_ntp_chunked: target id {} of position {} is outside the vocabulary [0, {})", id[t],
+                               t, V);
+                        lp.pos.push_back(t);
+                        lp.target.push_back(id[t]);
+                      }
+                      return lp;
+                    });
 }
 
 }  // namespace retain::ops

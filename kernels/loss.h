@@ -58,4 +58,12 @@ QualitySums kl_ntp_chunked(const Tensor& teacher_hidden, const Tensor& student_h
                            const Tensor& ids, const Tensor& mask, int64_t chunk, double kl_scale, double ntp_scale,
                            Tensor* d_student_hidden, KlDirection kl = KlDirection::forward);
 
+// The same with each row's target given: targets I32 [T] (a CPU tensor), the target id of row t,
+// or −1 where t is not a loss position. What a rank of a context-parallel group passes: its rows
+// are two chunks of a longer sequence, and a row's next token may live on another rank.
+// kl_ntp_chunked(…, ids, mask, …) is this with targets[t] = mask[t] ? ids[t + 1] : −1.
+QualitySums kl_ntp_chunked_targets(const Tensor& teacher_hidden, const Tensor& student_hidden, const Tensor& lm_head,
+                                   const Tensor& targets, int64_t chunk, double kl_scale, double ntp_scale,
+                                   Tensor* d_student_hidden, KlDirection kl = KlDirection::forward);
+
 }  // namespace retain::ops

@@ -30,22 +30,28 @@ namespace {
 // write bf16 q, k, v, out (kernels/retention.h), each F32 input is freed as soon as its bf16
 // copy exists: at 128K the recomputation is where the step's memory peaks. The teacher there
 // runs the gated kernel with logβ ≡ 0, which is plain attention. With `saved`, what the
-// backward needs is kept in the dtype the backward reads (bf16 on CUDA).
+// backward needs is kept in the dtype the backward reads (bf16 on CUDA). With `part` (a part of
+// a longer sequence) the attention is the part's, the teacher's with logβ ≡ 0.
 Tensor layer_attention(Tensor& q3, Tensor& k3, Tensor& v3, const Tensor* log_beta, const Tensor& doc, float scale,
-                       int64_t layer, DecoderLayerSaved* saved) {
+                       int64_t layer, DecoderLayerSaved* saved, const SequencePart* part) {
   const int64_t T = q3.dim(0), H = q3.dim(1), K = k3.dim(1);
   const Device dev = q3.device();
   const bool cuda = dev == Device::CUDA;
   if (!cuda) {
     Tensor attn = Tensor::empty(q3.shape(), DType::F32, dev);
     Tensor lse;
-    if (log_beta) {
+    if (log_beta || part) {
       lse = Tensor::empty({T, H}, DType::F32, dev);
+      const Tensor lb = log_beta ? *log_beta : Tensor::zeros({T, K}, DType::F32, dev);
       try {
-        ops::gated_attention(q3, k3, v3, *log_beta, doc, scale, attn, lse);
+        if (part)
+          part->gated_attention(q3, k3, v3, lb, doc, scale, attn, lse);
+        else
+          ops::gated_attention(q3, k3, v3, lb, doc, scale, attn, lse);
       } catch (const Error& e) {  // a NaN logβ: say which layer's gate produced it
         fail("layer {}: {}", layer, e.what());
       }
+      if (!log_beta) lse = Tensor();  // (the teacher keeps no lse)
     } else {
       ops::attention(q3, k3, v3, doc, scale, attn);
     }
@@ -64,7 +70,10 @@ Tensor layer_attention(Tensor& q3, Tensor& k3, Tensor& v3, const Tensor* log_bet
   const Tensor lb = log_beta ? *log_beta : Tensor::zeros({T, K}, DType::F32, dev);
   Tensor lse = Tensor::empty({T, H}, DType::F32, dev);
   try {
-    ops::gated_attention(q, k, v, lb, doc, scale, out, lse);
+    if (part)
+      part->gated_attention(q, k, v, lb, doc, scale, out, lse);
+    else
+      ops::gated_attention(q, k, v, lb, doc, scale, out, lse);
   } catch (const Error& e) {
     fail("layer {}: {}", layer, e.what());
   }
@@ -102,7 +111,7 @@ void qwen3_mlp(const Qwen3Config& c, const LayerWeights& w, Tensor& x) {
 
 void qwen3_decoder_layer(const Qwen3Config& c, const LayerWeights& w, const RopeParams& rope, const Tensor& positions,
                          const Tensor& doc, const gates::RetentionGates* gates, int64_t layer, Tensor& x,
-                         Tensor* log_beta_out, DecoderLayerSaved* saved) {
+                         Tensor* log_beta_out, DecoderLayerSaved* saved, const SequencePart* part) {
   const int64_t T = x.dim(0), D = c.hidden_size, H = c.num_attention_heads, K = c.num_key_value_heads,
                 d = c.head_dim;
   const float eps = static_cast<float>(c.rms_norm_eps);
@@ -137,7 +146,7 @@ void qwen3_decoder_layer(const Qwen3Config& c, const LayerWeights& w, const Rope
     const Tensor gate_input = gates->input_of(h, k3, v3);
     const Tensor log_beta = gates->forward(layer, gate_input, saved ? &saved->gate : nullptr);
     if (saved) saved->gate_input = gate_input;
-    attn = layer_attention(q3, k3, v3, &log_beta, doc, scale, layer, saved);
+    attn = layer_attention(q3, k3, v3, &log_beta, doc, scale, layer, saved, part);
     if (log_beta_out) {
       RETAIN_CHECK(log_beta_out->dtype() == DType::F32 && log_beta_out->shape() == log_beta.shape(),
                    "decoder layer: log_beta_out {} for logβ {}", shape_str(log_beta_out->shape()),
@@ -146,7 +155,7 @@ void qwen3_decoder_layer(const Qwen3Config& c, const LayerWeights& w, const Rope
     }
     if (saved) saved->log_beta = log_beta;
   } else {
-    attn = layer_attention(q3, k3, v3, nullptr, doc, scale, layer, saved);
+    attn = layer_attention(q3, k3, v3, nullptr, doc, scale, layer, saved, part);
   }
   ops::linear(attn.reshape({T, H * d}), w.o_proj, x, /*accumulate=*/true);  // the residual add in the GEMM
   attn = Tensor();
@@ -164,7 +173,7 @@ void qwen3_decoder_layer(const Qwen3Config& c, const LayerWeights& w, const Rope
 }
 
 Tensor qwen3_hidden(WeightProvider& weights, const Tensor& ids, const Tensor& doc_ids, const LayerProgress& on_layer,
-                    const gates::RetentionGates* gates) {
+                    const gates::RetentionGates* gates, const SequencePart* part) {
   const Qwen3Config& c = weights.config();
   if (gates) check_gates_fit(c, gates->dims());
   RETAIN_CHECK(ids.dtype() == DType::I32 && ids.ndim() == 1 && doc_ids.dtype() == DType::I32 &&
@@ -173,10 +182,10 @@ Tensor qwen3_hidden(WeightProvider& weights, const Tensor& ids, const Tensor& do
   const int64_t T = ids.dim(0);
   Tensor x = Tensor::empty({T, c.hidden_size}, DType::F32, ids.device());
   ops::embedding(weights.embedding(), ids, x);
-  const Tensor positions = positions_of(doc_ids);
+  const Tensor positions = part ? part->positions() : positions_of(doc_ids);
   const RopeParams rope = compute_rope_params(c, x.device());
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
-    qwen3_decoder_layer(c, weights.layer(l), rope, positions, doc_ids, gates, l, x);
+    qwen3_decoder_layer(c, weights.layer(l), rope, positions, doc_ids, gates, l, x, nullptr, nullptr, part);
     if (on_layer) on_layer(l + 1, c.num_hidden_layers);
   }
   ops::rmsnorm(x, weights.final_norm(), static_cast<float>(c.rms_norm_eps), x);

@@ -8,6 +8,7 @@
 #include "kernels/tensor.h"
 #include "model/gates/gates.h"
 #include "model/rope_params.h"
+#include "model/sequence_part.h"
 #include "model/weights.h"
 
 namespace retain {
@@ -24,8 +25,11 @@ Tensor qwen3_forward(WeightProvider& weights, const Tensor& ids, const Tensor& d
 
 // The final-RMSNorm output F32 [T, D] (what lm_head multiplies): the teacher keeps only this.
 // qwen3_forward is ops::linear(qwen3_hidden(...), lm_head), bit for bit.
+// With `part`, ids and doc_ids are this rank's part of a longer sequence (model/sequence_part.h):
+// its positions and attention come from there, and the call is collective over the parts.
 Tensor qwen3_hidden(WeightProvider& weights, const Tensor& ids, const Tensor& doc_ids,
-                    const LayerProgress& on_layer = {}, const gates::RetentionGates* gates = nullptr);
+                    const LayerProgress& on_layer = {}, const gates::RetentionGates* gates = nullptr,
+                    const SequencePart* part = nullptr);
 
 // ---- Building blocks shared with the student's backward (model/student.cpp) -------------
 
@@ -77,10 +81,11 @@ void qwen3_mlp(const Qwen3Config& config, const LayerWeights& w, Tensor& x);
 // to bf16. With `log_beta_out` (F32 [T, K], gated only) the gate output is copied there; with
 // `saved`, the intermediates above are kept.
 // Neither changes the result: x comes out bit-identical either way (unless
-// saved->attention_only, which stops at x_mid).
+// saved->attention_only, which stops at x_mid). With `part`, x holds a part of a longer sequence
+// and the attention is part->gated_attention (positions: part->positions()).
 void qwen3_decoder_layer(const Qwen3Config& config, const LayerWeights& w, const RopeParams& rope,
                          const Tensor& positions, const Tensor& doc, const gates::RetentionGates* gates,
                          int64_t layer, Tensor& x, Tensor* log_beta_out = nullptr,
-                         DecoderLayerSaved* saved = nullptr);
+                         DecoderLayerSaved* saved = nullptr, const SequencePart* part = nullptr);
 
 }  // namespace retain

@@ -46,15 +46,19 @@ Tensor writable_layer_input(const Tensor& checkpoint) {
 // bf16 dout, dq, dk, dv (s.q, s.k, s.v, s.attn are bf16 there); each buffer is allocated as
 // late and freed as early as the conversions allow, since at 128K this is where the step's
 // memory peaks (docs/memory-plan.md).
-void attention_backward(DecoderLayerSaved& s, const Tensor& doc, float scale, Tensor& dout, Tensor& dq, Tensor& dk,
-                        Tensor& dv, Tensor& dlog_beta) {
+void attention_backward(DecoderLayerSaved& s, const Tensor& doc, float scale, const SequencePart* part, Tensor& dout,
+                        Tensor& dq, Tensor& dk, Tensor& dv, Tensor& dlog_beta) {
   const Device dev = dout.device();
   const int64_t T = s.q.dim(0), H = s.q.dim(1), K = s.k.dim(1), d = s.q.dim(2);
   auto make = [dev](const Shape& shape, DType dt) { return Tensor::empty(shape, dt, dev); };
   dlog_beta = make({T, K}, DType::F32);
   if (dev == Device::CPU) {
     dq = make({T, H, d}, DType::F32), dk = make({T, K, d}, DType::F32), dv = make({T, K, d}, DType::F32);
-    ops::gated_attention_backward(s.q, s.k, s.v, s.log_beta, doc, scale, s.attn, s.lse, dout, dq, dk, dv, dlog_beta);
+    if (part)
+      part->gated_attention_backward(s.q, s.k, s.v, s.log_beta, doc, scale, s.attn, s.lse, dout, dq, dk, dv,
+                                     dlog_beta);
+    else
+      ops::gated_attention_backward(s.q, s.k, s.v, s.log_beta, doc, scale, s.attn, s.lse, dout, dq, dk, dv, dlog_beta);
     dout = Tensor();
     s.q = s.k = s.v = s.attn = s.lse = Tensor();
     return;
@@ -63,8 +67,12 @@ void attention_backward(DecoderLayerSaved& s, const Tensor& doc, float scale, Te
   ops::cast(dout, dout_b);
   dout = Tensor();
   Tensor dq_b = make({T, H, d}, DType::BF16), dk_b = make({T, K, d}, DType::BF16), dv_b = make({T, K, d}, DType::BF16);
-  ops::gated_attention_backward(s.q, s.k, s.v, s.log_beta, doc, scale, s.attn, s.lse, dout_b, dq_b, dk_b, dv_b,
-                                dlog_beta);
+  if (part)
+    part->gated_attention_backward(s.q, s.k, s.v, s.log_beta, doc, scale, s.attn, s.lse, dout_b, dq_b, dk_b, dv_b,
+                                   dlog_beta);
+  else
+    ops::gated_attention_backward(s.q, s.k, s.v, s.log_beta, doc, scale, s.attn, s.lse, dout_b, dq_b, dk_b, dv_b,
+                                  dlog_beta);
   dout_b = Tensor();
   s.q = s.k = s.v = s.attn = s.lse = Tensor();  // before dq, dk, dv widen to F32
   auto widen = [&](Tensor& narrow, Tensor& wide) {
@@ -116,7 +124,7 @@ void layer_backward(const Qwen3Config& c, const LayerWeights& w, const RopeParam
   dattn = dattn.reshape({T, H, d});
   Tensor dq, dk, dv, dlog_beta;
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
-  attention_backward(s, pass.doc, scale, dattn, dq, dk, dv, dlog_beta);
+  attention_backward(s, pass.doc, scale, pass.part, dattn, dq, dk, dv, dlog_beta);
   if (extra_dlog_beta) ops::add_inplace(dlog_beta, *extra_dlog_beta);
   if (gates.reads_kv()) {  // the gate read [k ‖ v] after RoPE: its input gradient joins dk and dv here
     Tensor dx = Tensor::zeros(s.gate_input.shape(), DType::F32, dev);
@@ -146,7 +154,7 @@ void layer_backward(const Qwen3Config& c, const LayerWeights& w, const RopeParam
 }  // namespace
 
 StudentPass student_forward(WeightProvider& weights, const gates::RetentionGates& gates, const Tensor& ids,
-                            const Tensor& doc_ids) {
+                            const Tensor& doc_ids, const SequencePart* part) {
   const Qwen3Config& c = weights.config();
   check_gates_fit(c, gates.dims());
   check_ids(ids, doc_ids, "student_forward");
@@ -154,7 +162,8 @@ StudentPass student_forward(WeightProvider& weights, const gates::RetentionGates
   StudentPass pass;
   pass.ids = ids, pass.doc = doc_ids;
   const Device dev = ids.device();  // the pass runs where the token ids are
-  pass.positions = positions_of(doc_ids);
+  pass.positions = part ? part->positions() : positions_of(doc_ids);
+  pass.part = part;
   pass.log_beta = Tensor::empty({L, T, K}, DType::F32, dev);
   Tensor x = Tensor::empty({T, c.hidden_size}, DType::F32, dev);
   ops::embedding(weights.embedding(), ids, x);
@@ -163,7 +172,7 @@ StudentPass student_forward(WeightProvider& weights, const gates::RetentionGates
   for (int64_t l = 0; l < L; ++l) {
     pass.layer_inputs.push_back(checkpoint_of(x));
     Tensor log_beta = pass.log_beta.rows(l, l + 1).reshape({T, K});
-    qwen3_decoder_layer(c, weights.layer(l), rope, pass.positions, doc_ids, &gates, l, x, &log_beta);
+    qwen3_decoder_layer(c, weights.layer(l), rope, pass.positions, doc_ids, &gates, l, x, &log_beta, nullptr, part);
   }
   pass.final_input = x;
   pass.hidden = Tensor::empty(x.shape(), DType::F32, dev);
@@ -200,7 +209,7 @@ void student_backward(WeightProvider& weights, gates::RetentionGates& gates, con
     Tensor x = writable_layer_input(checkpoint);
     DecoderLayerSaved saved;
     saved.attention_only = true;  // layer_backward recomputes the MLP chunk by chunk
-    qwen3_decoder_layer(c, w, rope, pass.positions, pass.doc, &gates, l, x, nullptr, &saved);
+    qwen3_decoder_layer(c, w, rope, pass.positions, pass.doc, &gates, l, x, nullptr, &saved, pass.part);
     x = Tensor();  // lives on as saved.x_mid
     const Tensor extra = has_extra ? d_log_beta.rows(l, l + 1).reshape({T, K}) : Tensor();
     layer_backward(c, w, rope, pass, gates, l, checkpoint, saved, has_extra ? &extra : nullptr, dx);

@@ -7,6 +7,7 @@
 
 #include "kernels/tensor.h"
 #include "model/gates/gates.h"
+#include "model/sequence_part.h"
 #include "model/weights.h"
 
 namespace retain {
@@ -19,12 +20,15 @@ struct StudentPass {
   Tensor final_input;                // x_L F32 [T, D] (before the final RMSNorm)
   Tensor hidden;                     // final-RMSNorm output F32 [T, D]
   Tensor log_beta;                   // F32 [L, T, K]: every layer's gate output
+  const SequencePart* part = nullptr;  // set when ids are a part of a longer sequence (it must outlive the pass)
 };
 
 // Student forward (gated attention), asking `weights` for layers 0..L-1 in order. `hidden`
-// equals qwen3_hidden(weights, ids, doc_ids, {}, &gates) bit for bit.
+// equals qwen3_hidden(weights, ids, doc_ids, {}, &gates, part) bit for bit. With `part`, ids
+// are this rank's part of a longer sequence (model/sequence_part.h): the forward and the
+// backward are then collective over the parts.
 StudentPass student_forward(WeightProvider& weights, const gates::RetentionGates& gates,
-                            const Tensor& ids, const Tensor& doc_ids);
+                            const Tensor& ids, const Tensor& doc_ids, const SequencePart* part = nullptr);
 
 // Backward. d_hidden F32 [T, D] = ∂loss/∂hidden; d_log_beta F32 [L, T, K] = the extra ∂loss/∂logβ
 // (the capacity loss), or an empty Tensor (numel 0, e.g. default-constructed) for none. Asks

@@ -280,7 +280,7 @@ struct CapacityRing {
 };
 
 // The capacity sums S F64 [L, len, K] of this rank's two chunks over every key of the sequence.
-std::array<Tensor, 2> ring_capacity_sums(dist::Comm& group, const ContextLayout& layout, int r, int N,
+std::array<Tensor, 2> chunk_capacity_sums(dist::Comm& group, const ContextLayout& layout, int r, int N,
                                          const Tensor& log_beta, const Tensor& doc, double E) {
   const int64_t L = log_beta.dim(0), K = log_beta.dim(2), Tm = layout.max_local_tokens();
   const auto mine = layout.spans(r);
@@ -332,13 +332,32 @@ void check_capacity(const char* op, const ContextLayout& layout, int r, const Te
 
 }  // namespace
 
+Tensor ring_capacity_sums(dist::Comm& group, const ContextLayout& layout, const Tensor& log_beta, const Tensor& doc,
+                          double E) {
+  const char* op = "ring_capacity_sums";
+  const auto [r, N] = check_group(op, group, layout);
+  check_capacity(op, layout, r, log_beta, doc, doc);
+  const auto S = chunk_capacity_sums(group, layout, r, N, log_beta, doc, E);
+  const auto mine = layout.spans(r);
+  const int64_t L = log_beta.dim(0), K = log_beta.dim(2), Tl = layout.local_tokens(r);
+  Tensor out = Tensor::empty({L, Tl, K}, DType::F32);
+  float* o = out.data<float>();
+  for (int i = 0; i < 2; ++i) {
+    const double* s = S[i].data<double>();
+    const int64_t len = mine[i].length, off = local_offset(mine, i);
+    for (int64_t l = 0; l < L; ++l)
+      for (int64_t x = 0; x < len * K; ++x) o[(l * Tl + off) * K + x] = static_cast<float>(s[l * len * K + x]);
+  }
+  return out;
+}
+
 ops::CapacityLoss ring_capacity_loss(dist::Comm& group, const ContextLayout& layout, const Tensor& log_beta,
                                      const Tensor& doc, const Tensor& positions, double memory,
                                      ops::CapacityMode mode, double E) {
   const char* op = "ring_capacity_loss";
   const auto [r, N] = check_group(op, group, layout);
   check_capacity(op, layout, r, log_beta, doc, positions);
-  const auto S = ring_capacity_sums(group, layout, r, N, log_beta, doc, E);
+  const auto S = chunk_capacity_sums(group, layout, r, N, log_beta, doc, E);
   const auto mine = layout.spans(r);
   ops::CapacityLoss loss;
   for (int i = 0; i < 2; ++i) {
@@ -359,7 +378,7 @@ void ring_capacity_loss_backward(dist::Comm& group, const ContextLayout& layout,
   check_dim(op, dlog_beta, 1, layout.local_tokens(r));
   const int64_t L = log_beta.dim(0), K = log_beta.dim(2), Tm = layout.max_local_tokens();
   const auto mine = layout.spans(r);
-  const auto S = ring_capacity_sums(group, layout, r, N, log_beta, doc, E);
+  const auto S = chunk_capacity_sums(group, layout, r, N, log_beta, doc, E);
   std::array<Tensor, 2> g;
   for (int i = 0; i < 2; ++i) {
     const int64_t a = local_offset(mine, i), b = a + mine[i].length;

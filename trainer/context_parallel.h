@@ -17,10 +17,12 @@
 #pragma once
 #include <array>
 #include <cstdint>
+#include <utility>
 
 #include "kernels/dist/comm.h"
 #include "kernels/retention.h"
 #include "kernels/tensor.h"
+#include "model/sequence_part.h"
 
 namespace retain::trainer {
 
@@ -80,5 +82,36 @@ ops::CapacityLoss ring_capacity_loss(dist::Comm& group, const ContextLayout& lay
 void ring_capacity_loss_backward(dist::Comm& group, const ContextLayout& layout, const Tensor& log_beta,
                                  const Tensor& doc, const Tensor& positions, double memory, ops::CapacityMode mode,
                                  double scale, Tensor& dlog_beta, double skip_exponent = ops::kExactSkipExponent);
+
+// The capacity sums S F32 [L, T_local, K] of this rank's tokens over every key of the sequence
+// (capacity_sums, split: the retention statistics of a logged step).
+Tensor ring_capacity_sums(dist::Comm& group, const ContextLayout& layout, const Tensor& log_beta, const Tensor& doc,
+                          double skip_exponent = ops::kExactSkipExponent);
+
+// What the model asks of a rank's part of the sequence (model/sequence_part.h), over the ring:
+// the tokens' global document positions, and ring_gated_attention (and its backward) over the
+// group. Holds references: the group and the layout must outlive it.
+class ContextPart final : public SequencePart {
+ public:
+  ContextPart(dist::Comm& group, const ContextLayout& layout, Tensor positions)
+      : group_(group), layout_(layout), positions_(std::move(positions)) {}
+  const Tensor& positions() const override { return positions_; }
+  void gated_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& log_beta, const Tensor& doc,
+                       float scale, Tensor& out, Tensor& lse) const override {
+    ring_gated_attention(group_, layout_, q, k, v, log_beta, doc, scale, out, lse);
+  }
+  void gated_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& log_beta,
+                                const Tensor& doc, float scale, const Tensor& out, const Tensor& lse,
+                                const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv,
+                                Tensor& dlog_beta) const override {
+    ring_gated_attention_backward(group_, layout_, q, k, v, log_beta, doc, scale, out, lse, dout, dq, dk, dv,
+                                  dlog_beta);
+  }
+
+ private:
+  dist::Comm& group_;
+  const ContextLayout& layout_;
+  Tensor positions_;
+};
 
 }  // namespace retain::trainer

@@ -12,6 +12,10 @@
 #include "model/qwen3.h"
 #include "model/student.h"
 #include "kernels/loss.h"
+#include "trainer/context_parallel.h"
+
+#include <deque>
+#include <memory>
 
 namespace retain::trainer {
 
@@ -114,13 +118,11 @@ class Phase {
   std::chrono::steady_clock::time_point start_;
 };
 
-// Adds the micro-batch's Σ exp(logβ) and Σ S(t) per layer (over tokens and KV heads). The
-// sums S are formed where logβ is; the sums over them on the host (a logged step only).
-void accumulate_stats(const Tensor& log_beta_any, const Tensor& doc_any, const Tensor& doc_host,
+// Adds the micro-batch's Σ exp(logβ) and Σ S(t) per layer (over tokens and KV heads), given the
+// capacity sums S (formed where logβ is); the sums over them on the host (a logged step only).
+void accumulate_stats(const Tensor& log_beta_any, const Tensor& S_any, const Tensor& doc_host,
                       std::vector<double>& beta_sum, std::vector<double>& cache_sum) {
   const int64_t L = log_beta_any.dim(0), T = log_beta_any.dim(1), K = log_beta_any.dim(2);
-  Tensor S_any = Tensor::empty(log_beta_any.shape(), DType::F32, log_beta_any.device());
-  ops::capacity_sums(log_beta_any, doc_any, S_any);
   const Tensor log_beta = log_beta_any.on(Device::CPU), S = S_any.on(Device::CPU);
   const float* lb = log_beta.data<float>();
   const float* s = S.data<float>();
@@ -136,37 +138,80 @@ void accumulate_stats(const Tensor& log_beta_any, const Tensor& doc_any, const T
     }
 }
 
+// The target of every loss position (ids[t + 1]), −1 elsewhere: kl_ntp_chunked_targets' input,
+// for a rank whose rows are chunks of the micro-batch.
+Tensor loss_targets(const Tensor& ids, const Tensor& loss_mask) {
+  const int64_t T = ids.numel();
+  Tensor out = Tensor::empty({T}, DType::I32);
+  const int32_t* id = ids.data<int32_t>();
+  const uint8_t* m = loss_mask.data<uint8_t>();
+  int32_t* o = out.data<int32_t>();
+  for (int64_t t = 0; t < T; ++t) o[t] = m[t] && t + 1 < T ? id[t + 1] : -1;
+  return out;
+}
+
+int64_t count_targets(const Tensor& targets) {
+  int64_t n = 0;
+  for (int64_t t = 0; t < targets.numel(); ++t) n += targets.data<int32_t>()[t] >= 0;
+  return n;
+}
+
 }  // namespace
 
 StepLosses compute_gradients(WeightProvider& weights, gates::RetentionGates& gates,
                              const std::vector<MicroBatch>& micro_batches, const LossConfig& cfg,
-                             dist::Comm& comm, RetentionStats* stats, PhaseTimes* times) {
+                             dist::Comm& comm, RetentionStats* stats, PhaseTimes* times, dist::Comm* context_group) {
   const int64_t L = gates.dims().layers, K = gates.dims().kv_heads;
   // The model runs where the weights are; the batch's token and document ids follow them, and
   // the loss masks stay on the host (kl_ntp_chunked lists the loss positions there).
   const Device dev = weights.device();
   const bool on_device = dev != Device::CPU;
+  const bool split = context_group != nullptr && context_group->size() > 1;
+  if (split && on_device) fail("context parallelism runs on the CPU only in this build (--device cpu)");
   if (on_device) gates.sync_to_device();  // the values of the last optimizer step
   std::vector<Tensor> ids, docs;
   std::vector<Tensor> positions, loss_masks;
+  // Context parallelism: each micro-batch's layout and this rank's part of it (the parts refer
+  // to the layouts: a deque never moves them), and its rows' targets.
+  std::deque<ContextLayout> layouts;
+  std::vector<std::unique_ptr<ContextPart>> parts;
+  std::vector<Tensor> targets;
+  auto part = [&](size_t m) -> const SequencePart* { return split ? parts[m].get() : nullptr; };
   // counts: [loss positions, tokens, capacity positives (accumulation only)], reduced in float64
   // (exact for counts below 2^53).
   double counts[3] = {0, 0, 0};
   for (const MicroBatch& mb : micro_batches) {
-    ids.push_back(mb.ids.on(dev));
-    docs.push_back(mb.doc.on(dev));
-    positions.push_back(ops::document_positions(mb.doc).on(dev));
-    loss_masks.push_back(ops::loss_positions(mb.doc, mb.target_mask));
-    counts[0] += static_cast<double>(count_nonzero(loss_masks.back()));
-    counts[1] += static_cast<double>(count_tokens(mb.doc));
+    if (!split) {
+      ids.push_back(mb.ids.on(dev));
+      docs.push_back(mb.doc.on(dev));
+      positions.push_back(ops::document_positions(mb.doc).on(dev));
+      loss_masks.push_back(ops::loss_positions(mb.doc, mb.target_mask));
+      counts[0] += static_cast<double>(count_nonzero(loss_masks.back()));
+      counts[1] += static_cast<double>(count_tokens(mb.doc));
+      continue;
+    }
+    const int r = context_group->rank();
+    const ContextLayout& layout = layouts.emplace_back(mb.ids.numel(), context_group->size());
+    ids.push_back(layout.local(mb.ids, r));
+    docs.push_back(layout.local(mb.doc, r));
+    positions.push_back(layout.local(ops::document_positions(mb.doc), r));
+    targets.push_back(layout.local(loss_targets(mb.ids, ops::loss_positions(mb.doc, mb.target_mask)), r));
+    parts.push_back(std::make_unique<ContextPart>(*context_group, layout, positions.back()));
+    counts[0] += static_cast<double>(count_targets(targets.back()));
+    counts[1] += static_cast<double>(count_tokens(docs.back()));
   }
+  auto capacity_loss = [&](size_t m, const Tensor& log_beta) {
+    if (split)
+      return ring_capacity_loss(*context_group, layouts[m], log_beta, docs[m], positions[m], cfg.memory, cfg.mode,
+                                cfg.capacity_skip);
+    return ops::capacity_loss(log_beta, docs[m], positions[m], cfg.memory, cfg.mode, cfg.capacity_skip);
+  };
   const bool accumulate = micro_batches.size() > 1;
   if (accumulate) {
     for (size_t m = 0; m < micro_batches.size(); ++m) {
       const Phase phase("count pass", times ? &times->count_pass : nullptr, dev);
-      const StudentPass pass = student_forward(weights, gates, ids[m], docs[m]);
-      counts[2] += static_cast<double>(
-          ops::capacity_loss(pass.log_beta, docs[m], positions[m], cfg.memory, cfg.mode, cfg.capacity_skip).positive);
+      const StudentPass pass = student_forward(weights, gates, ids[m], docs[m], part(m));
+      counts[2] += static_cast<double>(capacity_loss(m, pass.log_beta).positive);
     }
   }
   comm.all_reduce(counts, 3);
@@ -186,17 +231,16 @@ StepLosses compute_gradients(WeightProvider& weights, gates::RetentionGates& gat
     Tensor teacher_hidden;
     {
       const Phase phase("teacher", times ? &times->teacher : nullptr, dev);
-      teacher_hidden = qwen3_hidden(weights, ids[m], docs[m]);
+      teacher_hidden = qwen3_hidden(weights, ids[m], docs[m], {}, nullptr, part(m));
     }
     StudentPass pass;
     {
       const Phase phase("student", times ? &times->student : nullptr, dev);
-      pass = student_forward(weights, gates, ids[m], docs[m]);
+      pass = student_forward(weights, gates, ids[m], docs[m], part(m));
     }
     std::optional<Phase> phase;
     phase.emplace("capacity", times ? &times->capacity : nullptr, dev);
-    const ops::CapacityLoss cap =
-        ops::capacity_loss(pass.log_beta, docs[m], positions[m], cfg.memory, cfg.mode, cfg.capacity_skip);
+    const ops::CapacityLoss cap = capacity_loss(m, pass.log_beta);
     sums[2] += cap.sum;
     if (!accumulate) {
       double positive = static_cast<double>(cap.positive);
@@ -206,8 +250,11 @@ StepLosses compute_gradients(WeightProvider& weights, gates::RetentionGates& gat
 
     phase.emplace("loss", times ? &times->loss : nullptr, dev);
     Tensor d_hidden = Tensor::empty(pass.hidden.shape(), DType::F32, dev);
-    const ops::QualitySums q = ops::kl_ntp_chunked(teacher_hidden, pass.hidden, weights.lm_head(), mb.ids, loss_masks[m],
-                                         cfg.loss_chunk, kl_scale, ntp_scale, &d_hidden, cfg.kl);
+    const ops::QualitySums q =
+        split ? ops::kl_ntp_chunked_targets(teacher_hidden, pass.hidden, weights.lm_head(), targets[m], cfg.loss_chunk,
+                                            kl_scale, ntp_scale, &d_hidden, cfg.kl)
+              : ops::kl_ntp_chunked(teacher_hidden, pass.hidden, weights.lm_head(), mb.ids, loss_masks[m],
+                                    cfg.loss_chunk, kl_scale, ntp_scale, &d_hidden, cfg.kl);
     sums[0] += q.kl;
     sums[1] += q.ntp;
 
@@ -216,14 +263,23 @@ StepLosses compute_gradients(WeightProvider& weights, gates::RetentionGates& gat
     Tensor d_log_beta;  // none unless the capacity loss has a gradient
     if (cfg.cap_weight != 0 && out.cap_positive > 0) {
       d_log_beta = Tensor::empty(pass.log_beta.shape(), DType::F32, dev);
-      ops::capacity_loss_backward(pass.log_beta, docs[m], positions[m], cfg.memory, cfg.mode,
-                                  cfg.cap_weight / static_cast<double>(out.cap_positive), d_log_beta,
-                                  cfg.capacity_skip);
+      const double scale = cfg.cap_weight / static_cast<double>(out.cap_positive);
+      if (split)
+        ring_capacity_loss_backward(*context_group, layouts[m], pass.log_beta, docs[m], positions[m], cfg.memory,
+                                    cfg.mode, scale, d_log_beta, cfg.capacity_skip);
+      else
+        ops::capacity_loss_backward(pass.log_beta, docs[m], positions[m], cfg.memory, cfg.mode, scale, d_log_beta,
+                                    cfg.capacity_skip);
     }
     phase.emplace("backward", times ? &times->backward : nullptr, dev);
     student_backward(weights, gates, pass, d_hidden, d_log_beta);
     phase.reset();
-    if (stats) accumulate_stats(pass.log_beta, docs[m], mb.doc, beta_sum, cache_sum);
+    if (stats) {
+      Tensor S = split ? ring_capacity_sums(*context_group, layouts[m], pass.log_beta, docs[m])
+                       : Tensor::empty(pass.log_beta.shape(), DType::F32, dev);
+      if (!split) ops::capacity_sums(pass.log_beta, docs[m], S);
+      accumulate_stats(pass.log_beta, S, split ? docs[m] : mb.doc, beta_sum, cache_sum);
+    }
   }
   if (on_device) {
     gates.add_device_grads_to_host();  // the optimizer and the reductions work on the host

@@ -83,8 +83,17 @@ struct PhaseTimes {
 // accumulation (several micro-batches) a first forward-only pass counts it, so that every
 // micro-batch's backward already uses the global normalizer (exact, at the cost of one more
 // student forward per micro-batch).
+//
+// Context parallelism (issue 39): with `context_group` (N ranks, N > 1, among the ranks of
+// `comm`), every rank of the group was given the same micro-batches, and each runs its share of
+// every micro-batch's tokens (trainer/context_parallel.h's layout: a front and a back chunk of
+// the micro-batch's m·S tokens) through the teacher, the student, the losses and the backward;
+// attention and the capacity sums pass the other chunks around the group. The rank's gradients
+// are then its part of the group's, and the reduction over `comm` sums them as it sums the
+// data-parallel ranks'. CPU only for now.
 StepLosses compute_gradients(WeightProvider& weights, gates::RetentionGates& gates,
                              const std::vector<MicroBatch>& micro_batches, const LossConfig& cfg,
-                             dist::Comm& comm, RetentionStats* stats = nullptr, PhaseTimes* times = nullptr);
+                             dist::Comm& comm, RetentionStats* stats = nullptr, PhaseTimes* times = nullptr,
+                             dist::Comm* context_group = nullptr);
 
 }  // namespace retain::trainer

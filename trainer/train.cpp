@@ -59,7 +59,15 @@ struct Inputs {
   std::unique_ptr<WeightProvider> weights;
   int64_t global_batch = 0;
   LossConfig loss;
+  // --context-parallel N > 1: this rank's group of N (consecutive world ranks), else none.
+  std::unique_ptr<dist::Comm> context_group;
 };
+
+// The context-parallel group of this rank: world ranks [g·N, g·N + N), g = rank / N. Collective.
+std::unique_ptr<dist::Comm> make_context_group(const TrainConfig& cfg, dist::Comm& comm) {
+  if (cfg.context_parallel <= 1) return nullptr;
+  return comm.split(comm.rank() / cfg.context_parallel, comm.rank() % cfg.context_parallel);
+}
 
 // Runs f() on every rank and agrees on the outcome: when any rank fails, every rank throws a
 // CollectiveError, and only the lowest failing rank's message is printed (setup errors such as
@@ -102,12 +110,18 @@ Inputs open_inputs(const TrainConfig& cfg, const dist::Comm& comm) {
     fail("{}: sequences of {} tokens exceed the model's max_position_embeddings {} ({}/config.json)", cfg.data_path,
          ds.seq_len(), mc.max_position_embeddings, cfg.model_dir);
 
-  const int64_t world = comm.size();
+  const int64_t N = cfg.context_parallel;
+  if (N < 1 || comm.size() % N != 0)
+    fail("--context-parallel {}: the {} ranks do not divide into groups of {}", N, comm.size(), N);
+  if (N > 1 && cfg.micro_batch * ds.seq_len() < 2 * N)
+    fail("--context-parallel {}: a micro-batch of {} tokens cannot be cut into 2 × {} chunks", N,
+         cfg.micro_batch * ds.seq_len(), N);
+  const int64_t world = comm.size() / N;  // data-parallel groups
   in.global_batch = cfg.global_batch > 0 ? cfg.global_batch : world * cfg.micro_batch;
   if (cfg.micro_batch <= 0) fail("--micro-batch must be positive, got {}", cfg.micro_batch);
   if (in.global_batch % (world * cfg.micro_batch) != 0)
-    fail("--global-batch {} is not a multiple of {} ranks × --micro-batch {}", in.global_batch, world,
-         cfg.micro_batch);
+    fail("--global-batch {} is not a multiple of {} {} × --micro-batch {}", in.global_batch, world,
+         N > 1 ? "context-parallel groups" : "ranks", cfg.micro_batch);
   if (in.global_batch > ds.num_sequences())
     fail("{}: {} sequences, fewer than one global batch of {}", cfg.data_path, ds.num_sequences(), in.global_batch);
 
@@ -123,12 +137,13 @@ Inputs open_inputs(const TrainConfig& cfg, const dist::Comm& comm) {
   return in;
 }
 
-// This rank's share of every global batch, in the seeded order of cfg.seed.
+// This rank's share of every global batch, in the seeded order of cfg.seed: its data-parallel
+// group's (the ranks of a context-parallel group read the same sequences).
 data::LoaderOptions loader_options(const TrainConfig& cfg, const Inputs& in, const dist::Comm& comm) {
   data::LoaderOptions o;
   o.global_batch = in.global_batch;
-  o.rank = comm.rank();
-  o.world_size = comm.size();
+  o.rank = comm.rank() / cfg.context_parallel;
+  o.world_size = comm.size() / cfg.context_parallel;
   o.seed = cfg.seed;
   return o;
 }
@@ -203,14 +218,14 @@ Tensor scalar_tensor(double x) { return Tensor::from_vector<double>({x}, {}); }
 
 class GateTrainee : public Trainee {
  public:
-  GateTrainee(const TrainConfig& cfg, const LossConfig& loss, const Qwen3Config& mc)
-      : cfg_(cfg), loss_(loss), mc_(mc), gates_(initial_gates(cfg, mc)) {}
+  GateTrainee(const TrainConfig& cfg, const LossConfig& loss, const Qwen3Config& mc, dist::Comm* context_group)
+      : cfg_(cfg), loss_(loss), mc_(mc), gates_(initial_gates(cfg, mc)), context_group_(context_group) {}
   ParameterSet& params() override { return gates_; }
   void load(const std::string& path) override { gates_ = gates::RetentionGates::load(path, mc_, cfg_.gate); }
   std::string step(WeightProvider& weights, const std::vector<MicroBatch>& mbs, bool log_step, StepMetrics& m,
                    dist::Comm& comm) override {
     RetentionStats stats;
-    last_ = compute_gradients(weights, gates_, mbs, loss_, comm, log_step ? &stats : nullptr);
+    last_ = compute_gradients(weights, gates_, mbs, loss_, comm, log_step ? &stats : nullptr, nullptr, context_group_);
     m.loss = last_.total(loss_);
     m.kl = last_.kl();
     m.ntp = last_.ntp();
@@ -253,6 +268,7 @@ class GateTrainee : public Trainee {
   LossConfig loss_;
   const Qwen3Config& mc_;
   gates::RetentionGates gates_;
+  dist::Comm* context_group_;
   StepLosses last_;
 };
 
@@ -337,7 +353,7 @@ class KvpopTrainee : public Trainee {
 
 std::unique_ptr<Trainee> make_trainee(const TrainConfig& cfg, const Inputs& in) {
   if (cfg.kvpop) return std::make_unique<KvpopTrainee>(cfg, in.model->config());
-  return std::make_unique<GateTrainee>(cfg, in.loss, in.model->config());
+  return std::make_unique<GateTrainee>(cfg, in.loss, in.model->config(), in.context_group.get());
 }
 
 // The first parameter whose (global) gradient holds a NaN/Inf, agreed over ranks.
@@ -383,6 +399,7 @@ int run_training(const TrainConfig& cfg, dist::Comm& comm) {
   const bool main_rank = comm.is_main_rank();
   Inputs in;
   collectively(comm, [&] { in = open_inputs(cfg, comm); });
+  in.context_group = make_context_group(cfg, comm);
   const Qwen3Config& mc = in.model->config();
   const data::PackedDataset& ds = *in.data;
   const nlohmann::json config_json = to_json(cfg);
@@ -504,12 +521,17 @@ int run_training(const TrainConfig& cfg, dist::Comm& comm) {
   if (main_rank) {
     spdlog::info("model {}: {} layers, hidden {}, {} heads / {} KV heads; {}", cfg.model_dir, mc.num_hidden_layers,
                  mc.hidden_size, mc.num_attention_heads, mc.num_key_value_heads, trainee->what());
-    const int64_t accumulated = in.global_batch / (comm.size() * cfg.micro_batch);
+    const int64_t groups = comm.size() / cfg.context_parallel;
+    const int64_t accumulated = in.global_batch / (groups * cfg.micro_batch);
     auto plural = [](int64_t n, const char* one, const char* many) { return fmt::format("{} {}", n, n == 1 ? one : many); };
     spdlog::info("data {}: {} of {} tokens; global batch {} ({} × {} of {}), {} per epoch", cfg.data_path,
                  plural(ds.num_sequences(), "sequence", "sequences"), ds.seq_len(), in.global_batch,
-                 plural(comm.size(), "rank", "ranks"), plural(accumulated, "micro-batch", "micro-batches"),
-                 cfg.micro_batch, plural(loader.steps_per_epoch(), "step", "steps"));
+                 cfg.context_parallel > 1
+                     ? fmt::format("{} of {} ranks", plural(groups, "context-parallel group", "context-parallel groups"),
+                                   cfg.context_parallel)
+                     : plural(comm.size(), "rank", "ranks"),
+                 plural(accumulated, "micro-batch", "micro-batches"), cfg.micro_batch,
+                 plural(loader.steps_per_epoch(), "step", "steps"));
   }
 
   update.reload_values();  // a resumed checkpoint's values
@@ -601,7 +623,9 @@ int run_training(const TrainConfig& cfg, dist::Comm& comm) {
       m.step_seconds = seconds;
       m.tokens_per_s = seconds > 0 ? static_cast<double>(m.tokens) / seconds : 0.0;
       if (!cfg.kvpop && seconds > 0) {
-        m.tflops = step_flops(mc, gate_dims, micro_batch_shapes(micro_batches)).total() / seconds / 1e12;
+        // (this rank's share: a context-parallel rank computes 1/N of its micro-batches)
+        m.tflops = step_flops(mc, gate_dims, micro_batch_shapes(micro_batches)).total() / cfg.context_parallel /
+                   seconds / 1e12;
         if (peak_tflops) m.mfu = m.tflops / *peak_tflops;
       }
       m.peak_memory_gb = peak_memory_gb(cfg.device);
@@ -675,8 +699,9 @@ void dump_gradients(const TrainConfig& cfg, dist::Comm& comm) {
   collectively(comm, [&] {
     if (comm.is_main_rank()) cli::check_output("--dump-grads", cfg.dump_grads, {cfg.model_dir, cfg.data_path, cfg.init_gates});
     in = open_inputs(cfg, comm);
-    trainee = make_trainee(cfg, in);
   });
+  in.context_group = make_context_group(cfg, comm);
+  collectively(comm, [&] { trainee = make_trainee(cfg, in); });
   ParameterSet& gates = trainee->params();
   make_weight_provider(cfg, in, comm);
   const data::PackedDataset& ds = *in.data;
@@ -692,13 +717,22 @@ void dump_gradients(const TrainConfig& cfg, dist::Comm& comm) {
   std::vector<float> grads(static_cast<size_t>(n));
   flatten_grads(gates, grads.data());
   comm.all_reduce(grads.data(), grads.size());
-  const int64_t B = in.global_batch, S = ds.seq_len(), local = batch.input_ids.dim(0);
+  // (Every rank of a context-parallel group read the same sequences: its first rank's are kept.)
+  const int64_t B = in.global_batch, S = ds.seq_len(), local = batch.input_ids.dim(0), W = comm.size();
+  Tensor all_ids = Tensor::empty({W * local, S}, DType::I32), all_docs = Tensor::empty({W * local, S}, DType::I32),
+         all_mask = Tensor::empty({W * local, S}, DType::U8);
+  comm.all_gather_bytes(batch.input_ids.data<int32_t>(), all_ids.data<int32_t>(), static_cast<size_t>(local * S) * 4);
+  comm.all_gather_bytes(batch.doc_ids.data<int32_t>(), all_docs.data<int32_t>(), static_cast<size_t>(local * S) * 4);
+  comm.all_gather_bytes(batch.target_mask.data<uint8_t>(), all_mask.data<uint8_t>(), static_cast<size_t>(local * S));
+  if (!comm.is_main_rank()) return;
   Tensor ids = Tensor::empty({B, S}, DType::I32), docs = Tensor::empty({B, S}, DType::I32),
          mask = Tensor::empty({B, S}, DType::U8);
-  comm.all_gather_bytes(batch.input_ids.data<int32_t>(), ids.data<int32_t>(), static_cast<size_t>(local * S) * 4);
-  comm.all_gather_bytes(batch.doc_ids.data<int32_t>(), docs.data<int32_t>(), static_cast<size_t>(local * S) * 4);
-  comm.all_gather_bytes(batch.target_mask.data<uint8_t>(), mask.data<uint8_t>(), static_cast<size_t>(local * S));
-  if (!comm.is_main_rank()) return;
+  for (int64_t g = 0; g * local < B; ++g) {
+    const int64_t from = g * cfg.context_parallel * local;
+    ids.rows(g * local, (g + 1) * local).copy_from(all_ids.rows(from, from + local));
+    docs.rows(g * local, (g + 1) * local).copy_from(all_docs.rows(from, from + local));
+    mask.rows(g * local, (g + 1) * local).copy_from(all_mask.rows(from, from + local));
+  }
 
   unflatten_grads(gates, grads.data());  // the global gradient
   std::vector<std::pair<std::string, Tensor>> out;

@@ -47,6 +47,7 @@ nlohmann::json to_json(const TrainConfig& c) {
   // Only an approximate skip is written, so configs of the exact default stay as before.
   if (c.capacity_skip != TrainConfig{}.capacity_skip) j["capacity_skip"] = c.capacity_skip;
   if (c.fsdp_force_gather) j["fsdp_force_gather"] = true;  // only when set, likewise
+  if (c.context_parallel > 1) j["context_parallel"] = c.context_parallel;  // likewise
   if (c.kl != ops::KlDirection::forward) j["kl"] = ops::kl_direction_name(c.kl);  // likewise
   if (c.gate_input != gates::GateInput::hidden) j["gate_input"] = gates::gate_input_name(c.gate_input);  // likewise
   if (c.kvpop) {  // only kvpop runs have them, so gate runs' configs are as before

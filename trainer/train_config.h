@@ -47,7 +47,11 @@ struct TrainConfig {
   double adam_beta1 = 0.9, adam_beta2 = 0.999;  // --adam-beta1, --adam-beta2 (the KVPOP paper: 0.9, 0.95)
   int64_t warmup = 0;
   int64_t steps = 100;
-  int64_t global_batch = 0;  // sequences per optimizer step over all ranks (0: one per rank)
+  int64_t global_batch = 0;  // sequences per optimizer step over all ranks (0: one micro-batch per data-parallel group)
+  // --context-parallel N: each micro-batch split over N ranks (trainer/context_parallel.h); the
+  // world is world/N data-parallel groups of N. Not part of the trajectory: the values are the
+  // same (to rounding), so a run may resume with another N.
+  int context_parallel = 1;
   int64_t micro_batch = 1;   // sequences per forward pass on one rank
   uint64_t seed = 0;
 

@@ -302,6 +302,15 @@ void Comm::broadcast(void* buf, size_t bytes, int root) {
 
 void Comm::barrier() { do_barrier(); }
 
+std::unique_ptr<Comm> Comm::split(int color, int key) {
+  if (color < 0) fail("split: color {} is negative", color);
+  return do_split(color, key);
+}
+
+std::unique_ptr<Comm> Comm::do_split(int, int) {
+  fail("split: the {} communicator cannot split its ranks into groups yet", backend());
+}
+
 void Comm::abort(int code) {
   std::fflush(nullptr);  // what the process printed so far still reaches the log
   do_abort(code);

@@ -106,6 +106,12 @@ class Comm {
   // rank stops every rank). NaN on any rank gives an unspecified result: don't.
   void all_reduce_max(double* buf, size_t count);
 
+  // The ranks of this comm that pass the same `color` (≥ 0), as a comm of their own, ranked by
+  // `key` (then by rank here): context parallelism's groups, rank / N (trainer/train.cpp).
+  // Collective. MPI: MPI_Comm_split; local: the one-rank world itself again. NCCL: not yet (a
+  // retain::Error saying so).
+  std::unique_ptr<Comm> split(int color, int key);
+
   // Copies `bytes` bytes of rank `root`'s buf into every rank's buf.
   void broadcast(void* buf, size_t bytes, int root);
 
@@ -162,6 +168,7 @@ class Comm {
   // May return only if it could not abort; abort() then ends this process.
   virtual void do_abort(int code) = 0;
   virtual void do_set_timeout(double /*seconds*/) {}
+  virtual std::unique_ptr<Comm> do_split(int color, int key);
 
   size_t max_chunk_ = INT_MAX;
 };

@@ -49,6 +49,7 @@ class LocalComm final : public Comm {
   void do_all_reduce_max(double*, size_t) override {}
   void do_broadcast(void*, size_t, int) override {}
   void do_barrier() override {}
+  std::unique_ptr<Comm> do_split(int, int) override { return std::make_unique<LocalComm>(); }
   // One process is the whole job; stdio was flushed by Comm::abort.
   void do_abort(int code) override { std::_Exit(code); }
 };

@@ -208,9 +208,12 @@ class MpiComm final : public Comm {
  public:
   MpiComm() {
     MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &comm_));
-    MPI_CHECK(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN));
-    MPI_CHECK(MPI_Comm_rank(comm_, &rank_));
-    MPI_CHECK(MPI_Comm_size(comm_, &size_));
+    adopt();
+  }
+  // The ranks of `parent` with this color, ordered by key (Comm::split).
+  MpiComm(MPI_Comm parent, int color, int key) {
+    MPI_CHECK(MPI_Comm_split(parent, color, key, &comm_));
+    adopt();
   }
   ~MpiComm() override {
     watchdog_.reset();
@@ -368,6 +371,17 @@ class MpiComm final : public Comm {
     if (MpiLease::thread_level() < MPI_THREAD_MULTIPLE)
       fail("a collective timeout needs MPI_THREAD_MULTIPLE, which this MPI library was not initialized with");
     watchdog_ = std::make_unique<CollectiveWatchdog>(comm_, seconds);
+  }
+
+  std::unique_ptr<Comm> do_split(int color, int key) override {
+    Watched watched(watchdog_.get(), "split", &clock_, true);
+    return std::make_unique<MpiComm>(comm_, color, key);
+  }
+
+  void adopt() {
+    MPI_CHECK(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN));
+    MPI_CHECK(MPI_Comm_rank(comm_, &rank_));
+    MPI_CHECK(MPI_Comm_size(comm_, &size_));
   }
 
   // On the world, not our duplicate: every process of the job goes, whatever it is doing.

@@ -232,6 +232,20 @@ TEST(Comm, LocalCommIsAOneRankWorld) {
   EXPECT_EQ(m[1], 2.0);
 }
 
+TEST(Comm, SplitMakesGroupsOfTheSameColor) {
+  // Groups of two consecutive ranks (context parallelism's rank / N), ranked within by rank % 2.
+  const int r = comm().rank(), s = comm().size();
+  std::unique_ptr<Comm> group = comm().split(r / 2, r % 2);
+  EXPECT_EQ(group->rank(), r % 2);
+  EXPECT_EQ(group->size(), std::min(2, s - (r / 2) * 2));
+  double x = r;  // the sum over the group is the sum of its world ranks
+  group->all_reduce(&x, 1);
+  double want = 0;
+  for (int q = (r / 2) * 2; q < std::min(s, (r / 2) * 2 + 2); ++q) want += q;
+  EXPECT_EQ(x, want);
+  EXPECT_THROW(comm().split(-1, 0), retain::Error);
+}
+
 // ---- the reductions and gathers, with the chunk limit as parameter ---------------------------
 
 class Chunked : public ::testing::TestWithParam<size_t> {

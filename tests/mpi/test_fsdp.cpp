@@ -474,6 +474,7 @@ class CountingComm final : public Comm {
   void do_broadcast(void* b, size_t n, int root) override { inner_.broadcast(b, n, root); }
   void do_barrier() override { inner_.barrier(); }
   void do_abort(int code) override { inner_.abort(code); }
+  std::unique_ptr<Comm> do_split(int color, int key) override { return inner_.split(color, key); }
 
   Comm& inner_;
 };
