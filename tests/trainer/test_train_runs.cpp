@@ -14,6 +14,7 @@
 #include <thread>
 
 #include <gtest/gtest.h>
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "data/formats/safetensors.h"
@@ -81,6 +82,80 @@ TEST_F(TrainRuns, TwoRanksEqualOneRank) {
     const formats::SafetensorsFile end = formats::SafetensorsFile::open(one + "/gates.safetensors");
     for (const std::string& n : init.names()) EXPECT_GT(rel_diff(end.tensor(n), init.tensor(n)), 1e-4) << n;
   }
+}
+
+// --context-parallel (issue 39): each micro-batch's tokens split over the ranks of a group, as
+// front and back chunks (40 tokens over 2 or 3 ranks: chunks of 10, or 6 and 7, documents
+// crossing their edges) equal one rank to rounding — 2 ranks as one group, 4 as two groups of
+// 2 (data parallelism around it), 3 as one group of 3 — for trimkv (local capacity) and dbtrimkv
+// (global); the statistics of the logged steps too (effective cache: the ring's capacity sums).
+TEST_F(TrainRuns, ContextParallelEqualsOneRank) {
+  for (const char* kind : {"trimkv", "dbtrimkv"}) {
+    const std::string one = dir_ / (std::string("one-") + kind);
+    Result r = train(train_args(data_, one, kind, 3) + " --micro-batch 2");
+    ASSERT_EQ(r.code, 0) << r.err;
+    const struct {
+      int ranks, group, micro_batch;
+    } runs[] = {{2, 2, 2}, {4, 2, 1}, {3, 3, 4}};
+    for (const auto& c : runs) {
+      const std::string dir = dir_ / fmt::format("cp{}-of-{}-{}", c.group, c.ranks, kind);
+      r = train(train_args(data_, dir, kind, 3) + fmt::format(" --micro-batch {} --context-parallel {}", c.micro_batch,
+                                                              c.group),
+                c.ranks);
+      ASSERT_EQ(r.code, 0) << r.err;
+      SCOPED_TRACE(dir);
+      expect_same_gates(one, dir, 1e-5);
+      expect_same_losses(one, dir, 1e-5);
+      const auto a = metrics(one), b = metrics(dir);
+      ASSERT_EQ(a.size(), b.size());
+      for (size_t i = 0; i < a.size(); ++i)
+        for (const char* key : {"effective_cache", "mean_beta"}) {
+          ASSERT_TRUE(a[i].contains(key) && b[i].contains(key)) << key;
+          for (size_t l = 0; l < a[i][key].size(); ++l)
+            EXPECT_NEAR(b[i][key][l].get<double>(), a[i][key][l].get<double>(),
+                        1e-5 * std::abs(a[i][key][l].get<double>()))
+                << key << " step " << i << " layer " << l;
+        }
+      EXPECT_NE(slurp(dir + "/config.toml").find(fmt::format("context_parallel = {}", c.group)), std::string::npos);
+    }
+  }
+}
+
+// A run saved with one group size resumes with another (the option is not part of the
+// trajectory; the micro-batch is): 2 ranks as a group of 2, then 1 rank, then 2 ranks as two
+// groups of 1.
+TEST_F(TrainRuns, ContextParallelResumesAcrossAChangeOfGroupSize) {
+  const std::string full = dir_ / "full", parts = dir_ / "parts";
+  Result r = train(train_args(data_, full, "trimkv", 6) + " --micro-batch 2 --save-every 2");
+  ASSERT_EQ(r.code, 0) << r.err;
+  r = train(train_args(data_, parts, "trimkv", 6) + " --micro-batch 2 --save-every 2 --stop-after 2 --context-parallel 2",
+            2);
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(latest_step(parts), 2);
+  r = train(train_args(data_, parts, "trimkv", 6) + " --micro-batch 2 --save-every 2 --stop-after 2 --resume");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(latest_step(parts), 4);
+  r = train(train_args(data_, parts, "trimkv", 6) + " --micro-batch 2 --save-every 2 --resume", 2);
+  ASSERT_EQ(r.code, 0) << r.err;
+  expect_same_gates(full, parts, 1e-5);
+}
+
+// What --context-parallel refuses, in one line each: a group size that does not divide the
+// ranks, a micro-batch too short to cut into 2N chunks, kvpop, a size below 1.
+TEST_F(TrainRuns, ContextParallelBadInputs) {
+  expect_usage_errors({train_args(data_, dir_ / "x", "trimkv", 2) + " --context-parallel 0",
+                       kvpop_args(" --steps 2 --context-parallel 2")},
+                      "--context-parallel");
+  Result r = train(train_args(data_, dir_ / "y", "trimkv", 2) + " --context-parallel 2");  // 1 rank, groups of 2
+  EXPECT_EQ(r.code, 1) << r.err;
+  EXPECT_NE(r.err.find("--context-parallel 2: the 1 ranks do not divide into groups of 2"), std::string::npos) << r.err;
+  r = train(train_args(data_, dir_ / "z", "trimkv", 2) + " --context-parallel 3", 3);  // 40 tokens: 6 chunks fit
+  EXPECT_EQ(r.code, 0) << r.err;
+  r = train(train_args(data_, dir_ / "w", "trimkv", 2) + " --context-parallel 2 --micro-batch 3", 2);
+  EXPECT_EQ(r.code, 1) << r.err;
+  EXPECT_NE(r.err.find("context-parallel groups"), std::string::npos) << r.err;
+  EXPECT_FALSE(fs::exists(dir_ / "y"));
+  EXPECT_FALSE(fs::exists(dir_ / "w"));
 }
 
 // --fsdp-force-gather: one rank takes the FSDP provider and gathers every layer through its
