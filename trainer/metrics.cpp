@@ -109,8 +109,10 @@ json to_json(const StepMetrics& m) {
          {"tflops", number(m.tflops)},
          {"mfu", number(m.mfu)},
          {"peak_memory_gb", number(m.peak_memory_gb)},
+         {"tensor_peak_gb", number(m.tensor_peak_gb)},
          {"comm_ms", number(m.comm_ms)},
          {"comm_exposed_ms", number(m.comm_exposed_ms)},
+         {"ring_mb", number(m.ring_mb)},
          {"time", utc_now_iso8601()}};
   if (m.kvpop) {
     j["agreement"] = number(m.agreement), j["gamma"] = number(m.gamma), j["decisions"] = m.decisions;
@@ -145,6 +147,7 @@ std::string format_step_line(const StepMetrics& m) {
   if (std::isfinite(m.peak_memory_gb)) s += fmt::format(" mem {:.1f} GB", m.peak_memory_gb);
   if (std::isfinite(m.comm_ms))
     s += fmt::format(" comm {:.1f} ms ({:.1f} exposed)", m.comm_ms, m.comm_exposed_ms);
+  if (std::isfinite(m.ring_mb)) s += fmt::format(" ring {:.1f} MB", m.ring_mb);
   if (!m.mean_beta.empty()) s += fmt::format(" β̄{}", per_layer(m.mean_beta, "{:.4f}"));
   if (!m.effective_cache.empty()) s += fmt::format(" cache{}", per_layer(m.effective_cache, "{:.1f}"));
   return s;

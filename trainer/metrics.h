@@ -25,11 +25,18 @@ struct StepMetrics {
   double tflops = std::numeric_limits<double>::quiet_NaN();
   double mfu = std::numeric_limits<double>::quiet_NaN();
   double peak_memory_gb = std::numeric_limits<double>::quiet_NaN();
+  // On the CPU, the high-water mark of rank 0's live tensors during the step (host_tensor_memory():
+  // the model's own buffers, without the libraries and the process's other memory that the
+  // resident set includes), in GB; NaN on CUDA (peak_memory_gb is the pool's there).
+  double tensor_peak_gb = std::numeric_limits<double>::quiet_NaN();
   // Rank 0's time in collectives during the step (Comm::take_device_times: NCCL's device time, MPI's
   // host time; none for one rank): all of it, and the part compute waited for (communication that
   // overlap did not hide).
   double comm_ms = std::numeric_limits<double>::quiet_NaN();
   double comm_exposed_ms = std::numeric_limits<double>::quiet_NaN();
+  // --context-parallel: the bytes rank 0 sent around its group's ring during the step, in MB
+  // (10⁶ B); NaN without context parallelism.
+  double ring_mb = std::numeric_limits<double>::quiet_NaN();
   std::vector<double> mean_beta;        // per layer: mean exp(logβ) over tokens and KV heads
   std::vector<double> effective_cache;  // per layer: mean over tokens of S(t)
   // --gate kvpop (DESIGN §5): loss is L_kvpop, and kl/ntp/cap are not computed.

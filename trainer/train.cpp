@@ -581,6 +581,7 @@ int run_training(const TrainConfig& cfg, dist::Comm& comm) {
     const data::PackedBatch batch = loader.next();
     const std::vector<MicroBatch> micro_batches = make_micro_batches(batch, cfg.micro_batch);
     if (cfg.device == Device::CUDA) cuda::reset_device_memory_peak();
+    if (cfg.device == Device::CPU) reset_host_tensor_peak();
     gates.zero_grad();
     const bool log_step = (step + 1) % std::max<int64_t>(cfg.log_every, 1) == 0 || step + 1 == cfg.steps;
     StepMetrics m;
@@ -612,10 +613,19 @@ int run_training(const TrainConfig& cfg, dist::Comm& comm) {
     materialize();
 
     const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
-    const dist::CommTimes comm_times = comm.take_device_times();  // local; never blocks
+    dist::CommTimes comm_times = comm.take_device_times();  // local; never blocks
+    double ring_mb = std::numeric_limits<double>::quiet_NaN();
+    if (in.context_group) {  // the ring's transfers count too (the group's own clock)
+      ring_mb = static_cast<double>(in.context_group->take_ring_bytes()) / 1e6;
+      const dist::CommTimes ring = in.context_group->take_device_times();
+      auto add = [](double& a, double b) { a = std::isnan(a) ? b : std::isnan(b) ? a : a + b; };
+      add(comm_times.busy_seconds, ring.busy_seconds);
+      add(comm_times.exposed_seconds, ring.exposed_seconds);
+    }
     if (main_rank) {
       m.comm_ms = comm_times.busy_seconds * 1e3;
       m.comm_exposed_ms = comm_times.exposed_seconds * 1e3;
+      m.ring_mb = ring_mb;
       m.step = step;
       m.total_steps = cfg.steps;
       m.lr = lr;
@@ -629,6 +639,7 @@ int run_training(const TrainConfig& cfg, dist::Comm& comm) {
         if (peak_tflops) m.mfu = m.tflops / *peak_tflops;
       }
       m.peak_memory_gb = peak_memory_gb(cfg.device);
+      if (cfg.device == Device::CPU) m.tensor_peak_gb = static_cast<double>(host_tensor_memory().peak) / 1e9;
       const double elapsed = std::chrono::duration<double>(Clock::now() - run_start).count();
       m.eta_seconds = elapsed / static_cast<double>(step - first_step) * static_cast<double>(cfg.steps - step);
       if (log_step) metrics_log->write(m);

@@ -243,6 +243,7 @@ std::unique_ptr<Request> Comm::ring_shift_bytes_async(const void* send, void* re
   auto out = std::make_unique<Staged>(recv, bytes, native_device_buffers());
   in->copy_in();
   auto r = do_ring_shift_bytes_async(in->ptr(), out->ptr(), bytes);
+  ring_bytes_ += bytes;
   if (!in->staged() && !out->staged()) return r;
   return std::make_unique<StagedShift>(std::move(in), std::move(out), std::move(r));
 }

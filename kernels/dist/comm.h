@@ -20,6 +20,7 @@
 #include <limits>
 #include <memory>
 #include <string_view>
+#include <utility>
 
 namespace retain::dist {
 
@@ -93,6 +94,9 @@ class Comm {
   // byte count, in the same order among the collectives. send and recv must not overlap; both
   // belong to the request until wait() returns (all_gather_async's rule).
   std::unique_ptr<Request> ring_shift_bytes_async(const void* send, void* recv, size_t bytes);
+  // Bytes this rank has sent through ring_shift_bytes_async since the last call (local: any rank
+  // may call it alone). What context parallelism exchanges, in retain-train's metrics (ring_mb).
+  size_t take_ring_bytes() { return std::exchange(ring_bytes_, 0); }
 
   // send holds size() * count_per_rank; recv[i] = sum over ranks r of
   // send_of_rank_r[rank() * count_per_rank + i]. send and recv must not overlap.
@@ -171,6 +175,7 @@ class Comm {
   virtual std::unique_ptr<Comm> do_split(int color, int key);
 
   size_t max_chunk_ = INT_MAX;
+  size_t ring_bytes_ = 0;
 };
 
 // True when an MPI launcher started this process (OpenMPI's OMPI_COMM_WORLD_SIZE, PMIx's

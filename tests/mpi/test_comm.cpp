@@ -456,6 +456,8 @@ TEST_P(Chunked, AllReduceMax) {
 TEST_P(Chunked, RingShift) {
   // Each rank's bytes reach the next rank; two shifts in flight at once, as a ring step holds
   // the keys/values and their gradients.
+  comm().take_ring_bytes();
+  size_t sent = 0;
   for (size_t count : kCounts) {
     if (too_many_pieces(count)) continue;
     auto value = [](int rank, size_t i) { return uint8_t((rank * 131 + int(i) * 7) & 0xff); };
@@ -464,6 +466,7 @@ TEST_P(Chunked, RingShift) {
     for (size_t i = 0; i < count + 5; ++i) b[i] = value(r() + 1000, i);
     auto req_a = comm().ring_shift_bytes_async(a.data(), got_a.data(), count);
     auto req_b = comm().ring_shift_bytes_async(b.data(), got_b.data(), count + 5);
+    sent += count == 0 ? 5 : 2 * count + 5;
     req_b->wait();
     req_a->wait();
     const int from = (r() + s() - 1) % s();
@@ -472,6 +475,8 @@ TEST_P(Chunked, RingShift) {
     for (size_t i = 0; i < count + 5; ++i) bad += got_b[i] != value(from + 1000, i);
     EXPECT_EQ(bad, 0u) << "count " << count;
   }
+  EXPECT_EQ(comm().take_ring_bytes(), sent);
+  EXPECT_EQ(comm().take_ring_bytes(), 0u);
   std::vector<uint8_t> x(8);
   EXPECT_THROW(comm().ring_shift_bytes_async(x.data(), x.data() + 4, 8), retain::Error);  // overlap
   EXPECT_THROW(comm().ring_shift_bytes_async(nullptr, x.data(), 8), retain::Error);

@@ -144,6 +144,21 @@ void check_collectives(Comm& comm, Device kind, const std::string& what) {
     const std::vector<float> bh = host(b);
     for (size_t i = 0; i < count; i += 103) EXPECT_EQ(bh[i], value(n - 1, i)) << "broadcast " << i;
   }
+  // ring_shift_bytes_async (context parallelism): the previous rank's bytes, two shifts in flight.
+  {
+    Tensor send = buffer(mine), recv = buffer(std::vector<float>(count, -1.f));
+    Tensor send2 = buffer(std::vector<float>(mine.rbegin(), mine.rend())), recv2 = buffer(std::vector<float>(count, -1.f));
+    auto a = comm.ring_shift_bytes_async(send.raw(), recv.raw(), count * sizeof(float));
+    auto b = comm.ring_shift_bytes_async(send2.raw(), recv2.raw(), count * sizeof(float));
+    b->wait();
+    a->wait();
+    const std::vector<float> got = host(recv), got2 = host(recv2);
+    const int prev = (me + n - 1) % n;
+    for (size_t i = 0; i < count; i += 53) {
+      EXPECT_EQ(got[i], value(prev, i)) << "ring_shift " << i;
+      EXPECT_EQ(got2[i], value(prev, count - 1 - i)) << "ring_shift (second) " << i;
+    }
+  }
 }
 
 TEST(CommCuda, WorldCommMovesDeviceBuffers) {
