@@ -153,7 +153,8 @@ void tile_scores(const Operands& o, int64_t h, int64_t t0, int64_t nq, int64_t i
     for (int64_t c = 0; c < B; ++c) {
       const int64_t i = o.k0 + i0 + c;
       const bool allowed = c < nk && i <= t && dt >= 0 && o.doc_k[i0 + c] == dt;
-      const float decay = t > i ? static_cast<float>(t - i) * o.log_beta[(i0 + c) * o.K + kv] : 0.0f;
+      // (only where allowed: past a key span's end, i < t does not mean the key exists)
+      const float decay = allowed && t > i ? static_cast<float>(t - i) * o.log_beta[(i0 + c) * o.K + kv] : 0.0f;
       sr[c] = allowed ? sr[c] * o.scale + decay : kNegInf;
     }
   }

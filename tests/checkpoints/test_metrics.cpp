@@ -110,14 +110,20 @@ TEST(Metrics, JsonLineHasEveryFieldAndTheTime) {
   EXPECT_TRUE(j["peak_memory_gb"].is_null());
   EXPECT_TRUE(j["comm_ms"].is_null());
   EXPECT_TRUE(j["comm_exposed_ms"].is_null());
-  EXPECT_EQ(j.size(), 20u);  // the 19 fields above + time
+  EXPECT_TRUE(j["tensor_peak_gb"].is_null());
+  EXPECT_TRUE(j["ring_mb"].is_null());
+  EXPECT_EQ(j.size(), 22u);  // the 21 fields above + time
   m.tflops = 412.5, m.mfu = 0.417, m.peak_memory_gb = 47.25, m.comm_ms = 30.5, m.comm_exposed_ms = 1.25;
+  m.tensor_peak_gb = 0.304, m.ring_mb = 544.6;
   const nlohmann::json k = to_json(m);
   EXPECT_EQ(k["tflops"], 412.5);
   EXPECT_EQ(k["mfu"], 0.417);
   EXPECT_EQ(k["peak_memory_gb"], 47.25);
   EXPECT_EQ(k["comm_ms"], 30.5);
   EXPECT_EQ(k["comm_exposed_ms"], 1.25);
+  EXPECT_EQ(k["tensor_peak_gb"], 0.304);
+  EXPECT_EQ(k["ring_mb"], 544.6);
+  EXPECT_NE(format_step_line(m).find(" ring 544.6 MB"), std::string::npos) << format_step_line(m);
 
   // "time": UTC ISO-8601 with milliseconds, within a few seconds of now.
   const std::string t = j["time"];
