@@ -15,9 +15,11 @@
 #include <initializer_list>
 #include <limits>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "kernels/base/error.h"
+#include "kernels/base/fault.h"
 #include "kernels/retention_spans.h"
 
 namespace retain::trainer {
@@ -147,6 +149,63 @@ Group check_group(const char* op, dist::Comm& group, const ContextLayout& layout
   return {group.rank(), group.size()};
 }
 
+// Gradient sums that travel a ring one step behind the keys they belong to. At step s a rank
+// adds its part for that step's keys into `mine()` (zeroed by begin_step) while, in the same
+// shift, it receives the sums its predecessors made for those keys and passes on the sums it
+// finished for the previous step's; end_step waits for that shift and adds. So each shift
+// overlaps a step's tiles, where sums that moved after the tiles would wait for them at every
+// step; only the last shift, which takes every sum home, waits (home()). Costs a third buffer.
+// The buffers are flat F32 or F64 fields (a Packet), added element by element.
+class LaggedSums {
+ public:
+  // `fields`: the sums' layout, every field of `dtype` (F32 or F64).
+  LaggedSums(dist::Comm& group, const Packet& fields, DType dtype)
+      : group_(group), bytes_(fields.bytes()), f64_(dtype == DType::F64), in_(fields.buffer()), out_(fields.buffer()),
+        mine_(fields.buffer()) {}
+  Tensor& mine() { return mine_; }
+  void begin_step(int step) {
+    std::memset(mine_.raw(), 0, mine_.nbytes());
+    // (at step 0 the keys are this rank's own: nobody before it has sums for them)
+    if (step > 0) shift_ = group_.ring_shift_bytes_async(out_.raw(), in_.raw(), bytes_);
+  }
+  void end_step(int step) {
+    if (step == 0) {
+      std::swap(out_, mine_);
+      return;
+    }
+    shift_->wait();
+    shift_.reset();
+    add(in_, mine_);
+    std::swap(out_, in_);  // the received sums, plus this rank's, go on at the next step
+  }
+  // After the last step: the sums of this rank's own keys, from every rank.
+  const Tensor& home() {
+    group_.ring_shift_bytes_async(out_.raw(), in_.raw(), bytes_)->wait();
+    return in_;
+  }
+
+ private:
+  // The fields are all F32 or all F64 (8-byte aligned, zero padding): added as one flat array.
+  void add(Tensor& into, const Tensor& from) {
+    if (f64_) {
+      double* a = static_cast<double*>(into.raw());
+      const double* b = static_cast<const double*>(from.raw());
+      for (size_t x = 0; x < bytes_ / 8; ++x) a[x] += b[x];
+    } else {
+      float* a = static_cast<float*>(into.raw());
+      const float* b = static_cast<const float*>(from.raw());
+      for (size_t x = 0; x < bytes_ / 4; ++x) a[x] += b[x];
+    }
+  }
+
+ private:
+  dist::Comm& group_;
+  size_t bytes_;
+  bool f64_;
+  Tensor in_, out_, mine_;
+  std::unique_ptr<dist::Request> shift_;
+};
+
 }  // namespace
 
 void ring_gated_attention(dist::Comm& group, const ContextLayout& layout, const Tensor& q, const Tensor& k,
@@ -154,6 +213,7 @@ void ring_gated_attention(dist::Comm& group, const ContextLayout& layout, const 
                           Tensor& lse) {
   const char* op = "ring_gated_attention";
   const auto [r, N] = check_group(op, group, layout);
+  if (fault::hangs_in_ring(r)) fault::hang_forever();  // tests only (kernels/base/fault.h)
   const int64_t Tl = layout.local_tokens(r), Tm = layout.max_local_tokens();
   for (const Tensor* t : std::initializer_list<const Tensor*>{&q, &k, &v, &log_beta, &doc, &out, &lse}) check_dim(op, *t, 0, Tl);
   const int64_t H = q.dim(1), K = k.dim(1), d = k.dim(2);
@@ -210,32 +270,33 @@ void ring_gated_attention_backward(dist::Comm& group, const ContextLayout& layou
     check_dim(op, *t, 0, Tl);
   const int64_t K = k.dim(1), d = k.dim(2);
 
-  // Two segments, so that each moves on its own: the keys (sent ahead) and their gradients.
+  // The keys: double-buffered packets, each step's next one sent ahead of the tiles.
   Packet p;
   const int fk = p.add(DType::F32, K * d, Tm), fv = p.add(DType::F32, K * d, Tm), fl = p.add(DType::F32, K, Tm),
             fd = p.add(DType::I32, 1, Tm);
-  const int fdk = p.add(DType::F32, K * d, Tm), fdv = p.add(DType::F32, K * d, Tm), fdl = p.add(DType::F32, K, Tm);
-  const size_t key_bytes = p.offset(fdk), grad_bytes = p.bytes() - key_bytes;
   std::array<Tensor, 2> buf{p.buffer(), p.buffer()};
   p.view(buf[0], fk, k.shape()).copy_from(k);
   p.view(buf[0], fv, v.shape()).copy_from(v);
   p.view(buf[0], fl, log_beta.shape()).copy_from(log_beta);
   p.view(buf[0], fd, doc.shape()).copy_from(doc);
+  // Their gradient sums (dk, dv, dlogβ), in a ring one step behind the keys (LaggedSums).
+  Packet g;
+  const int gk = g.add(DType::F32, K * d, Tm), gv = g.add(DType::F32, K * d, Tm), gl = g.add(DType::F32, K, Tm);
+  LaggedSums sums(group, g, DType::F32);
 
   std::memset(dq.raw(), 0, dq.nbytes());
   const auto mine = layout.spans(r);
   int cur = 0;
   for (int step = 0; step < N; ++step) {
     const int src = (r - step + N) % N;
-    char* here = static_cast<char*>(buf[cur].raw());
-    char* there = static_cast<char*>(buf[cur ^ 1].raw());
     std::unique_ptr<dist::Request> keys;
-    if (step + 1 < N) keys = group.ring_shift_bytes_async(here, there, key_bytes);
+    if (step + 1 < N) keys = group.ring_shift_bytes_async(buf[cur].raw(), buf[cur ^ 1].raw(), p.bytes());
+    sums.begin_step(step);
     const int64_t Ts = layout.local_tokens(src);
     const Tensor ks = p.view(buf[cur], fk, {Ts, K, d}), vs = p.view(buf[cur], fv, {Ts, K, d}),
                  ls = p.view(buf[cur], fl, {Ts, K}), ds = p.view(buf[cur], fd, {Ts});
-    Tensor dks = p.view(buf[cur], fdk, {Ts, K, d}), dvs = p.view(buf[cur], fdv, {Ts, K, d}),
-           dls = p.view(buf[cur], fdl, {Ts, K});
+    Tensor dks = g.view(sums.mine(), gk, {Ts, K, d}), dvs = g.view(sums.mine(), gv, {Ts, K, d}),
+           dls = g.view(sums.mine(), gl, {Ts, K});
     const auto theirs = layout.spans(src);
     for (int qi = 0; qi < 2; ++qi)
       for (int ki = 0; ki < 2; ++ki) {
@@ -250,15 +311,14 @@ void ring_gated_attention_backward(dist::Comm& group, const ContextLayout& layou
                                            out.rows(q0, q1), lse.rows(q0, q1), dout.rows(q0, q1), dq_rows, dk_rows,
                                            dv_rows, dl_rows);
       }
-    // The gradient sums move on after this step added to them (the last shift takes them home).
-    auto grads = group.ring_shift_bytes_async(here + key_bytes, there + key_bytes, grad_bytes);
-    grads->wait();
+    sums.end_step(step);
     if (keys) keys->wait();
     cur ^= 1;
   }
-  dk.copy_from(p.view(buf[cur], fdk, dk.shape()));
-  dv.copy_from(p.view(buf[cur], fdv, dv.shape()));
-  dlog_beta.copy_from(p.view(buf[cur], fdl, dlog_beta.shape()));
+  const Tensor& home = sums.home();
+  dk.copy_from(g.view(home, gk, dk.shape()));
+  dv.copy_from(g.view(home, gv, dv.shape()));
+  dlog_beta.copy_from(g.view(home, gl, dlog_beta.shape()));
 }
 
 namespace {
@@ -386,10 +446,10 @@ void ring_capacity_loss_backward(dist::Comm& group, const ContextLayout& layout,
     ops::capacity_hinge(S[i], doc.rows(a, b), positions.rows(a, b), memory, mode, &g[i]);
   }
 
-  // The keys' logβ and documents, then their F64 gradient sums (moved after each step).
+  // The keys' logβ and documents (double-buffered packets, sent ahead), and their F64 gradient
+  // sums in a ring one step behind (LaggedSums): each chunk's [L, len, K], one after the other.
   Packet p;
-  const int fl = p.add(DType::F32, K, Tm, L), fd = p.add(DType::I32, 1, Tm), fg = p.add(DType::F64, K, Tm, L);
-  const size_t key_bytes = p.offset(fg), grad_bytes = p.bytes() - key_bytes;
+  const int fl = p.add(DType::F32, K, Tm, L), fd = p.add(DType::I32, 1, Tm);
   std::array<Tensor, 2> buf{p.buffer(), p.buffer()};
   {
     const auto parts = split_chunks(log_beta, mine);
@@ -397,20 +457,22 @@ void ring_capacity_loss_backward(dist::Comm& group, const ContextLayout& layout,
     buf[0].view_bytes(p.offset(fl) + parts[0].nbytes(), {L, mine[1].length, K}, DType::F32).copy_from(parts[1]);
     p.view(buf[0], fd, doc.shape()).copy_from(doc);
   }
+  Packet gp;
+  const int fg = gp.add(DType::F64, K, Tm, L);
+  LaggedSums sums(group, gp, DType::F64);
   int cur = 0;
   for (int step = 0; step < N; ++step) {
     const int src = (r - step + N) % N;
-    char* here = static_cast<char*>(buf[cur].raw());
-    char* there = static_cast<char*>(buf[cur ^ 1].raw());
     std::unique_ptr<dist::Request> keys;
-    if (step + 1 < N) keys = group.ring_shift_bytes_async(here, there, key_bytes);
+    if (step + 1 < N) keys = group.ring_shift_bytes_async(buf[cur].raw(), buf[cur ^ 1].raw(), p.bytes());
+    sums.begin_step(step);
     const auto theirs = layout.spans(src);
     const Tensor ds = p.view(buf[cur], fd, {layout.local_tokens(src)});
     const size_t front_f32 = static_cast<size_t>(L * theirs[0].length * K) * 4;
     const Tensor lk[2] = {p.view(buf[cur], fl, {L, theirs[0].length, K}),
                           buf[cur].view_bytes(p.offset(fl) + front_f32, {L, theirs[1].length, K}, DType::F32)};
-    Tensor gk[2] = {p.view(buf[cur], fg, {L, theirs[0].length, K}),
-                    buf[cur].view_bytes(p.offset(fg) + front_f32 * 2, {L, theirs[1].length, K}, DType::F64)};
+    Tensor gk[2] = {gp.view(sums.mine(), fg, {L, theirs[0].length, K}),
+                    sums.mine().view_bytes(gp.offset(fg) + front_f32 * 2, {L, theirs[1].length, K}, DType::F64)};
     for (int qi = 0; qi < 2; ++qi)
       for (int ki = 0; ki < 2; ++ki) {
         if (after(theirs[ki], mine[qi])) continue;
@@ -418,15 +480,15 @@ void ring_capacity_loss_backward(dist::Comm& group, const ContextLayout& layout,
         ops::capacity_grad_span(lk[ki], ds.rows(k0, k0 + theirs[ki].length), theirs[ki].start,
                                 doc.rows(q0, q0 + mine[qi].length), mine[qi].start, g[qi], gk[ki], E);
       }
-    auto grads = group.ring_shift_bytes_async(here + key_bytes, there + key_bytes, grad_bytes);
-    grads->wait();
+    sums.end_step(step);
     if (keys) keys->wait();
     cur ^= 1;
   }
   // Home: this rank's own keys' sums, chunk by chunk, scaled and rounded into dlog_beta.
   const size_t front_f64 = static_cast<size_t>(L * mine[0].length * K) * 8;
-  const Tensor home[2] = {p.view(buf[cur], fg, {L, mine[0].length, K}),
-                          buf[cur].view_bytes(p.offset(fg) + front_f64, {L, mine[1].length, K}, DType::F64)};
+  const Tensor& all = sums.home();
+  const Tensor home[2] = {gp.view(all, fg, {L, mine[0].length, K}),
+                          all.view_bytes(gp.offset(fg) + front_f64, {L, mine[1].length, K}, DType::F64)};
   float* out = dlog_beta.data<float>();
   const int64_t Tl = layout.local_tokens(r);
   for (int i = 0; i < 2; ++i) {

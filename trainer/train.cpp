@@ -64,9 +64,13 @@ struct Inputs {
 };
 
 // The context-parallel group of this rank: world ranks [g·N, g·N + N), g = rank / N. Collective.
+// With --timeout, the group's ring has a watchdog of its own: a rank hung inside the ring is named
+// (by its world rank) and the job ends, as for the world's collectives.
 std::unique_ptr<dist::Comm> make_context_group(const TrainConfig& cfg, dist::Comm& comm) {
   if (cfg.context_parallel <= 1) return nullptr;
-  return comm.split(comm.rank() / cfg.context_parallel, comm.rank() % cfg.context_parallel);
+  auto group = comm.split(comm.rank() / cfg.context_parallel, comm.rank() % cfg.context_parallel);
+  group->set_timeout(cfg.timeout);
+  return group;
 }
 
 // Runs f() on every rank and agrees on the outcome: when any rank fails, every rank throws a

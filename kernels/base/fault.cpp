@@ -22,9 +22,15 @@ bool write_fails(std::string_view path) {
 }
 
 bool hangs_at(int rank, int64_t step) {
-  static const std::string hang_rank = env("RETAIN_FAULT_HANG_RANK"), at = env("RETAIN_FAULT_AT_STEP");
-  if (hang_rank.empty() || std::atoi(hang_rank.c_str()) != rank) return false;
+  static const std::string hang_rank = env("RETAIN_FAULT_HANG_RANK"), at = env("RETAIN_FAULT_AT_STEP"),
+                           where = env("RETAIN_FAULT_HANG_IN");
+  if (hang_rank.empty() || std::atoi(hang_rank.c_str()) != rank || !where.empty()) return false;
   return step == (at.empty() ? 1 : std::atoll(at.c_str()));
+}
+
+bool hangs_in_ring(int group_rank) {
+  static const std::string hang_rank = env("RETAIN_FAULT_HANG_RANK"), where = env("RETAIN_FAULT_HANG_IN");
+  return where == "ring" && !hang_rank.empty() && std::atoi(hang_rank.c_str()) == group_rank;
 }
 
 bool overflows_after(int64_t step) {

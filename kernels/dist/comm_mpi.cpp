@@ -151,11 +151,13 @@ class TypeGuard {
 // It must be waited for (or destroyed) before the comm that made it.
 class MpiRequest final : public Request {
  public:
-  MpiRequest(CollectiveWatchdog* watchdog, CommClock* clock) : watchdog_(watchdog), clock_(clock), start_ns_(now_ns()) {}
+  // `wait_label`: what the watchdog calls a wait for it (a literal, "wait for all_gather_async").
+  MpiRequest(CollectiveWatchdog* watchdog, CommClock* clock, const char* wait_label)
+      : watchdog_(watchdog), clock_(clock), wait_label_(wait_label), start_ns_(now_ns()) {}
   ~MpiRequest() override {
     // A collective cannot be abandoned; errors have nowhere to go from a destructor.
     if (!done_) {
-      Watched watched(watchdog_, "wait for a nonblocking collective", clock_, false, false);
+      Watched watched(watchdog_, wait_label_, clock_, false, false);
       MPI_Waitall(static_cast<int>(requests_.size()), requests_.data(), MPI_STATUSES_IGNORE);
       clock_->busy_ns += now_ns() - start_ns_;
     }
@@ -169,7 +171,7 @@ class MpiRequest final : public Request {
     if (done_) return;
     done_ = true;  // even if it fails: the destructor must not wait on a failed collective
     {
-      Watched watched(watchdog_, "wait for a nonblocking collective", clock_, false, false);
+      Watched watched(watchdog_, wait_label_, clock_, false, false);
       MPI_CHECK(
           MPI_Waitall(static_cast<int>(requests_.size()), requests_.data(), MPI_STATUSES_IGNORE));
     }
@@ -201,6 +203,7 @@ class MpiRequest final : public Request {
   bool done_ = false;
   CollectiveWatchdog* watchdog_;
   CommClock* clock_;
+  const char* wait_label_;
   int64_t start_ns_;  // when the collective was started (busy time runs from here)
 };
 
@@ -241,7 +244,7 @@ class MpiComm final : public Comm {
 
   std::unique_ptr<Request> do_all_gather_async(const float* send, float* recv,
                                                size_t count) override {
-    auto request = std::make_unique<MpiRequest>(watchdog_.get(), &clock_);
+    auto request = std::make_unique<MpiRequest>(watchdog_.get(), &clock_, "wait for all_gather_async");
     Watched watched(watchdog_.get(), "all_gather_async", &clock_, false);
     gather(send, recv, count, MPI_FLOAT, sizeof(float), request.get());
     return request;
@@ -254,7 +257,7 @@ class MpiComm final : public Comm {
 
   std::unique_ptr<Request> do_all_gather_bytes_async(const void* send, void* recv,
                                                      size_t bytes) override {
-    auto request = std::make_unique<MpiRequest>(watchdog_.get(), &clock_);
+    auto request = std::make_unique<MpiRequest>(watchdog_.get(), &clock_, "wait for all_gather_bytes_async");
     Watched watched(watchdog_.get(), "all_gather_bytes_async", &clock_, false);
     gather(send, recv, bytes, MPI_BYTE, 1, request.get());
     return request;
@@ -304,7 +307,7 @@ class MpiComm final : public Comm {
   // Isend to the next rank, Irecv from the previous, in max_chunk() pieces (MPI keeps the
   // order of messages between two ranks on one tag, so the pieces match up in turn).
   std::unique_ptr<Request> do_ring_shift_bytes_async(const void* send, void* recv, size_t bytes) override {
-    auto request = std::make_unique<MpiRequest>(watchdog_.get(), &clock_);
+    auto request = std::make_unique<MpiRequest>(watchdog_.get(), &clock_, "wait for ring_shift_bytes_async");
     Watched watched(watchdog_.get(), "ring_shift_bytes_async", &clock_, false);
     const int next = (rank_ + 1) % size_, prev = (rank_ + size_ - 1) % size_;
     for (size_t off = 0; off < bytes; off += max_chunk()) {

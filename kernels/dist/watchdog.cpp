@@ -44,6 +44,18 @@ struct CollectiveWatchdog::Reply {
   char op[32];
 };
 
+// Rank r of the watched communicator as a rank of MPI_COMM_WORLD: what the messages name, so that
+// a group's watchdog (context parallelism's ring, Comm::split) names the ranks mpirun knows.
+int CollectiveWatchdog::world_rank(int r) const {
+  MPI_Group mine = MPI_GROUP_NULL, world = MPI_GROUP_NULL;
+  int out = r;
+  if (MPI_Comm_group(side_, &mine) == MPI_SUCCESS && MPI_Comm_group(MPI_COMM_WORLD, &world) == MPI_SUCCESS)
+    MPI_Group_translate_ranks(mine, 1, &r, world, &out);
+  if (mine != MPI_GROUP_NULL) MPI_Group_free(&mine);
+  if (world != MPI_GROUP_NULL) MPI_Group_free(&world);
+  return out == MPI_UNDEFINED ? r : out;
+}
+
 CollectiveWatchdog::CollectiveWatchdog(MPI_Comm world, double timeout_seconds, std::function<void()> before_abort)
     : timeout_(timeout_seconds), before_abort_(std::move(before_abort)) {
   MPI_CHECK(MPI_Comm_dup(world, &side_));
@@ -143,11 +155,12 @@ void CollectiveWatchdog::investigate(uint64_t seq, const char* op, double waited
     if (r == rank_) continue;
     const auto& reply = replies[static_cast<size_t>(r)];
     if (!reply) {
-      late.push_back(fmt::format("rank {}, which does not answer (stopped, or its process is gone)", r));
+      late.push_back(fmt::format("rank {}, which does not answer (stopped, or its process is gone)", world_rank(r)));
     } else if (reply->seq < seq || (reply->seq == seq && !reply->inside)) {
       late.push_back(fmt::format("rank {}, which {} collective #{} ({}) {:.0f} s ago and has not joined this one "
                                  "(hung, or stuck between collectives)",
-                                 r, reply->inside ? "entered" : "left", reply->seq, reply->op, reply->idle_seconds));
+                                 world_rank(r), reply->inside ? "entered" : "left", reply->seq, reply->op,
+                                 reply->idle_seconds));
     } else if (r < reporter) {
       reporter = r;
     }
@@ -157,7 +170,7 @@ void CollectiveWatchdog::investigate(uint64_t seq, const char* op, double waited
   if (late.empty()) who = "every rank, although all of them are in it (do the ranks call collectives in different orders?)";
   const std::string line = fmt::format("rank {}: collective #{} ({}) has waited {:.0f} s (--timeout {:g}) for {}; "
                                        "ending the job",
-                                       rank_, seq, op, waited, timeout_, who);
+                                       world_rank(rank_), seq, op, waited, timeout_, who);
   if (reporter != rank_) {
     // The reporter ends the job; should it fail to, this rank does, with the same finding.
     const int64_t since = now_ns();

@@ -48,6 +48,7 @@ class CollectiveWatchdog {
   void serve_queries();
   void investigate(uint64_t seq, const char* op, double waited);
   [[noreturn]] void end_job(const std::string& line);
+  int world_rank(int r) const;  // rank r of the watched comm in MPI_COMM_WORLD (the messages' ranks)
 
   MPI_Comm side_ = MPI_COMM_NULL;
   int rank_ = 0, size_ = 1;

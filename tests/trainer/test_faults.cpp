@@ -132,6 +132,27 @@ TEST_F(Faults, HungRankIsNamedAndTheJobEndsWithinTheTimeout) {
   std::printf("job ended %.1f s after its start with --timeout 5\n", seconds);
 }
 
+// Context parallelism (--context-parallel): a rank that hangs inside the ring (its first ring
+// shift, in step 1's teacher pass) leaves its group waiting in the ring's transfers, not in a
+// collective of the world: the group's own watchdog names it — by its world rank (4 ranks, two
+// groups of 2; world rank 3 is rank 1 of the second group) — and ends the job.
+TEST_F(Faults, RankHungInTheContextParallelRingIsNamed) {
+  const std::string out = dir_ / "run", log = dir_ / "log";
+  std::string args = train_args(data_, out, "trimkv", 3);
+  const pid_t pid = spawn("env RETAIN_FAULT_HANG_RANK=1 RETAIN_FAULT_HANG_IN=ring " + mpirun(4) + bin("retain-train") +
+                              args + " --context-parallel 2 --micro-batch 1 --timeout 5",
+                          log);
+  const std::optional<int> status = wait_at_most(pid, 90);
+  const std::string err = slurp(log);
+  ASSERT_TRUE(status) << "the job did not end: " << err;
+  ASSERT_TRUE(WIFEXITED(*status)) << err;
+  EXPECT_EQ(WEXITSTATUS(*status), 75) << err;
+  // Both groups hang (rank 1 of each): the lowest waiting world rank (0 or 2) reports its group's.
+  EXPECT_TRUE(std::regex_search(err, std::regex("retain-train: error: rank [02]: collective #[0-9]+ \\([a-z_ ]+\\) has "
+                                                "waited [0-9]+ s \\(--timeout 5\\) for rank [13], which")))
+      << err;
+}
+
 TEST_F(Faults, StoppedRankDoesNotAnswerAndIsNamed) {
   const std::string out = dir_ / "run", log = dir_ / "log";
   const pid_t pid = spawn(long_run(out, 2, " --timeout 3"), log);

@@ -7,8 +7,10 @@
 
 #include <algorithm>
 #include <chrono>
+#include <fstream>
 #include <map>
 #include <optional>
+#include <random>
 #include <regex>
 #include <sstream>
 #include <thread>
@@ -138,6 +140,43 @@ TEST_F(TrainRuns, ContextParallelResumesAcrossAChangeOfGroupSize) {
   r = train(train_args(data_, parts, "trimkv", 6) + " --micro-batch 2 --save-every 2 --resume", 2);
   ASSERT_EQ(r.code, 0) << r.err;
   expect_same_gates(full, parts, 1e-5);
+}
+
+// Context parallelism divides a rank's memory: one 4,096-token step (12 random documents, some
+// crossing the chunk edges) on 1, 2 and 4 ranks; rank 0's live-tensor peak (tensor_peak_gb) is
+// ~1.4/N of one rank's (the T-proportional buffers divided by N, plus the ring's packets), the
+// loss the same. A rank that held the whole sequence's activations anywhere would fail it.
+TEST_F(TrainRuns, ContextParallelDividesTheMemory) {
+  {
+    std::ofstream corpus(dir_ / "long.jsonl");
+    std::mt19937 rng(1);
+    const char* words[] = {"alpha", "beta", "gamma", "delta", "retain", "cache", "token", "gate", "ring", "chunk"};
+    for (int d = 0; d < 12; ++d) {
+      std::string text;
+      for (int w = 0, n = 200 + static_cast<int>(rng() % 700); w < n; ++w) text += std::string(words[rng() % 10]) + " ";
+      corpus << nlohmann::json{{"text", text}}.dump() << "\n";
+    }
+  }
+  Result r = run(bin("retain-pack") + " --tokenizer " + kModel + " --input " + (dir_ / "long.jsonl") + " --out " +
+                     (dir_ / "long.h5") + " --seq-len 4096 --packing concat -q",
+                 dir_);
+  ASSERT_EQ(r.code, 0) << r.err;
+  const std::string args = " --model " + kModel + " --data " + (dir_ / "long.h5") + " --gate trimkv --init-gates " +
+                           kFixtures + "/gates-trimkv.safetensors --memory 4 --global-batch 1 --steps 1 --loss-chunk 16";
+  std::map<int, nlohmann::json> step;
+  for (int n : {1, 2, 4}) {
+    const std::string out = dir_ / fmt::format("mem{}", n);
+    r = train(args + " --out " + out + (n > 1 ? fmt::format(" --context-parallel {}", n) : std::string()), n);
+    ASSERT_EQ(r.code, 0) << r.err;
+    step[n] = metrics(out).back();
+    ASSERT_TRUE(step[n]["tensor_peak_gb"].is_number()) << step[n].dump();
+  }
+  const double one = step[1]["tensor_peak_gb"].get<double>();
+  EXPECT_LT(step[2]["tensor_peak_gb"].get<double>(), 0.75 * one) << step[2].dump() << " vs " << one;
+  EXPECT_LT(step[4]["tensor_peak_gb"].get<double>(), 0.45 * one) << step[4].dump() << " vs " << one;
+  EXPECT_NEAR(step[4]["loss"].get<double>(), step[1]["loss"].get<double>(), 1e-5);
+  EXPECT_GT(step[4]["ring_mb"].get<double>(), 0.0);
+  EXPECT_TRUE(step[1]["ring_mb"].is_null());
 }
 
 // What --context-parallel refuses, in one line each: a group size that does not divide the
