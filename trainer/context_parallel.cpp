@@ -334,43 +334,62 @@ std::array<Tensor, 2> split_chunks(const Tensor& x, const std::array<TokenSpan, 
   return out;
 }
 
-struct CapacityRing {
-  Packet p;
-  int fl[2], fd;
+// The capacity rings' packets, double-buffered: a rank's logβ as its two chunks, each
+// [L, len, K], one after the other (the field holds L·Tm·K floats), and its document ids.
+class CapacityKeys {
+ public:
+  CapacityKeys(const ContextLayout& layout, int64_t L, int64_t K) : L_(L), K_(K) {
+    const int64_t Tm = layout.max_local_tokens();
+    fl_ = p_.add(DType::F32, K, Tm, L);
+    fd_ = p_.add(DType::I32, 1, Tm);
+    buf_ = {p_.buffer(), p_.buffer()};
+  }
+  // This rank's logβ [L, T_local, K] and doc into the first buffer.
+  void pack(const Tensor& log_beta, const Tensor& doc, const std::array<TokenSpan, 2>& mine) {
+    const auto parts = split_chunks(log_beta, mine);
+    chunk(0, mine, 0).copy_from(parts[0]);
+    chunk(0, mine, 1).copy_from(parts[1]);
+    p_.view(buf_[0], fd_, doc.shape()).copy_from(doc);
+  }
+  // Buffer `cur` to the next rank, the previous rank's into the other buffer.
+  std::unique_ptr<dist::Request> shift(dist::Comm& group, int cur) {
+    return group.ring_shift_bytes_async(buf_[cur].raw(), buf_[cur ^ 1].raw(), p_.bytes());
+  }
+  // Buffer cur's logβ of the chunk `i` of a rank whose chunks are `spans`, and its doc ids.
+  Tensor chunk(int cur, const std::array<TokenSpan, 2>& spans, int i) const {
+    const size_t front = i == 0 ? 0 : static_cast<size_t>(L_ * spans[0].length * K_) * 4;
+    return buf_[cur].view_bytes(p_.offset(fl_) + front, {L_, spans[i].length, K_}, DType::F32);
+  }
+  Tensor doc(int cur, int64_t tokens) const { return p_.view(buf_[cur], fd_, {tokens}); }
+
+ private:
+  int64_t L_, K_;
+  Packet p_;
+  int fl_ = 0, fd_ = 0;
+  std::array<Tensor, 2> buf_;
 };
 
 // The capacity sums S F64 [L, len, K] of this rank's two chunks over every key of the sequence.
 std::array<Tensor, 2> chunk_capacity_sums(dist::Comm& group, const ContextLayout& layout, int r, int N,
                                          const Tensor& log_beta, const Tensor& doc, double E) {
-  const int64_t L = log_beta.dim(0), K = log_beta.dim(2), Tm = layout.max_local_tokens();
+  const int64_t L = log_beta.dim(0), K = log_beta.dim(2);
   const auto mine = layout.spans(r);
-  Packet p;
-  const int fl = p.add(DType::F32, K, Tm, L), fd = p.add(DType::I32, 1, Tm);
-  std::array<Tensor, 2> buf{p.buffer(), p.buffer()};
-  // logβ as its two chunks, one after the other, each [L, len, K] (the field holds L·Tm·K).
-  {
-    const auto parts = split_chunks(log_beta, mine);
-    p.view(buf[0], fl, {L, mine[0].length, K}).copy_from(parts[0]);
-    buf[0].view_bytes(p.offset(fl) + parts[0].nbytes(), {L, mine[1].length, K}, DType::F32).copy_from(parts[1]);
-    p.view(buf[0], fd, doc.shape()).copy_from(doc);
-  }
+  CapacityKeys keys(layout, L, K);
+  keys.pack(log_beta, doc, mine);
   std::array<Tensor, 2> S{Tensor::zeros({L, mine[0].length, K}, DType::F64),
                           Tensor::zeros({L, mine[1].length, K}, DType::F64)};
   int cur = 0;
   for (int step = 0; step < N; ++step) {
     const int src = (r - step + N) % N;
     std::unique_ptr<dist::Request> next;
-    if (step + 1 < N) next = group.ring_shift_bytes_async(buf[cur].raw(), buf[cur ^ 1].raw(), p.bytes());
+    if (step + 1 < N) next = keys.shift(group, cur);
     const auto theirs = layout.spans(src);
-    const Tensor ds = p.view(buf[cur], fd, {layout.local_tokens(src)});
-    const Tensor lk[2] = {p.view(buf[cur], fl, {L, theirs[0].length, K}),
-                          buf[cur].view_bytes(p.offset(fl) + static_cast<size_t>(L * theirs[0].length * K) * 4,
-                                              {L, theirs[1].length, K}, DType::F32)};
+    const Tensor ds = keys.doc(cur, layout.local_tokens(src));
     for (int qi = 0; qi < 2; ++qi)
       for (int ki = 0; ki < 2; ++ki) {
         if (after(theirs[ki], mine[qi])) continue;
         const int64_t q0 = local_offset(mine, qi), k0 = local_offset(theirs, ki);
-        ops::capacity_sums_span(lk[ki], ds.rows(k0, k0 + theirs[ki].length), theirs[ki].start,
+        ops::capacity_sums_span(keys.chunk(cur, theirs, ki), ds.rows(k0, k0 + theirs[ki].length), theirs[ki].start,
                                 doc.rows(q0, q0 + mine[qi].length), mine[qi].start, S[qi], E);
       }
     if (next) next->wait();
@@ -446,49 +465,40 @@ void ring_capacity_loss_backward(dist::Comm& group, const ContextLayout& layout,
     ops::capacity_hinge(S[i], doc.rows(a, b), positions.rows(a, b), memory, mode, &g[i]);
   }
 
-  // The keys' logβ and documents (double-buffered packets, sent ahead), and their F64 gradient
-  // sums in a ring one step behind (LaggedSums): each chunk's [L, len, K], one after the other.
-  Packet p;
-  const int fl = p.add(DType::F32, K, Tm, L), fd = p.add(DType::I32, 1, Tm);
-  std::array<Tensor, 2> buf{p.buffer(), p.buffer()};
-  {
-    const auto parts = split_chunks(log_beta, mine);
-    p.view(buf[0], fl, {L, mine[0].length, K}).copy_from(parts[0]);
-    buf[0].view_bytes(p.offset(fl) + parts[0].nbytes(), {L, mine[1].length, K}, DType::F32).copy_from(parts[1]);
-    p.view(buf[0], fd, doc.shape()).copy_from(doc);
-  }
+  // The keys' logβ and documents (sent ahead), and their F64 gradient sums in a ring one step
+  // behind (LaggedSums), laid out as the packets' logβ: each chunk's [L, len, K] in turn.
+  CapacityKeys keys(layout, L, K);
+  keys.pack(log_beta, doc, mine);
   Packet gp;
   const int fg = gp.add(DType::F64, K, Tm, L);
   LaggedSums sums(group, gp, DType::F64);
+  auto sum_chunk = [&](const Tensor& buffer, const std::array<TokenSpan, 2>& spans, int i) {
+    const size_t front = i == 0 ? 0 : static_cast<size_t>(L * spans[0].length * K) * 8;
+    return buffer.view_bytes(gp.offset(fg) + front, {L, spans[i].length, K}, DType::F64);
+  };
   int cur = 0;
   for (int step = 0; step < N; ++step) {
     const int src = (r - step + N) % N;
-    std::unique_ptr<dist::Request> keys;
-    if (step + 1 < N) keys = group.ring_shift_bytes_async(buf[cur].raw(), buf[cur ^ 1].raw(), p.bytes());
+    std::unique_ptr<dist::Request> next;
+    if (step + 1 < N) next = keys.shift(group, cur);
     sums.begin_step(step);
     const auto theirs = layout.spans(src);
-    const Tensor ds = p.view(buf[cur], fd, {layout.local_tokens(src)});
-    const size_t front_f32 = static_cast<size_t>(L * theirs[0].length * K) * 4;
-    const Tensor lk[2] = {p.view(buf[cur], fl, {L, theirs[0].length, K}),
-                          buf[cur].view_bytes(p.offset(fl) + front_f32, {L, theirs[1].length, K}, DType::F32)};
-    Tensor gk[2] = {gp.view(sums.mine(), fg, {L, theirs[0].length, K}),
-                    sums.mine().view_bytes(gp.offset(fg) + front_f32 * 2, {L, theirs[1].length, K}, DType::F64)};
+    const Tensor ds = keys.doc(cur, layout.local_tokens(src));
+    Tensor gk[2] = {sum_chunk(sums.mine(), theirs, 0), sum_chunk(sums.mine(), theirs, 1)};
     for (int qi = 0; qi < 2; ++qi)
       for (int ki = 0; ki < 2; ++ki) {
         if (after(theirs[ki], mine[qi])) continue;
         const int64_t q0 = local_offset(mine, qi), k0 = local_offset(theirs, ki);
-        ops::capacity_grad_span(lk[ki], ds.rows(k0, k0 + theirs[ki].length), theirs[ki].start,
+        ops::capacity_grad_span(keys.chunk(cur, theirs, ki), ds.rows(k0, k0 + theirs[ki].length), theirs[ki].start,
                                 doc.rows(q0, q0 + mine[qi].length), mine[qi].start, g[qi], gk[ki], E);
       }
     sums.end_step(step);
-    if (keys) keys->wait();
+    if (next) next->wait();
     cur ^= 1;
   }
   // Home: this rank's own keys' sums, chunk by chunk, scaled and rounded into dlog_beta.
-  const size_t front_f64 = static_cast<size_t>(L * mine[0].length * K) * 8;
   const Tensor& all = sums.home();
-  const Tensor home[2] = {gp.view(all, fg, {L, mine[0].length, K}),
-                          all.view_bytes(gp.offset(fg) + front_f64, {L, mine[1].length, K}, DType::F64)};
+  const Tensor home[2] = {sum_chunk(all, mine, 0), sum_chunk(all, mine, 1)};
   float* out = dlog_beta.data<float>();
   const int64_t Tl = layout.local_tokens(r);
   for (int i = 0; i < 2; ++i) {

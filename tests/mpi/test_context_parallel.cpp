@@ -21,13 +21,6 @@ using retain::trainer::ContextLayout;
 
 namespace {
 
-Tensor random_f32(const Shape& shape, std::mt19937& rng) {
-  Tensor t = Tensor::empty(shape, DType::F32);
-  std::normal_distribution<float> n(0.0f, 1.0f);
-  for (int64_t x = 0; x < t.numel(); ++x) t.data<float>()[x] = n(rng);
-  return t;
-}
-
 // max |a − b| / max |b|, both F32 of the same shape; infinities must match exactly.
 double rel_err(const Tensor& a, const Tensor& b) {
   double diff = 0, scale = 1e-30;
@@ -70,7 +63,7 @@ TEST(ContextLayout, ChunksCoverTheSequenceOnce) {
 TEST(ContextLayout, LocalAndPutLocalAreInverse) {
   const ContextLayout layout(37, 3);
   std::mt19937 rng(1);
-  const Tensor whole = random_f32({2, 37, 3}, rng);
+  const Tensor whole = test::random_normal({2, 37, 3}, rng);
   Tensor back = Tensor::zeros({2, 37, 3}, DType::F32);
   for (int r = 0; r < 3; ++r) layout.put_local(layout.local(whole, r, 1), r, back, 1);
   EXPECT_EQ(rel_err(back, whole), 0.0);
@@ -83,12 +76,12 @@ struct Inputs {
 Inputs make_inputs(int64_t T, int64_t H, int64_t K, int64_t d, uint32_t seed) {
   std::mt19937 rng(seed);
   Inputs in;
-  in.q = random_f32({T, H, d}, rng);
-  in.k = random_f32({T, K, d}, rng);
-  in.v = random_f32({T, K, d}, rng);
+  in.q = test::random_normal({T, H, d}, rng);
+  in.k = test::random_normal({T, K, d}, rng);
+  in.v = test::random_normal({T, K, d}, rng);
   in.doc = Tensor::from_vector(test::packed_docs(T, rng, 160), {T});  // long documents cross the chunk edges
   in.log_beta = Tensor::from_vector(test::random_log_betas(1, T, K, rng), {T, K});
-  in.dout = random_f32({T, H, d}, rng);
+  in.dout = test::random_normal({T, H, d}, rng);
   return in;
 }
 

@@ -1,12 +1,23 @@
 // Random inputs shared by the capacity tests (CPU reference, CUDA kernels, their CPU
-// emulation): packed document ids with padding runs, and logβ in every decay regime.
+// emulation) and the span and ring tests: packed document ids with padding runs, logβ in every
+// decay regime, normal tensors.
 #pragma once
 #include <cmath>
 #include <cstdint>
 #include <random>
 #include <vector>
 
+#include "kernels/tensor.h"
+
 namespace retain::test {
+
+// An F32 tensor of `shape` with N(0, 1) entries (the span and ring tests' q, k, v, dout).
+inline Tensor random_normal(const Shape& shape, std::mt19937& rng) {
+  Tensor t = Tensor::empty(shape, DType::F32);
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  for (int64_t x = 0; x < t.numel(); ++x) t.data<float>()[x] = n(rng);
+  return t;
+}
 
 // Contiguous documents of random lengths (1..max_len) with padding runs (−1) between some of them.
 inline std::vector<int32_t> packed_docs(int64_t T, std::mt19937& rng, int64_t max_len) {

@@ -23,13 +23,6 @@ using namespace retain::test;
 
 namespace {
 
-Tensor random_f32(const Shape& shape, std::mt19937& rng) {
-  Tensor t = Tensor::empty(shape, DType::F32);
-  std::normal_distribution<float> n(0.0f, 1.0f);
-  for (int64_t x = 0; x < t.numel(); ++x) t.data<float>()[x] = n(rng);
-  return t;
-}
-
 // Rows [a, b) of dimension `dim` (0 or 1) of t, copied.
 Tensor rows(const Tensor& t, int64_t dim, int64_t a, int64_t b) {
   Shape shape = t.shape();
@@ -85,7 +78,7 @@ struct Case {
 void check_attention(const Case& c, uint32_t seed) {
   std::mt19937 rng(seed);
   const int64_t T = c.T, H = c.H, K = c.K, d = c.d;
-  Tensor q = random_f32({T, H, d}, rng), k = random_f32({T, K, d}, rng), v = random_f32({T, K, d}, rng);
+  Tensor q = random_normal({T, H, d}, rng), k = random_normal({T, K, d}, rng), v = random_normal({T, K, d}, rng);
   std::vector<int32_t> docs = packed_docs(T, rng, 90);
   if (c.interleaved) {
     std::uniform_int_distribution<int32_t> id(-1, 2);
@@ -97,7 +90,7 @@ void check_attention(const Case& c, uint32_t seed) {
 
   Tensor out = Tensor::empty({T, H, d}, DType::F32), lse = Tensor::empty({T, H}, DType::F32);
   ops::gated_attention(q, k, v, log_beta, doc, scale, out, lse);
-  Tensor dout = random_f32({T, H, d}, rng);
+  Tensor dout = random_normal({T, H, d}, rng);
   Tensor dq = Tensor::empty({T, H, d}, DType::F32), dk = Tensor::empty({T, K, d}, DType::F32),
          dv = Tensor::empty({T, K, d}, DType::F32), dlb = Tensor::empty({T, K}, DType::F32);
   ops::gated_attention_backward(q, k, v, log_beta, doc, scale, out, lse, dout, dq, dk, dv, dlb);
@@ -154,7 +147,7 @@ TEST(Spans, AttentionChunksEqualWholeSequence) {
 TEST(Spans, OneSpanIsTheWholeSequenceBitForBit) {
   std::mt19937 rng(4);
   const int64_t T = 150, H = 2, K = 1, d = 8;
-  Tensor q = random_f32({T, H, d}, rng), k = random_f32({T, K, d}, rng), v = random_f32({T, K, d}, rng);
+  Tensor q = random_normal({T, H, d}, rng), k = random_normal({T, K, d}, rng), v = random_normal({T, K, d}, rng);
   Tensor doc = Tensor::from_vector(packed_docs(T, rng, 60), {T});
   Tensor lb = Tensor::from_vector(random_log_betas(1, T, K, rng), {T, K});
   Tensor o1 = Tensor::empty({T, H, d}, DType::F32), l1 = Tensor::empty({T, H}, DType::F32);
