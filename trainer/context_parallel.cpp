@@ -149,6 +149,42 @@ Group check_group(const char* op, dist::Comm& group, const ContextLayout& layout
   return {group.rank(), group.size()};
 }
 
+// The attention rings' packets, double-buffered: a rank's keys, values, logβ and document ids,
+// its two chunks in local order (the ops take row ranges of them).
+class AttentionKeys {
+ public:
+  AttentionKeys(const ContextLayout& layout, int64_t K, int64_t d) : K_(K), d_(d) {
+    const int64_t Tm = layout.max_local_tokens();
+    fk_ = p_.add(DType::F32, K * d, Tm);
+    fv_ = p_.add(DType::F32, K * d, Tm);
+    fl_ = p_.add(DType::F32, K, Tm);
+    fd_ = p_.add(DType::I32, 1, Tm);
+    buf_ = {p_.buffer(), p_.buffer()};
+  }
+  // This rank's k, v [T_local, K, d], log_beta [T_local, K], doc [T_local] into the first buffer.
+  void pack(const Tensor& k, const Tensor& v, const Tensor& log_beta, const Tensor& doc) {
+    p_.view(buf_[0], fk_, k.shape()).copy_from(k);
+    p_.view(buf_[0], fv_, v.shape()).copy_from(v);
+    p_.view(buf_[0], fl_, log_beta.shape()).copy_from(log_beta);
+    p_.view(buf_[0], fd_, doc.shape()).copy_from(doc);
+  }
+  // Buffer `cur` to the next rank, the previous rank's into the other buffer.
+  std::unique_ptr<dist::Request> shift(dist::Comm& group, int cur) {
+    return group.ring_shift_bytes_async(buf_[cur].raw(), buf_[cur ^ 1].raw(), p_.bytes());
+  }
+  // Buffer cur's tensors, for a rank holding `tokens` tokens.
+  Tensor k(int cur, int64_t tokens) const { return p_.view(buf_[cur], fk_, {tokens, K_, d_}); }
+  Tensor v(int cur, int64_t tokens) const { return p_.view(buf_[cur], fv_, {tokens, K_, d_}); }
+  Tensor log_beta(int cur, int64_t tokens) const { return p_.view(buf_[cur], fl_, {tokens, K_}); }
+  Tensor doc(int cur, int64_t tokens) const { return p_.view(buf_[cur], fd_, {tokens}); }
+
+ private:
+  int64_t K_, d_;
+  Packet p_;
+  int fk_ = 0, fv_ = 0, fl_ = 0, fd_ = 0;
+  std::array<Tensor, 2> buf_;
+};
+
 // Gradient sums that travel a ring one step behind the keys they belong to. At step s a rank
 // adds its part for that step's keys into `mine()` (zeroed by begin_step) while, in the same
 // shift, it receives the sums its predecessors made for those keys and passes on the sums it
@@ -214,18 +250,13 @@ void ring_gated_attention(dist::Comm& group, const ContextLayout& layout, const 
   const char* op = "ring_gated_attention";
   const auto [r, N] = check_group(op, group, layout);
   if (fault::hangs_in_ring(r)) fault::hang_forever();  // tests only (kernels/base/fault.h)
-  const int64_t Tl = layout.local_tokens(r), Tm = layout.max_local_tokens();
-  for (const Tensor* t : std::initializer_list<const Tensor*>{&q, &k, &v, &log_beta, &doc, &out, &lse}) check_dim(op, *t, 0, Tl);
+  const int64_t Tl = layout.local_tokens(r);
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&q, &k, &v, &log_beta, &doc, &out, &lse})
+    check_dim(op, *t, 0, Tl);
   const int64_t H = q.dim(1), K = k.dim(1), d = k.dim(2);
 
-  Packet p;
-  const int fk = p.add(DType::F32, K * d, Tm), fv = p.add(DType::F32, K * d, Tm), fl = p.add(DType::F32, K, Tm),
-            fd = p.add(DType::I32, 1, Tm);
-  std::array<Tensor, 2> buf{p.buffer(), p.buffer()};
-  p.view(buf[0], fk, k.shape()).copy_from(k);
-  p.view(buf[0], fv, v.shape()).copy_from(v);
-  p.view(buf[0], fl, log_beta.shape()).copy_from(log_beta);
-  p.view(buf[0], fd, doc.shape()).copy_from(doc);
+  AttentionKeys keys(layout, K, d);
+  keys.pack(k, v, log_beta, doc);
 
   std::memset(out.raw(), 0, out.nbytes());
   std::fill(lse.data<float>(), lse.data<float>() + lse.numel(), kNegInf);
@@ -235,10 +266,9 @@ void ring_gated_attention(dist::Comm& group, const ContextLayout& layout, const 
   for (int step = 0; step < N; ++step) {
     const int src = (r - step + N) % N;
     std::unique_ptr<dist::Request> next;
-    if (step + 1 < N) next = group.ring_shift_bytes_async(buf[cur].raw(), buf[cur ^ 1].raw(), p.bytes());
+    if (step + 1 < N) next = keys.shift(group, cur);
     const int64_t Ts = layout.local_tokens(src);
-    const Tensor ks = p.view(buf[cur], fk, {Ts, K, d}), vs = p.view(buf[cur], fv, {Ts, K, d}),
-                 ls = p.view(buf[cur], fl, {Ts, K}), ds = p.view(buf[cur], fd, {Ts});
+    const Tensor ks = keys.k(cur, Ts), vs = keys.v(cur, Ts), ls = keys.log_beta(cur, Ts), ds = keys.doc(cur, Ts);
     const auto theirs = layout.spans(src);
     for (int qi = 0; qi < 2; ++qi)
       for (int ki = 0; ki < 2; ++ki) {
@@ -270,16 +300,10 @@ void ring_gated_attention_backward(dist::Comm& group, const ContextLayout& layou
     check_dim(op, *t, 0, Tl);
   const int64_t K = k.dim(1), d = k.dim(2);
 
-  // The keys: double-buffered packets, each step's next one sent ahead of the tiles.
-  Packet p;
-  const int fk = p.add(DType::F32, K * d, Tm), fv = p.add(DType::F32, K * d, Tm), fl = p.add(DType::F32, K, Tm),
-            fd = p.add(DType::I32, 1, Tm);
-  std::array<Tensor, 2> buf{p.buffer(), p.buffer()};
-  p.view(buf[0], fk, k.shape()).copy_from(k);
-  p.view(buf[0], fv, v.shape()).copy_from(v);
-  p.view(buf[0], fl, log_beta.shape()).copy_from(log_beta);
-  p.view(buf[0], fd, doc.shape()).copy_from(doc);
-  // Their gradient sums (dk, dv, dlogβ), in a ring one step behind the keys (LaggedSums).
+  // The keys, each step's next packet sent ahead of the tiles; their gradient sums (dk, dv,
+  // dlogβ) in a ring one step behind them (LaggedSums).
+  AttentionKeys keys(layout, K, d);
+  keys.pack(k, v, log_beta, doc);
   Packet g;
   const int gk = g.add(DType::F32, K * d, Tm), gv = g.add(DType::F32, K * d, Tm), gl = g.add(DType::F32, K, Tm);
   LaggedSums sums(group, g, DType::F32);
@@ -289,12 +313,11 @@ void ring_gated_attention_backward(dist::Comm& group, const ContextLayout& layou
   int cur = 0;
   for (int step = 0; step < N; ++step) {
     const int src = (r - step + N) % N;
-    std::unique_ptr<dist::Request> keys;
-    if (step + 1 < N) keys = group.ring_shift_bytes_async(buf[cur].raw(), buf[cur ^ 1].raw(), p.bytes());
+    std::unique_ptr<dist::Request> next;
+    if (step + 1 < N) next = keys.shift(group, cur);
     sums.begin_step(step);
     const int64_t Ts = layout.local_tokens(src);
-    const Tensor ks = p.view(buf[cur], fk, {Ts, K, d}), vs = p.view(buf[cur], fv, {Ts, K, d}),
-                 ls = p.view(buf[cur], fl, {Ts, K}), ds = p.view(buf[cur], fd, {Ts});
+    const Tensor ks = keys.k(cur, Ts), vs = keys.v(cur, Ts), ls = keys.log_beta(cur, Ts), ds = keys.doc(cur, Ts);
     Tensor dks = g.view(sums.mine(), gk, {Ts, K, d}), dvs = g.view(sums.mine(), gv, {Ts, K, d}),
            dls = g.view(sums.mine(), gl, {Ts, K});
     const auto theirs = layout.spans(src);
@@ -312,7 +335,7 @@ void ring_gated_attention_backward(dist::Comm& group, const ContextLayout& layou
                                            dv_rows, dl_rows);
       }
     sums.end_step(step);
-    if (keys) keys->wait();
+    if (next) next->wait();
     cur ^= 1;
   }
   const Tensor& home = sums.home();
