@@ -3,10 +3,10 @@
 // A ring step: every rank holds one rank's keys (a "packet": its two chunks' keys, values,
 // logβ and document ids in a flat buffer, sized for the largest rank so that every rank
 // shifts the same byte count), computes its query chunks against that rank's key chunks, and
-// passes the packet on to the next rank while receiving the previous rank's. The forward
-// starts the next shift before computing (the transfer overlaps the tiles); the backward's
-// packets also carry the keys' gradient sums, which can move only after the step has added
-// to them, so they shift after the compute, in a second transfer; after N steps they are home.
+// passes the packet on to the next rank while receiving the previous rank's. Each step starts
+// the next shift before computing, so the transfer overlaps the tiles. In the backward the keys'
+// gradient sums travel a second ring one step behind the keys (LaggedSums), so that their
+// transfers overlap the tiles too; one last shift after the N steps takes them home.
 #include "trainer/context_parallel.h"
 
 #include <algorithm>
