@@ -234,7 +234,6 @@ class LaggedSums {
     }
   }
 
- private:
   dist::Comm& group_;
   size_t bytes_;
   bool f64_;
