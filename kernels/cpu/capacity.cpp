@@ -151,6 +151,14 @@ struct Dims {
 };
 Dims dims(const Tensor& log_beta) { return {log_beta.dim(0), log_beta.dim(1), log_beta.dim(2)}; }
 
+// Counts a hinge value into the loss: Σℓ and #{ℓ > 0} (ℓ = 0 adds nothing).
+void add_positive(ops::CapacityLoss& loss, double ell) {
+  if (ell > 0) {
+    loss.sum += ell;
+    ++loss.positive;
+  }
+}
+
 // Local hinge of one (l, t, κ): ℓ = max(0, (S − M)/max(p − M, 1)); dℓ/dS = 1/max(p − M, 1) where ℓ > 0.
 double local_denominator(int32_t p, double M) { return std::max(static_cast<double>(p) - M, 1.0); }
 // Global hinge of one t: ℓ = max(0, (ΣS − M·N)/max(p·N − M·N, 1)).
@@ -187,12 +195,7 @@ ops::CapacityLoss capacity_loss(const Tensor& log_beta, const Tensor& doc, const
   const int32_t* pos = positions.data<int32_t>();
   const double M = memory;
   ops::CapacityLoss loss;
-  auto add = [&](double ell) {
-    if (ell > 0) {
-      loss.sum += ell;
-      ++loss.positive;
-    }
-  };
+  auto add = [&](double ell) { add_positive(loss, ell); };
   if (mode == ops::CapacityMode::local) {
     std::vector<double> S(static_cast<size_t>(T * K));
     for (int64_t l = 0; l < L; ++l) {
@@ -272,12 +275,7 @@ ops::CapacityLoss capacity_hinge(const Tensor& S, const Tensor& doc, const Tenso
   double* gp = g ? g->data<double>() : nullptr;
   if (gp) std::fill(gp, gp + L * T * K, 0.0);
   ops::CapacityLoss loss;
-  auto add = [&](double ell) {
-    if (ell > 0) {
-      loss.sum += ell;
-      ++loss.positive;
-    }
-  };
+  auto add = [&](double ell) { add_positive(loss, ell); };
   if (mode == ops::CapacityMode::local) {
     for (int64_t l = 0; l < L; ++l)
       for (int64_t t = 0; t < T; ++t) {
