@@ -140,6 +140,16 @@ int64_t local_offset(const std::array<TokenSpan, 2>& s, int i) { return i == 0 ?
 // The key chunk lies wholly after the query chunk: no allowed pair (causal).
 bool after(const TokenSpan& keys, const TokenSpan& queries) { return keys.start >= queries.end(); }
 
+// f(qi, ki, q0, k0) for every pair of this rank's query chunk qi and a source rank's key chunk
+// ki that can hold an allowed pair (the keys not wholly after the queries); q0 and k0 are the
+// chunks' first rows in their ranks' local order.
+template <typename F>
+void for_each_pair(const std::array<TokenSpan, 2>& mine, const std::array<TokenSpan, 2>& theirs, F f) {
+  for (int qi = 0; qi < 2; ++qi)
+    for (int ki = 0; ki < 2; ++ki)
+      if (!after(theirs[ki], mine[qi])) f(qi, ki, local_offset(mine, qi), local_offset(theirs, ki));
+}
+
 struct Group {
   int rank, ranks;
 };
@@ -269,19 +279,16 @@ void ring_gated_attention(dist::Comm& group, const ContextLayout& layout, const 
     const int64_t Ts = layout.local_tokens(src);
     const Tensor ks = keys.k(cur, Ts), vs = keys.v(cur, Ts), ls = keys.log_beta(cur, Ts), ds = keys.doc(cur, Ts);
     const auto theirs = layout.spans(src);
-    for (int qi = 0; qi < 2; ++qi)
-      for (int ki = 0; ki < 2; ++ki) {
-        const TokenSpan &qs = mine[qi], &kspan = theirs[ki];
-        if (after(kspan, qs)) continue;
-        const int64_t q0 = local_offset(mine, qi), k0 = local_offset(theirs, ki);
-        Tensor po = part_out.rows(0, qs.length), pl = part_lse.rows(0, qs.length);
-        ops::gated_attention_span(q.rows(q0, q0 + qs.length), doc.rows(q0, q0 + qs.length), qs.start,
-                                  ks.rows(k0, k0 + kspan.length), vs.rows(k0, k0 + kspan.length),
-                                  ls.rows(k0, k0 + kspan.length), ds.rows(k0, k0 + kspan.length), kspan.start, scale,
-                                  po, pl);
-        Tensor o = out.rows(q0, q0 + qs.length), l = lse.rows(q0, q0 + qs.length);
-        ops::merge_attention(o, l, po, pl);
-      }
+    for_each_pair(mine, theirs, [&](int qi, int ki, int64_t q0, int64_t k0) {
+      const TokenSpan &qs = mine[qi], &kspan = theirs[ki];
+      Tensor po = part_out.rows(0, qs.length), pl = part_lse.rows(0, qs.length);
+      ops::gated_attention_span(q.rows(q0, q0 + qs.length), doc.rows(q0, q0 + qs.length), qs.start,
+                                ks.rows(k0, k0 + kspan.length), vs.rows(k0, k0 + kspan.length),
+                                ls.rows(k0, k0 + kspan.length), ds.rows(k0, k0 + kspan.length), kspan.start, scale,
+                                po, pl);
+      Tensor o = out.rows(q0, q0 + qs.length), l = lse.rows(q0, q0 + qs.length);
+      ops::merge_attention(o, l, po, pl);
+    });
     if (next) next->wait();
     cur ^= 1;
   }
@@ -320,19 +327,15 @@ void ring_gated_attention_backward(dist::Comm& group, const ContextLayout& layou
     Tensor dks = g.view(sums.mine(), gk, {Ts, K, d}), dvs = g.view(sums.mine(), gv, {Ts, K, d}),
            dls = g.view(sums.mine(), gl, {Ts, K});
     const auto theirs = layout.spans(src);
-    for (int qi = 0; qi < 2; ++qi)
-      for (int ki = 0; ki < 2; ++ki) {
-        const TokenSpan &qs = mine[qi], &kspan = theirs[ki];
-        if (after(kspan, qs)) continue;
-        const int64_t q0 = local_offset(mine, qi), q1 = q0 + qs.length;
-        const int64_t k0 = local_offset(theirs, ki), k1 = k0 + kspan.length;
-        Tensor dq_rows = dq.rows(q0, q1), dk_rows = dks.rows(k0, k1), dv_rows = dvs.rows(k0, k1),
-               dl_rows = dls.rows(k0, k1);
-        ops::gated_attention_span_backward(q.rows(q0, q1), doc.rows(q0, q1), qs.start, ks.rows(k0, k1),
-                                           vs.rows(k0, k1), ls.rows(k0, k1), ds.rows(k0, k1), kspan.start, scale,
-                                           out.rows(q0, q1), lse.rows(q0, q1), dout.rows(q0, q1), dq_rows, dk_rows,
-                                           dv_rows, dl_rows);
-      }
+    for_each_pair(mine, theirs, [&](int qi, int ki, int64_t q0, int64_t k0) {
+      const int64_t q1 = q0 + mine[qi].length, k1 = k0 + theirs[ki].length;
+      Tensor dq_rows = dq.rows(q0, q1), dk_rows = dks.rows(k0, k1), dv_rows = dvs.rows(k0, k1),
+             dl_rows = dls.rows(k0, k1);
+      ops::gated_attention_span_backward(q.rows(q0, q1), doc.rows(q0, q1), mine[qi].start, ks.rows(k0, k1),
+                                         vs.rows(k0, k1), ls.rows(k0, k1), ds.rows(k0, k1), theirs[ki].start, scale,
+                                         out.rows(q0, q1), lse.rows(q0, q1), dout.rows(q0, q1), dq_rows, dk_rows,
+                                         dv_rows, dl_rows);
+    });
     sums.end_step(step);
     if (next) next->wait();
     cur ^= 1;
@@ -354,6 +357,18 @@ std::array<Tensor, 2> split_chunks(const Tensor& x, const std::array<TokenSpan, 
     copy_range(x, local_offset(s, i), out[i], 0, s[i].length, 1);
   }
   return out;
+}
+
+// The inverse, from F64 sums: out F32 [L, T_local, K] = scale · the two chunks' [L, len, K], rounded.
+void join_chunks(const std::array<Tensor, 2>& parts, const std::array<TokenSpan, 2>& s, double scale, Tensor& out) {
+  const int64_t L = out.dim(0), Tl = out.dim(1), K = out.dim(2);
+  float* o = out.data<float>();
+  for (int i = 0; i < 2; ++i) {
+    const double* p = parts[i].data<double>();
+    const int64_t len = s[i].length, off = local_offset(s, i);
+    for (int64_t l = 0; l < L; ++l)
+      for (int64_t x = 0; x < len * K; ++x) o[(l * Tl + off) * K + x] = static_cast<float>(scale * p[l * len * K + x]);
+  }
 }
 
 // The capacity rings' packets, double-buffered: a rank's logβ as its two chunks, each
@@ -407,13 +422,10 @@ std::array<Tensor, 2> chunk_capacity_sums(dist::Comm& group, const ContextLayout
     if (step + 1 < N) next = keys.shift(group, cur);
     const auto theirs = layout.spans(src);
     const Tensor ds = keys.doc(cur, layout.local_tokens(src));
-    for (int qi = 0; qi < 2; ++qi)
-      for (int ki = 0; ki < 2; ++ki) {
-        if (after(theirs[ki], mine[qi])) continue;
-        const int64_t q0 = local_offset(mine, qi), k0 = local_offset(theirs, ki);
-        ops::capacity_sums_span(keys.chunk(cur, theirs, ki), ds.rows(k0, k0 + theirs[ki].length), theirs[ki].start,
-                                doc.rows(q0, q0 + mine[qi].length), mine[qi].start, S[qi], E);
-      }
+    for_each_pair(mine, theirs, [&](int qi, int ki, int64_t q0, int64_t k0) {
+      ops::capacity_sums_span(keys.chunk(cur, theirs, ki), ds.rows(k0, k0 + theirs[ki].length), theirs[ki].start,
+                              doc.rows(q0, q0 + mine[qi].length), mine[qi].start, S[qi], E);
+    });
     if (next) next->wait();
     cur ^= 1;
   }
@@ -438,17 +450,8 @@ Tensor ring_capacity_sums(dist::Comm& group, const ContextLayout& layout, const 
   const char* op = "ring_capacity_sums";
   const auto [r, N] = check_group(op, group, layout);
   check_capacity(op, layout, r, log_beta, doc, doc);
-  const auto S = chunk_capacity_sums(group, layout, r, N, log_beta, doc, E);
-  const auto mine = layout.spans(r);
-  const int64_t L = log_beta.dim(0), K = log_beta.dim(2), Tl = layout.local_tokens(r);
-  Tensor out = Tensor::empty({L, Tl, K}, DType::F32);
-  float* o = out.data<float>();
-  for (int i = 0; i < 2; ++i) {
-    const double* s = S[i].data<double>();
-    const int64_t len = mine[i].length, off = local_offset(mine, i);
-    for (int64_t l = 0; l < L; ++l)
-      for (int64_t x = 0; x < len * K; ++x) o[(l * Tl + off) * K + x] = static_cast<float>(s[l * len * K + x]);
-  }
+  Tensor out = Tensor::empty({log_beta.dim(0), layout.local_tokens(r), log_beta.dim(2)}, DType::F32);
+  join_chunks(chunk_capacity_sums(group, layout, r, N, log_beta, doc, E), layout.spans(r), 1.0, out);
   return out;
 }
 
@@ -507,30 +510,17 @@ void ring_capacity_loss_backward(dist::Comm& group, const ContextLayout& layout,
     const auto theirs = layout.spans(src);
     const Tensor ds = keys.doc(cur, layout.local_tokens(src));
     Tensor gk[2] = {sum_chunk(sums.mine(), theirs, 0), sum_chunk(sums.mine(), theirs, 1)};
-    for (int qi = 0; qi < 2; ++qi)
-      for (int ki = 0; ki < 2; ++ki) {
-        if (after(theirs[ki], mine[qi])) continue;
-        const int64_t q0 = local_offset(mine, qi), k0 = local_offset(theirs, ki);
-        ops::capacity_grad_span(keys.chunk(cur, theirs, ki), ds.rows(k0, k0 + theirs[ki].length), theirs[ki].start,
-                                doc.rows(q0, q0 + mine[qi].length), mine[qi].start, g[qi], gk[ki], E);
-      }
+    for_each_pair(mine, theirs, [&](int qi, int ki, int64_t q0, int64_t k0) {
+      ops::capacity_grad_span(keys.chunk(cur, theirs, ki), ds.rows(k0, k0 + theirs[ki].length), theirs[ki].start,
+                              doc.rows(q0, q0 + mine[qi].length), mine[qi].start, g[qi], gk[ki], E);
+    });
     sums.end_step(step);
     if (next) next->wait();
     cur ^= 1;
   }
   // Home: this rank's own keys' sums, chunk by chunk, scaled and rounded into dlog_beta.
   const Tensor& all = sums.home();
-  const Tensor home[2] = {sum_chunk(all, mine, 0), sum_chunk(all, mine, 1)};
-  float* out = dlog_beta.data<float>();
-  const int64_t Tl = layout.local_tokens(r);
-  for (int i = 0; i < 2; ++i) {
-    const double* h = home[i].data<double>();
-    const int64_t len = mine[i].length, off = local_offset(mine, i);
-    for (int64_t l = 0; l < L; ++l)
-      for (int64_t t = 0; t < len; ++t)
-        for (int64_t k = 0; k < K; ++k)
-          out[(l * Tl + off + t) * K + k] = static_cast<float>(scale * h[(l * len + t) * K + k]);
-  }
+  join_chunks({sum_chunk(all, mine, 0), sum_chunk(all, mine, 1)}, mine, scale, dlog_beta);
 }
 
 }  // namespace retain::trainer
