@@ -208,6 +208,42 @@ Tensor future_attention_target(const Tensor& q, const Tensor& k, const Tensor& l
   return cpu::kvpop::future_attention_target(q, k, lse, dp, w, scale);
 }
 
+std::pair<Tensor, Tensor> future_attention_start(int64_t T_k, int64_t H) {
+  if (T_k < 0 || H < 1) fail("kvpop::future_attention_start: {} keys, {} heads", T_k, H);
+  return cpu::kvpop::future_attention_start(T_k, H);
+}
+
+void future_attention_sums(const Tensor& q, const Tensor& lse, const Tensor& q_doc, int64_t q_start, const Tensor& k,
+                           const Tensor& k_doc, int64_t k_start, int64_t w, float scale, Tensor& mx, Tensor& sum) {
+  const char* op = "kvpop::future_attention_sums";
+  if (q.ndim() != 3 || k.ndim() != 3 || q.dtype() != DType::F32 || k.dtype() != DType::F32)
+    fail("{}: q must be F32 [T_q, H, hd] and k F32 [T_k, K, hd], got {} {} and {} {}", op, dtype_name(q.dtype()),
+         shape_str(q.shape()), dtype_name(k.dtype()), shape_str(k.shape()));
+  const int64_t Tq = q.dim(0), H = q.dim(1), hd = q.dim(2), Tk = k.dim(0), K = k.dim(1);
+  if (K < 1 || H % K != 0) fail("{}: {} query heads are not a multiple of {} KV heads", op, H, K);
+  expect(op, "k", k, {Tk, K, hd});
+  expect(op, "lse", lse, {Tq, H});
+  expect(op, "mx", mx, {Tk, H}, DType::F64);
+  expect(op, "sum", sum, {Tk, H}, DType::F64);
+  if (q_start < 0 || k_start < 0) fail("{}: spans start at tokens {} (queries) and {} (keys)", op, q_start, k_start);
+  ops::require_cpu(op, {&q, &lse, &q_doc, &k, &k_doc, &mx, &sum});
+  check_window(op, w);
+  const int32_t* qd = check_doc(op, q_doc, Tq);
+  const int32_t* kd = check_doc(op, k_doc, Tk);
+  if (Tq == 0 || Tk == 0) return;
+  cpu::kvpop::future_attention_sums(q, lse, qd, q_start, k, kd, k_start, w, scale, mx, sum);
+}
+
+Tensor future_attention_finish(const Tensor& mx, const Tensor& sum, int64_t K) {
+  const char* op = "kvpop::future_attention_finish";
+  if (mx.ndim() != 2 || K < 1 || mx.dim(1) % K != 0)
+    fail("{}: mx must be F64 [T_k, H] with H a multiple of {} KV heads, got {}", op, K, shape_str(mx.shape()));
+  expect(op, "mx", mx, mx.shape(), DType::F64);
+  expect(op, "sum", sum, mx.shape(), DType::F64);
+  ops::require_cpu(op, {&mx, &sum});
+  return cpu::kvpop::future_attention_finish(mx, sum, K);
+}
+
 std::vector<Decision> select_decisions(const Tensor& log_m, const Tensor& doc, int64_t w, int64_t sinks,
                                        int64_t k, const TargetRule& rule) {
   const char* op = "kvpop::select_decisions";

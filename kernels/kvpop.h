@@ -14,6 +14,7 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/tensor.h"
@@ -67,6 +68,20 @@ Projected mlstm_scores_backward(const Projected& P, const Tensor& doc, int64_t w
 // 64-key tiles with an online log-sum-exp per (key, head): O(T·H) memory, no T×T buffer.
 Tensor future_attention_target(const Tensor& q, const Tensor& k, const Tensor& lse, const Tensor& doc,
                                int64_t w, float scale);
+
+// The same target split by token spans (context parallelism, trainer/context_parallel.h: the
+// keys stay, the queries travel). The running log-sum-exp of every (key, query head), mx and
+// sum F64 [T_k, H], starts at future_attention_start (−inf, 0); future_attention_sums adds the
+// queries q F32 [T_q, H, hd], lse F32 [T_q, H], document ids q_doc I32 [T_q] at global tokens
+// [q_start, q_start + T_q) to the keys k F32 [T_k, K, hd], k_doc I32 [T_k] at [k_start, …)
+// (the pairs d ≥ t + w of one document, in increasing d); future_attention_finish gives log_m
+// F32 [K, T_k]. One span of each over the whole sequence is future_attention_target, bit for
+// bit (it is that code). Each span's documents must be contiguous runs, as in the whole
+// sequence. CPU only: a CUDA tensor is a retain::Error.
+std::pair<Tensor, Tensor> future_attention_start(int64_t T_k, int64_t H);
+void future_attention_sums(const Tensor& q, const Tensor& lse, const Tensor& q_doc, int64_t q_start, const Tensor& k,
+                           const Tensor& k_doc, int64_t k_start, int64_t w, float scale, Tensor& mx, Tensor& sum);
+Tensor future_attention_finish(const Tensor& mx, const Tensor& sum, int64_t K);
 
 // The decay of the effective score (DESIGN §5; KVPOP paper §2 and Table 2):
 //   log γ(θ) = log γ_min + (log γ_max − log γ_min)·σ(θ),   ŝ_i(q) = score_i + ⌊(q − i)/every⌋·log γ.

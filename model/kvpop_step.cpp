@@ -36,7 +36,7 @@ Projected projected_to(const Projected& P, Device dev) {
 }  // namespace
 
 TeacherPass teacher_pass(WeightProvider& weights, const Tensor& ids, const Tensor& doc, const StepSettings& s,
-                         const std::vector<std::vector<double>>* target_log_gamma) {
+                         const std::vector<std::vector<double>>* target_log_gamma, const SequencePart* part) {
   const Qwen3Config& c = weights.config();
   RETAIN_CHECK(s.topk >= 1 && s.window >= 1 && s.sinks >= 0, "kvpop::teacher_pass: window {} sinks {} topk {}",
                s.window, s.sinks, s.topk);
@@ -52,14 +52,15 @@ TeacherPass teacher_pass(WeightProvider& weights, const Tensor& ids, const Tenso
   const Tensor& doc_d = pass.doc_on_device;
   Tensor x = Tensor::empty({T, c.hidden_size}, DType::F32, dev);
   ops::embedding(weights.embedding(), ids.on(dev), x);
-  const Tensor positions = positions_of(doc_d);
+  const Tensor positions = part ? part->positions() : positions_of(doc_d);
   const RopeParams rope = compute_rope_params(c, dev);
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
     DecoderLayerSaved saved;
-    qwen3_decoder_layer(c, weights.layer(l), rope, positions, doc_d, nullptr, l, x, nullptr, &saved);
+    qwen3_decoder_layer(c, weights.layer(l), rope, positions, doc_d, nullptr, l, x, nullptr, &saved, part);
     // The dense LSE per query head. CUDA's teacher attention is the gated kernel with logβ ≡ 0
-    // and keeps it; the CPU's plain attention does not, so there it is the attention again.
+    // and keeps it, as does a part's; the CPU's plain attention does not, so there it is the
+    // attention again.
     Tensor lse = saved.lse;
     if (lse.numel() == 0) {
       Tensor out = Tensor::empty({T, H, hd}, saved.q.dtype(), dev);
@@ -67,8 +68,10 @@ TeacherPass teacher_pass(WeightProvider& weights, const Tensor& ids, const Tenso
       ops::gated_attention(saved.q, saved.k, saved.v, Tensor::zeros({T, K}, DType::F32, dev), doc_d, scale, out,
                            lse);
     }
-    const Tensor log_m = f32(future_attention_target(f32(saved.q), f32(saved.k), lse, doc_d, s.window, scale))
-                             .on(Device::CPU);
+    const Tensor log_m =
+        f32(part ? part->future_attention_target(f32(saved.q), f32(saved.k), lse, doc_d, s.window, scale)
+                 : future_attention_target(f32(saved.q), f32(saved.k), lse, doc_d, s.window, scale))
+            .on(Device::CPU);
     const Tensor k_host = f32(saved.k).on(Device::CPU), v_host = f32(saved.v).on(Device::CPU);
     pass.log_m.push_back(log_m);
     pass.x.emplace_back();
@@ -81,16 +84,29 @@ TeacherPass teacher_pass(WeightProvider& weights, const Tensor& ids, const Tenso
           xk.data<float>()[t * 2 * hd + hd + e] = v_host.data<float>()[(t * K + kv) * hd + e];
         }
       pass.x.back().push_back(xk);
-      TargetRule rule;
-      if (s.effective_cutoff)
-        rule = {true, target_log_gamma->at(static_cast<size_t>(l)).at(static_cast<size_t>(kv)), s.decay.every};
-      pass.decisions.back().push_back(
-          select_decisions(log_m.rows(kv, kv + 1).reshape({T}), pass.doc, s.window, s.sinks, s.topk, rule));
-      for (const Decision& dc : pass.decisions.back().back()) pass.margin_sum += dc.margin;
-      pass.num_decisions += static_cast<int64_t>(pass.decisions.back().back().size());
     }
   }
+  if (!part) add_decisions(pass, s, target_log_gamma);
   return pass;
+}
+
+void add_decisions(TeacherPass& pass, const StepSettings& s, const std::vector<std::vector<double>>* target_log_gamma) {
+  RETAIN_CHECK(!s.effective_cutoff || target_log_gamma, "kvpop::add_decisions: effective targets need log γ");
+  const int64_t T = pass.doc.numel();
+  pass.decisions.resize(pass.x.size());
+  for (size_t l = 0; l < pass.x.size(); ++l) {
+    pass.decisions[l].resize(pass.x[l].size());
+    for (size_t kv = 0; kv < pass.x[l].size(); ++kv) {
+      if (pass.x[l][kv].numel() == 0) continue;
+      TargetRule rule;
+      if (s.effective_cutoff) rule = {true, target_log_gamma->at(l).at(kv), s.decay.every};
+      const auto k = static_cast<int64_t>(kv);
+      std::vector<Decision>& ds = pass.decisions[l][kv];
+      ds = select_decisions(pass.log_m[l].rows(k, k + 1).reshape({T}), pass.doc, s.window, s.sinks, s.topk, rule);
+      for (const Decision& dc : ds) pass.margin_sum += dc.margin;
+      pass.num_decisions += static_cast<int64_t>(ds.size());
+    }
+  }
 }
 
 double scorer_step(const TeacherPass& pass, const std::vector<std::vector<HeadParams>>& params, const StepSettings& s,
@@ -105,6 +121,7 @@ double scorer_step(const TeacherPass& pass, const std::vector<std::vector<HeadPa
                  l, params[l].size(), pass.x[l].size());
     grads[l].resize(params[l].size());
     for (size_t kv = 0; kv < params[l].size(); ++kv) {
+      if (pass.x[l][kv].numel() == 0) continue;  // another rank's head (context parallelism)
       const HeadParams& p = params[l][kv];
       const std::vector<Decision>& ds = pass.decisions[l][kv];
       const Projected P = project(pass.x[l][kv], p);

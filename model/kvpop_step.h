@@ -11,6 +11,7 @@
 
 #include "kernels/kvpop.h"
 #include "kernels/tensor.h"
+#include "model/sequence_part.h"
 #include "model/weights.h"
 
 namespace retain::kvpop {
@@ -46,10 +47,20 @@ struct TeacherPass {
 // future_attention_target, the decisions.
 // With s.effective_cutoff, target_log_gamma[l][κ] is the log γ the targets decay with (the
 // scorers' current one; required then).
+// With `part` (context parallelism), ids and doc are this rank's part of a longer sequence: the
+// attention and the target reach the other parts through it, and the pass holds this rank's
+// tokens' x and log m but no decisions (they rank each document's keys over the whole sequence:
+// the caller gathers a head's rows, then add_decisions).
 TeacherPass teacher_pass(WeightProvider& weights, const Tensor& ids, const Tensor& doc, const StepSettings& s,
-                         const std::vector<std::vector<double>>* target_log_gamma = nullptr);
+                         const std::vector<std::vector<double>>* target_log_gamma = nullptr,
+                         const SequencePart* part = nullptr);
 
-// Scorer forward and backward on one sequence: returns grad_scale·Σℓ (with grad_scale =
+// The decisions of every head whose x is set (a head with an empty x is another rank's under
+// context parallelism), from pass.log_m and pass.doc: adds to pass.decisions, num_decisions and
+// margin_sum. teacher_pass without a part calls it.
+void add_decisions(TeacherPass& pass, const StepSettings& s, const std::vector<std::vector<double>>* target_log_gamma);
+
+// Scorer forward and backward on one sequence (the heads whose x is set; the others are skipped): returns grad_scale·Σℓ (with grad_scale =
 // 1 / global decisions this sequence's share of L_kvpop) and ADDS grad_scale·∂(Σℓ)/∂params
 // into grads (same [L][K] layout as params). A field that is empty is allocated; one that
 // already has the head's shape (e.g. a view rows(κ, κ + 1).reshape(...) of a stacked [K, …]

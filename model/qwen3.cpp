@@ -51,7 +51,7 @@ Tensor layer_attention(Tensor& q3, Tensor& k3, Tensor& v3, const Tensor* log_bet
       } catch (const Error& e) {  // a NaN logβ: say which layer's gate produced it
         fail("layer {}: {}", layer, e.what());
       }
-      if (!log_beta) lse = Tensor();  // (the teacher keeps no lse)
+      if (!log_beta && !saved) lse = Tensor();  // (a teacher keeps none, unless saved: KVPOP's targets read it)
     } else {
       ops::attention(q3, k3, v3, doc, scale, attn);
     }

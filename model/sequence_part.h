@@ -1,10 +1,13 @@
 // A rank's part of a longer sequence (context parallelism, issue 39). The model knows nothing
 // of ranks (DESIGN §2): it runs on the tokens it is given, and when those are only part of the
-// sequence it asks a SequencePart for the two things that reach beyond them — the tokens'
-// document positions in the whole sequence (RoPE), and attention over the keys of every part.
+// sequence it asks a SequencePart for what reaches beyond them — the tokens' document
+// positions in the whole sequence (RoPE), attention over the keys of every part, and KVPOP's
+// future-attention target over the queries of every part.
 // One rank holding the whole sequence passes none. The trainer's implementation passes keys
 // around its context-parallel group (trainer/context_parallel.h).
 #pragma once
+#include <cstdint>
+
 #include "kernels/tensor.h"
 
 namespace retain {
@@ -26,6 +29,11 @@ class SequencePart {
                                         const Tensor& doc, float scale, const Tensor& out, const Tensor& lse,
                                         const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv,
                                         Tensor& dlog_beta) const = 0;
+
+  // kernels/kvpop.h's future_attention_target for this rank's keys over the queries of every
+  // part (each with its lse): log_m F32 [K, T_local]. Collective, like the attention.
+  virtual Tensor future_attention_target(const Tensor& q, const Tensor& k, const Tensor& lse, const Tensor& doc,
+                                         int64_t w, float scale) const = 0;
 
  protected:
   SequencePart() = default;

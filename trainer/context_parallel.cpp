@@ -20,6 +20,7 @@
 
 #include "kernels/base/error.h"
 #include "kernels/base/fault.h"
+#include "kernels/kvpop.h"
 #include "kernels/retention_spans.h"
 
 namespace retain::trainer {
@@ -521,6 +522,128 @@ void ring_capacity_loss_backward(dist::Comm& group, const ContextLayout& layout,
   // Home: this rank's own keys' sums, chunk by chunk, scaled and rounded into dlog_beta.
   const Tensor& all = sums.home();
   join_chunks({sum_chunk(all, mine, 0), sum_chunk(all, mine, 1)}, mine, scale, dlog_beta);
+}
+
+namespace {
+
+// The target ring's packets, double-buffered: a rank's queries, their lse and document ids.
+class TargetQueries {
+ public:
+  TargetQueries(const ContextLayout& layout, int64_t H, int64_t d) : H_(H), d_(d) {
+    const int64_t Tm = layout.max_local_tokens();
+    fq_ = p_.add(DType::F32, H * d, Tm);
+    fl_ = p_.add(DType::F32, H, Tm);
+    fd_ = p_.add(DType::I32, 1, Tm);
+    buf_ = {p_.buffer(), p_.buffer()};
+  }
+  void pack(const Tensor& q, const Tensor& lse, const Tensor& doc) {
+    p_.view(buf_[0], fq_, q.shape()).copy_from(q);
+    p_.view(buf_[0], fl_, lse.shape()).copy_from(lse);
+    p_.view(buf_[0], fd_, doc.shape()).copy_from(doc);
+  }
+  std::unique_ptr<dist::Request> shift(dist::Comm& group, int cur) {
+    return group.ring_shift_bytes_async(buf_[cur].raw(), buf_[cur ^ 1].raw(), p_.bytes());
+  }
+  Tensor q(int cur, int64_t tokens) const { return p_.view(buf_[cur], fq_, {tokens, H_, d_}); }
+  Tensor lse(int cur, int64_t tokens) const { return p_.view(buf_[cur], fl_, {tokens, H_}); }
+  Tensor doc(int cur, int64_t tokens) const { return p_.view(buf_[cur], fd_, {tokens}); }
+
+ private:
+  int64_t H_, d_;
+  Packet p_;
+  int fq_ = 0, fl_ = 0, fd_ = 0;
+  std::array<Tensor, 2> buf_;
+};
+
+}  // namespace
+
+Tensor ring_future_attention_target(dist::Comm& group, const ContextLayout& layout, const Tensor& q, const Tensor& k,
+                                    const Tensor& lse, const Tensor& doc, int64_t w, float scale) {
+  const char* op = "ring_future_attention_target";
+  const auto [r, N] = check_group(op, group, layout);
+  const int64_t Tl = layout.local_tokens(r);
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&q, &k, &lse, &doc}) check_dim(op, *t, 0, Tl);
+  if (q.ndim() != 3 || k.ndim() != 3)
+    fail("{}: q must be [T_local, H, d] and k [T_local, K, d], got {} and {}", op, shape_str(q.shape()),
+         shape_str(k.shape()));
+  const int64_t H = q.dim(1), d = q.dim(2), K = k.dim(1);
+
+  TargetQueries queries(layout, H, d);
+  queries.pack(q, lse, doc);
+  const auto mine = layout.spans(r);
+  // Each key chunk's running log-sum-exp (the span op wants consecutive keys).
+  std::array<std::pair<Tensor, Tensor>, 2> acc{kvpop::future_attention_start(mine[0].length, H),
+                                               kvpop::future_attention_start(mine[1].length, H)};
+  int cur = 0;
+  for (int step = 0; step < N; ++step) {
+    const int src = (r - step + N) % N;
+    std::unique_ptr<dist::Request> next;
+    if (step + 1 < N) next = queries.shift(group, cur);
+    const int64_t Ts = layout.local_tokens(src);
+    const Tensor qs = queries.q(cur, Ts), ls = queries.lse(cur, Ts), ds = queries.doc(cur, Ts);
+    const auto theirs = layout.spans(src);
+    // Pairs of their query chunk and this rank's key chunk, keys not wholly after the queries.
+    for_each_pair(theirs, mine, [&](int qi, int ki, int64_t q0, int64_t k0) {
+      const int64_t q1 = q0 + theirs[qi].length, k1 = k0 + mine[ki].length;
+      kvpop::future_attention_sums(qs.rows(q0, q1), ls.rows(q0, q1), ds.rows(q0, q1), theirs[qi].start,
+                                   k.rows(k0, k1), doc.rows(k0, k1), mine[ki].start, w, scale, acc[ki].first,
+                                   acc[ki].second);
+    });
+    if (next) next->wait();
+    cur ^= 1;
+  }
+  Tensor log_m = Tensor::empty({K, Tl}, DType::F32);
+  for (int i = 0; i < 2; ++i) copy_range(kvpop::future_attention_finish(acc[i].first, acc[i].second, K), 0, log_m,
+                                         local_offset(mine, i), mine[i].length, 1);
+  return log_m;
+}
+
+std::vector<Tensor> gather_to_owners(dist::Comm& group, const ContextLayout& layout, const std::vector<Tensor>& local,
+                                     const std::vector<int>& owner) {
+  const char* op = "gather_to_owners";
+  const auto [r, N] = check_group(op, group, layout);
+  if (owner.size() != local.size()) fail("{}: {} items but {} owners", op, local.size(), owner.size());
+  const int64_t Tl = layout.local_tokens(r), Tm = layout.max_local_tokens(), T = layout.tokens();
+  // Per destination rank: the floats of its items for a rank of Tm tokens (the shift's size).
+  std::vector<int64_t> per_token(static_cast<size_t>(N), 0);
+  for (size_t i = 0; i < local.size(); ++i) {
+    if (owner[i] < 0 || owner[i] >= N) fail("{}: item {} has owner {}, not a rank of [0, {})", op, i, owner[i], N);
+    const Tensor& t = local[i];
+    check_dim(op, t, 0, Tl);
+    if (t.ndim() != 2 || t.dtype() != DType::F32)
+      fail("{}: item {} must be F32 [T_local, C], got {} {}", op, i, dtype_name(t.dtype()), shape_str(t.shape()));
+    per_token[static_cast<size_t>(owner[i])] += t.dim(1);
+  }
+  const int64_t widest = *std::max_element(per_token.begin(), per_token.end());
+  std::vector<Tensor> out(local.size());
+  for (size_t i = 0; i < local.size(); ++i)
+    if (owner[i] == r) out[i] = Tensor::empty({T, local[i].dim(1)}, DType::F32);
+  if (widest == 0) return out;
+  Tensor send = Tensor::empty({Tm * widest}, DType::F32), recv = Tensor::empty({Tm * widest}, DType::F32);
+  for (int s = 0; s < N; ++s) {
+    // Distance s: this rank's rows of rank (r + s)'s items out, rank (r − s)'s rows of its own in.
+    const int dst = (r + s) % N, src = (r - s + N) % N;
+    int64_t at = 0;
+    for (size_t i = 0; i < local.size(); ++i)
+      if (owner[i] == dst) {
+        const int64_t n = local[i].numel();
+        std::memcpy(send.data<float>() + at, local[i].data<float>(), static_cast<size_t>(n) * sizeof(float));
+        at += n;
+      }
+    if (s == 0)
+      std::swap(send, recv);
+    else
+      group.ring_shift_bytes_async(send.raw(), recv.raw(), send.nbytes(), s)->wait();
+    const int64_t Ts = layout.local_tokens(src);
+    at = 0;
+    for (size_t i = 0; i < local.size(); ++i)
+      if (owner[i] == r) {
+        const int64_t C = local[i].dim(1);
+        layout.put_local(recv.view_bytes(static_cast<size_t>(at) * sizeof(float), {Ts, C}, DType::F32), src, out[i]);
+        at += Ts * C;
+      }
+  }
+  return out;
 }
 
 }  // namespace retain::trainer

@@ -18,6 +18,7 @@
 #include <array>
 #include <cstdint>
 #include <utility>
+#include <vector>
 
 #include "kernels/dist/comm.h"
 #include "kernels/retention.h"
@@ -88,6 +89,24 @@ void ring_capacity_loss_backward(dist::Comm& group, const ContextLayout& layout,
 Tensor ring_capacity_sums(dist::Comm& group, const ContextLayout& layout, const Tensor& log_beta, const Tensor& doc,
                           double skip_exponent = ops::kExactSkipExponent);
 
+// KVPOP's future-attention target of this rank's keys (kernels/kvpop.h future_attention_target,
+// split): q F32 [T_local, H, d], k [T_local, K, d], lse [T_local, H] (the teacher attention's),
+// doc I32 [T_local]. The transposed pass: the keys stay, each rank's queries, lse and document
+// ids travel the ring, and every key keeps its running log-sum-exp (F64) over them. Returns
+// log_m F32 [K, T_local]. Equal to the whole-sequence target up to the order in which the
+// query chunks are summed (float64 rounding, ~1e-16 relative, before the float32 result).
+Tensor ring_future_attention_target(dist::Comm& group, const ContextLayout& layout, const Tensor& q, const Tensor& k,
+                                    const Tensor& lse, const Tensor& doc, int64_t w, float scale);
+
+// From sequence-sharded to item-sharded (DeepSpeed-Ulysses' switch; KVPOP's scorers run their
+// recurrent mLSTM over a whole sequence, one (layer, KV head) per rank): item i of `local`
+// (F32 [T_local, C_i], C_i the same on every rank) goes whole, [T, C_i] in sequence order, to
+// the group rank owner[i]; the result holds those items and an empty Tensor for the others.
+// Collective: N − 1 pairwise exchanges (ring shifts by distance s = 1 … N − 1), each carrying
+// only what its receiver owns, so every rank receives (its items' columns)·(T − T_local) floats.
+std::vector<Tensor> gather_to_owners(dist::Comm& group, const ContextLayout& layout, const std::vector<Tensor>& local,
+                                     const std::vector<int>& owner);
+
 // What the model asks of a rank's part of the sequence (model/sequence_part.h), over the ring:
 // the tokens' global document positions, and ring_gated_attention (and its backward) over the
 // group. Holds references: the group and the layout must outlive it.
@@ -106,6 +125,10 @@ class ContextPart final : public SequencePart {
                                 Tensor& dlog_beta) const override {
     ring_gated_attention_backward(group_, layout_, q, k, v, log_beta, doc, scale, out, lse, dout, dq, dk, dv,
                                   dlog_beta);
+  }
+  Tensor future_attention_target(const Tensor& q, const Tensor& k, const Tensor& lse, const Tensor& doc, int64_t w,
+                                 float scale) const override {
+    return ring_future_attention_target(group_, layout_, q, k, lse, doc, w, scale);
   }
 
  private:

@@ -1,14 +1,68 @@
 #include "trainer/kvpop_train.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <limits>
 
 #include "kernels/deferred_checks.h"
+#include "kernels/ops.h"
+#include "trainer/context_parallel.h"
 
 namespace retain::trainer {
 
+namespace {
+
+// The teacher pass of one sequence over a context-parallel group: this rank's part through the
+// rings, then the whole sequence of the heads this rank owns (gather_to_owners), their decisions.
+kvpop::TeacherPass split_teacher_pass(WeightProvider& weights, const MicroBatch& mb, const kvpop::StepSettings& s,
+                                      const std::vector<std::vector<double>>* target_log_gamma, dist::Comm& group) {
+  const int r = group.rank(), N = group.size();
+  const ContextLayout layout(mb.ids.numel(), N);
+  const Tensor doc = layout.local(mb.doc, r);
+  const ContextPart part(group, layout, layout.local(ops::document_positions(mb.doc), r));
+  kvpop::TeacherPass local = kvpop::teacher_pass(weights, layout.local(mb.ids, r), doc, s, target_log_gamma, &part);
+
+  // Items: per (layer, head) its x [T_local, 2d] and its log m row as [T_local, 1].
+  const int64_t L = static_cast<int64_t>(local.x.size()), K = L ? static_cast<int64_t>(local.x[0].size()) : 0;
+  const int64_t T = mb.ids.numel(), Tl = layout.local_tokens(r);
+  std::vector<Tensor> items;
+  std::vector<int> owner;
+  for (int64_t l = 0; l < L; ++l)
+    for (int64_t kv = 0; kv < K; ++kv) {
+      const int o = static_cast<int>((l * K + kv) % N);
+      items.push_back(local.x[l][kv]);
+      items.push_back(local.log_m[l].rows(kv, kv + 1).reshape({Tl, 1}));
+      owner.insert(owner.end(), {o, o});
+    }
+  local.x.clear();  // (the items hold them)
+  const std::vector<Tensor> whole = gather_to_owners(group, layout, items, owner);
+
+  kvpop::TeacherPass pass;
+  pass.doc = mb.doc.on(Device::CPU);
+  pass.device = Device::CPU;
+  pass.doc_on_device = pass.doc;
+  for (int64_t l = 0; l < L; ++l) {
+    pass.x.emplace_back(static_cast<size_t>(K));
+    Tensor log_m = Tensor::empty({K, T}, DType::F32);  // the owned heads' rows; −inf elsewhere
+    std::fill(log_m.data<float>(), log_m.data<float>() + log_m.numel(), -std::numeric_limits<float>::infinity());
+    for (int64_t kv = 0; kv < K; ++kv) {
+      const size_t i = static_cast<size_t>(2 * (l * K + kv));
+      if (owner[i] != r) continue;
+      pass.x[l][kv] = whole[i];
+      std::memcpy(log_m.data<float>() + kv * T, whole[i + 1].data<float>(), static_cast<size_t>(T) * sizeof(float));
+    }
+    pass.log_m.push_back(log_m);
+  }
+  kvpop::add_decisions(pass, s, target_log_gamma);
+  return pass;
+}
+
+}  // namespace
+
 KvpopLosses compute_kvpop_gradients(WeightProvider& weights, kvpop::Scorers& scorers,
                                     const std::vector<MicroBatch>& micro_batches, const kvpop::StepSettings& settings,
-                                    bool margin_weight, dist::Comm& comm) {
+                                    bool margin_weight, dist::Comm& comm, dist::Comm* context_group) {
   // Teacher passes first: the normalizers need every decision of the global batch.
   std::vector<kvpop::TeacherPass> passes;
   double sums[3] = {0, 0, 0};  // decisions, margin sum, tokens
@@ -20,12 +74,19 @@ KvpopLosses compute_kvpop_gradients(WeightProvider& weights, kvpop::Scorers& sco
       for (const kvpop::HeadParams& h : layer)
         target_log_gamma.back().push_back(kvpop::log_gamma(h.theta.data<float>()[0], settings.decay));
     }
+  const auto* tlg = settings.effective_cutoff ? &target_log_gamma : nullptr;
+  const bool split = context_group != nullptr && context_group->size() > 1;
   for (const MicroBatch& mb : micro_batches) {
-    passes.push_back(kvpop::teacher_pass(weights, mb.ids, mb.doc, settings,
-                                         settings.effective_cutoff ? &target_log_gamma : nullptr));
+    if (split) {
+      passes.push_back(split_teacher_pass(weights, mb, settings, tlg, *context_group));
+    } else {
+      passes.push_back(kvpop::teacher_pass(weights, mb.ids, mb.doc, settings, tlg));
+    }
     sums[0] += static_cast<double>(passes.back().num_decisions);
     sums[1] += passes.back().margin_sum;
-    for (int64_t t = 0; t < mb.doc.numel(); ++t) sums[2] += mb.doc.data<int32_t>()[t] >= 0 ? 1.0 : 0.0;
+    // (the tokens once per group: each context-parallel rank counts a 1/N slice)
+    const int64_t T = mb.doc.numel(), r = split ? context_group->rank() : 0, N = split ? context_group->size() : 1;
+    for (int64_t t = T * r / N; t < T * (r + 1) / N; ++t) sums[2] += mb.doc.data<int32_t>()[t] >= 0 ? 1.0 : 0.0;
   }
   comm.all_reduce(sums, 3);
   KvpopLosses out;

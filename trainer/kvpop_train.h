@@ -4,6 +4,14 @@
 // micro-batches, so every rank's scorer backward already uses the global normalizers
 // (L_kvpop = mean ℓ over the global batch, a = |Δ log m| / its global mean). The sum of the
 // ranks' gradients is the gradient of the global loss. The optimizer is not run here.
+//
+// Context parallelism (context_group of N > 1 ranks reading the same sequences): the teacher's
+// attention and future-attention target run as rings over the group (trainer/context_parallel.h),
+// then each (layer, KV head)'s inputs x and targets log m switch from this rank's tokens to the
+// whole sequence on one rank of the group (gather_to_owners; head l·K + κ to group rank
+// (l·K + κ) mod N), which selects its decisions and runs its scorer forward and backward as one
+// rank would: the scorers' recurrent mLSTM and the decisions' ranking over a document's keys
+// need the whole sequence in order. A head's gradient then comes from one rank of the group.
 #pragma once
 #include <cstdint>
 #include <vector>
@@ -30,7 +38,7 @@ struct KvpopLosses {
 // reduces over ranks). Collective. margin_weight false: a = 1 (--no-margin-weight).
 KvpopLosses compute_kvpop_gradients(WeightProvider& weights, kvpop::Scorers& scorers,
                                     const std::vector<MicroBatch>& micro_batches, const kvpop::StepSettings& settings,
-                                    bool margin_weight, dist::Comm& comm);
+                                    bool margin_weight, dist::Comm& comm, dist::Comm* context_group = nullptr);
 
 // Mean decay γ = exp(log γ(θ)) over every layer and KV head (the log line's γ).
 double mean_gamma(const kvpop::Scorers& scorers, const kvpop::Decay& decay = {});

@@ -278,7 +278,8 @@ class GateTrainee : public Trainee {
 
 class KvpopTrainee : public Trainee {
  public:
-  KvpopTrainee(const TrainConfig& cfg, const Qwen3Config& mc) : cfg_(cfg), mc_(mc) {
+  KvpopTrainee(const TrainConfig& cfg, const Qwen3Config& mc, dist::Comm* context_group)
+      : cfg_(cfg), mc_(mc), context_group_(context_group) {
     settings_.window = cfg.window;
     settings_.sinks = cfg.sinks;
     settings_.topk = cfg.topk;
@@ -311,7 +312,7 @@ class KvpopTrainee : public Trainee {
   std::string step(WeightProvider& weights, const std::vector<MicroBatch>& mbs, bool, StepMetrics& m,
                    dist::Comm& comm) override {
     m.gamma = mean_gamma(scorers_, settings_.decay);  // before this step's update, like the loss and the agreement
-    last_ = compute_kvpop_gradients(weights, scorers_, mbs, settings_, cfg_.margin_weight, comm);
+    last_ = compute_kvpop_gradients(weights, scorers_, mbs, settings_, cfg_.margin_weight, comm, context_group_);
     m.kvpop = true;
     m.loss = last_.loss;
     m.decisions = last_.decisions;
@@ -350,13 +351,14 @@ class KvpopTrainee : public Trainee {
  private:
   const TrainConfig& cfg_;
   const Qwen3Config& mc_;
+  dist::Comm* context_group_;
   kvpop::StepSettings settings_;
   kvpop::Scorers scorers_;
   KvpopLosses last_;
 };
 
 std::unique_ptr<Trainee> make_trainee(const TrainConfig& cfg, const Inputs& in) {
-  if (cfg.kvpop) return std::make_unique<KvpopTrainee>(cfg, in.model->config());
+  if (cfg.kvpop) return std::make_unique<KvpopTrainee>(cfg, in.model->config(), in.context_group.get());
   return std::make_unique<GateTrainee>(cfg, in.loss, in.model->config(), in.context_group.get());
 }
 

@@ -2,6 +2,7 @@
 // kernels/kvpop.cpp).
 #pragma once
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "kernels/kvpop.h"
@@ -19,6 +20,11 @@ Projected mlstm_scores_backward(const Projected& P, const int32_t* doc, int64_t 
                                 float b_o, const Tensor& dscore, Tensor& dw_o, Tensor& db_o);
 Tensor future_attention_target(const Tensor& q, const Tensor& k, const Tensor& lse, const int32_t* doc,
                                int64_t w, float scale);
+void future_attention_sums(const Tensor& q, const Tensor& lse, const int32_t* q_doc, int64_t q_start,
+                           const Tensor& k, const int32_t* k_doc, int64_t k_start, int64_t w, float scale,
+                           Tensor& mx, Tensor& sum);
+std::pair<Tensor, Tensor> future_attention_start(int64_t T, int64_t H);
+Tensor future_attention_finish(const Tensor& mx, const Tensor& sum, int64_t K);
 std::vector<Decision> select_decisions(const float* log_m, const int32_t* doc, int64_t T, int64_t w,
                                        int64_t sinks, int64_t k, const retain::kvpop::TargetRule& rule);
 

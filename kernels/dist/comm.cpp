@@ -234,7 +234,8 @@ class StagedShift final : public Request {
 };
 }  // namespace
 
-std::unique_ptr<Request> Comm::ring_shift_bytes_async(const void* send, void* recv, size_t bytes) {
+std::unique_ptr<Request> Comm::ring_shift_bytes_async(const void* send, void* recv, size_t bytes, int distance) {
+  if (distance < 0) fail("ring_shift_bytes_async: distance {} is negative", distance);
   if (bytes == 0) return std::make_unique<DoneRequest>();
   check_ptr("ring_shift_bytes_async", "send", send);
   check_ptr("ring_shift_bytes_async", "recv", recv);
@@ -242,7 +243,7 @@ std::unique_ptr<Request> Comm::ring_shift_bytes_async(const void* send, void* re
   auto in = std::make_unique<Staged>(send, bytes, native_device_buffers());
   auto out = std::make_unique<Staged>(recv, bytes, native_device_buffers());
   in->copy_in();
-  auto r = do_ring_shift_bytes_async(in->ptr(), out->ptr(), bytes);
+  auto r = do_ring_shift_bytes_async(in->ptr(), out->ptr(), bytes, distance % size());
   ring_bytes_ += bytes;
   if (!in->staged() && !out->staged()) return r;
   return std::make_unique<StagedShift>(std::move(in), std::move(out), std::move(r));

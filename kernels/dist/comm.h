@@ -89,11 +89,13 @@ class Comm {
   std::unique_ptr<Request> all_gather_bytes_async(const void* send, void* recv, size_t bytes_per_rank);
 
   // The ring shift of context parallelism (trainer/context_parallel.h), without blocking: rank
-  // r sends `bytes` bytes of `send` to rank (r + 1) % size() and receives rank (r − 1)'s into
-  // `recv` (in a one-rank world its own bytes). Collective: every rank calls it with the same
-  // byte count, in the same order among the collectives. send and recv must not overlap; both
-  // belong to the request until wait() returns (all_gather_async's rule).
-  std::unique_ptr<Request> ring_shift_bytes_async(const void* send, void* recv, size_t bytes);
+  // r sends `bytes` bytes of `send` to rank (r + distance) % size() and receives rank
+  // (r − distance)'s into `recv` (distance ≡ 0 mod size(), e.g. a one-rank world: its own
+  // bytes). Collective: every rank calls it with the same byte count and distance, in the same
+  // order among the collectives. send and recv must not overlap; both belong to the request
+  // until wait() returns (all_gather_async's rule). Distances other than 1 make the pairwise
+  // exchange of trainer/context_parallel.h's gather_to_owners.
+  std::unique_ptr<Request> ring_shift_bytes_async(const void* send, void* recv, size_t bytes, int distance = 1);
   // Bytes this rank has sent through ring_shift_bytes_async since the last call (local: any rank
   // may call it alone). What context parallelism exchanges, in retain-train's metrics (ring_mb).
   size_t take_ring_bytes() { return std::exchange(ring_bytes_, 0); }
@@ -162,7 +164,9 @@ class Comm {
   virtual void do_all_gather_bytes(const void* send, void* recv, size_t bytes_per_rank) = 0;
   virtual std::unique_ptr<Request> do_all_gather_bytes_async(const void* send, void* recv,
                                                              size_t bytes_per_rank) = 0;
-  virtual std::unique_ptr<Request> do_ring_shift_bytes_async(const void* send, void* recv, size_t bytes) = 0;
+  // `distance` in [0, size()): 0 is a copy to itself.
+  virtual std::unique_ptr<Request> do_ring_shift_bytes_async(const void* send, void* recv, size_t bytes,
+                                                             int distance) = 0;
   virtual void do_reduce_scatter(const float* send, float* recv, size_t count_per_rank) = 0;
   virtual void do_all_reduce(float* buf, size_t count) = 0;
   virtual void do_all_reduce(double* buf, size_t count) = 0;

@@ -306,10 +306,11 @@ class MpiComm final : public Comm {
 
   // Isend to the next rank, Irecv from the previous, in max_chunk() pieces (MPI keeps the
   // order of messages between two ranks on one tag, so the pieces match up in turn).
-  std::unique_ptr<Request> do_ring_shift_bytes_async(const void* send, void* recv, size_t bytes) override {
+  std::unique_ptr<Request> do_ring_shift_bytes_async(const void* send, void* recv, size_t bytes,
+                                                     int distance) override {
     auto request = std::make_unique<MpiRequest>(watchdog_.get(), &clock_, "wait for ring_shift_bytes_async");
     Watched watched(watchdog_.get(), "ring_shift_bytes_async", &clock_, false);
-    const int next = (rank_ + 1) % size_, prev = (rank_ + size_ - 1) % size_;
+    const int next = (rank_ + distance) % size_, prev = (rank_ + size_ - distance) % size_;
     for (size_t off = 0; off < bytes; off += max_chunk()) {
       const int n = as_int(std::min(max_chunk(), bytes - off));
       MPI_Request r = MPI_REQUEST_NULL;

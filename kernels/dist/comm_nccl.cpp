@@ -238,8 +238,9 @@ class NcclComm final : public Comm {
         "all_gather_bytes_async",
         [&](cudaStream_t s) { return ncclAllGather(send, recv, bytes, ncclUint8, comm_, s); }));
   }
-  std::unique_ptr<Request> do_ring_shift_bytes_async(const void* send, void* recv, size_t bytes) override {
-    const int next = (rank_ + 1) % size_, prev = (rank_ + size_ - 1) % size_;
+  std::unique_ptr<Request> do_ring_shift_bytes_async(const void* send, void* recv, size_t bytes,
+                                                     int distance) override {
+    const int next = (rank_ + distance) % size_, prev = (rank_ + size_ - distance) % size_;
     return async_request(enqueue("ring_shift_bytes_async", [&](cudaStream_t s) {
       ncclResult_t r = ncclGroupStart();
       if (r == ncclSuccess) r = ncclSend(send, bytes, ncclUint8, next, comm_, s);

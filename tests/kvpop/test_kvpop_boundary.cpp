@@ -56,6 +56,63 @@ TEST(KvpopTarget, MatchesDenseFloat64) {
   }
 }
 
+TEST(KvpopTarget, SpansInAnyOrderEqualTheWhole) {
+  // Context parallelism's split (kvpop::future_attention_sums): keys and queries cut at random
+  // edges, the (query span, key span) pairs summed in a random order, then finished.
+  std::mt19937 rng(21);
+  for (int trial = 0; trial < 6; ++trial) {
+    const int64_t T = std::uniform_int_distribution<int64_t>(40, 260)(rng), H = 4, K = 2, hd = 8;
+    const int64_t w = std::uniform_int_distribution<int64_t>(1, 30)(rng);
+    SCOPED_TRACE(::testing::Message() << "T " << T << " w " << w);
+    const Tensor doc = i32(packed_docs(T, rng, 120));
+    const Tensor q = f32(randn(T * H * hd, rng, 0.7), {T, H, hd}), k = f32(randn(T * K * hd, rng, 0.7), {T, K, hd});
+    Tensor out = Tensor::empty({T, H, hd}, DType::F32), lse = Tensor::empty({T, H}, DType::F32);
+    ops::gated_attention(q, k, f32(randn(T * K * hd, rng), {T, K, hd}), Tensor::zeros({T, K}, DType::F32), doc, 0.3f,
+                         out, lse);
+    const Tensor whole = kvpop::future_attention_target(q, k, lse, doc, w, 0.3f);
+
+    std::vector<int64_t> edges{0, T};
+    for (int c = 0; c < 4; ++c) edges.push_back(std::uniform_int_distribution<int64_t>(1, T - 1)(rng));
+    std::sort(edges.begin(), edges.end());
+    edges.erase(std::unique(edges.begin(), edges.end()), edges.end());
+    const size_t spans = edges.size() - 1;
+    std::vector<std::pair<Tensor, Tensor>> acc;
+    for (size_t i = 0; i < spans; ++i) acc.push_back(kvpop::future_attention_start(edges[i + 1] - edges[i], H));
+    std::vector<std::pair<size_t, size_t>> pairs;
+    for (size_t a = 0; a < spans; ++a)
+      for (size_t b = 0; b < spans; ++b) pairs.emplace_back(a, b);
+    std::shuffle(pairs.begin(), pairs.end(), rng);
+    for (auto [qi, ki] : pairs) {
+      const int64_t q0 = edges[qi], q1 = edges[qi + 1], k0 = edges[ki], k1 = edges[ki + 1];
+      kvpop::future_attention_sums(q.rows(q0, q1), lse.rows(q0, q1), doc.rows(q0, q1), q0, k.rows(k0, k1),
+                                   doc.rows(k0, k1), k0, w, 0.3f, acc[ki].first, acc[ki].second);
+    }
+    double worst = 0;
+    for (size_t i = 0; i < spans; ++i) {
+      const Tensor part = kvpop::future_attention_finish(acc[i].first, acc[i].second, K);
+      const int64_t n = edges[i + 1] - edges[i];
+      for (int64_t kv = 0; kv < K; ++kv)
+        for (int64_t t = 0; t < n; ++t) {
+          const float g = part.data<float>()[kv * n + t], want = whole.data<float>()[kv * T + edges[i] + t];
+          if (std::isinf(want)) {
+            EXPECT_EQ(g, want) << kv << " " << edges[i] + t;
+          } else {
+            worst = std::max(worst, double(std::abs(g - want)) / std::max(1.0f, std::abs(want)));
+          }
+        }
+    }
+    EXPECT_LT(worst, 1e-6);
+  }
+  // Shapes: the sums must match the keys; spans start at a token ≥ 0.
+  const Tensor q = Tensor::zeros({4, 2, 8}, DType::F32), k = Tensor::zeros({4, 1, 8}, DType::F32),
+               lse = Tensor::zeros({4, 2}, DType::F32), doc = i32(std::vector<int32_t>(4, 0));
+  auto [mx, sum] = kvpop::future_attention_start(4, 2);
+  Tensor small = Tensor::zeros({3, 2}, DType::F64);
+  EXPECT_THROW(kvpop::future_attention_sums(q, lse, doc, 0, k, doc, 0, 1, 1.0f, small, sum), Error);
+  EXPECT_THROW(kvpop::future_attention_sums(q, lse, doc, -1, k, doc, 0, 1, 1.0f, mx, sum), Error);
+  EXPECT_THROW(kvpop::future_attention_finish(mx, sum, 3), Error);
+}
+
 TEST(KvpopSelect, MatchesBruteForce) {
   std::mt19937 rng(11);
   int decisions = 0;

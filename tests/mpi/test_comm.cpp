@@ -482,6 +482,25 @@ TEST_P(Chunked, RingShift) {
   EXPECT_THROW(comm().ring_shift_bytes_async(nullptr, x.data(), 8), retain::Error);
 }
 
+TEST_P(Chunked, ShiftByDistance) {
+  // Distance d: rank r's bytes reach rank r + d (mod size), d ≥ size wraps; the pairwise
+  // exchange of gather_to_owners.
+  for (int d = 0; d <= s() + 1; ++d)
+    for (size_t count : {size_t{1}, size_t{1000}, size_t{4097}}) {
+      if (too_many_pieces(count)) continue;
+      auto value = [d](int rank, size_t i) { return uint8_t((rank * 37 + d * 11 + int(i) * 5) & 0xff); };
+      std::vector<uint8_t> a(count), got(count, 0);
+      for (size_t i = 0; i < count; ++i) a[i] = value(r(), i);
+      comm().ring_shift_bytes_async(a.data(), got.data(), count, d)->wait();
+      const int from = ((r() - d) % s() + s()) % s();
+      size_t bad = 0;
+      for (size_t i = 0; i < count; ++i) bad += got[i] != value(from, i);
+      EXPECT_EQ(bad, 0u) << "distance " << d << " count " << count;
+    }
+  std::vector<uint8_t> x(8), y(8);
+  EXPECT_THROW(comm().ring_shift_bytes_async(x.data(), y.data(), 8, -1), retain::Error);
+}
+
 // INT_MAX: one call per collective; 1000 and 64: several pieces, the last one short; 7: many.
 INSTANTIATE_TEST_SUITE_P(MaxChunk, Chunked, ::testing::Values(size_t{INT_MAX}, 1000, 64, 7),
                          [](const auto& p) {

@@ -1,7 +1,8 @@
 // Context parallelism's ring ops (trainer/context_parallel.h) on 1, 2 and 4 ranks against the
 // whole-sequence ops on one rank: every rank makes the same random sequence, runs the ring on
 // its chunks, and compares its rows of the result with its rows of gated_attention /
-// capacity_loss(_backward) on the whole sequence. T not divisible by 2N, documents that cross
+// capacity_loss(_backward) / kvpop::future_attention_target on the whole sequence, and
+// gather_to_owners' items against the whole tensors. T not divisible by 2N, documents that cross
 // chunk edges, padding, trimkv-like and dbtrimkv (global) capacity.
 #include <gtest/gtest.h>
 
@@ -9,6 +10,7 @@
 #include <random>
 #include <vector>
 
+#include "kernels/kvpop.h"
 #include "kernels/ops.h"
 #include "kernels/retention.h"
 #include "tests/mpi/mpi_test_main.h"
@@ -146,6 +148,58 @@ TEST(RingCapacity, EqualsTheWholeSequence) {
                                          layout.local(positions, r), M, mode, scale, g);
     EXPECT_LT(rel_err(g, layout.local(dlb, r, 1)), 1e-6);
   }
+}
+
+TEST(RingTarget, EqualsTheWholeSequence) {
+  // KVPOP's future-attention target: the keys stay, the queries and their lse travel.
+  const int N = world().size(), r = world().rank();
+  for (int64_t T : {int64_t{301}, int64_t{520}})
+    for (int64_t w : {int64_t{1}, int64_t{7}, int64_t{90}}) {
+      SCOPED_TRACE("T " + std::to_string(T) + " w " + std::to_string(w));
+      const int64_t H = 4, K = 2, d = 16;
+      const Inputs in = make_inputs(T, H, K, d, static_cast<uint32_t>(T + w));
+      const float scale = 0.25f;
+      Tensor out = Tensor::empty({T, H, d}, DType::F32), lse = Tensor::empty({T, H}, DType::F32);
+      ops::gated_attention(in.q, in.k, in.v, Tensor::zeros({T, K}, DType::F32), in.doc, scale, out, lse);
+      const Tensor whole = kvpop::future_attention_target(in.q, in.k, lse, in.doc, w, scale);  // [K, T]
+
+      const ContextLayout layout(T, N);
+      auto mine = [&](const Tensor& t) { return layout.local(t, r); };
+      const Tensor log_m =
+          trainer::ring_future_attention_target(world(), layout, mine(in.q), mine(in.k), mine(lse), mine(in.doc), w,
+                                                scale);
+      ASSERT_EQ(log_m.shape(), (Shape{K, layout.local_tokens(r)}));
+      EXPECT_LT(rel_err(log_m, layout.local(whole, r, 1)), 1e-6);  // (−inf where no target: exactly)
+    }
+}
+
+TEST(GatherToOwners, EachItemWholeOnItsOwner) {
+  const int N = world().size(), r = world().rank();
+  const int64_t T = 301;
+  const ContextLayout layout(T, N);
+  std::mt19937 rng(5);
+  std::vector<Tensor> whole, local;
+  std::vector<int> owner;
+  for (int64_t i = 0; i < 7; ++i) {  // widths 1–4; owners unbalanced (rank 0 gets the most)
+    whole.push_back(test::random_normal({T, 1 + i % 4}, rng));
+    local.push_back(layout.local(whole.back(), r));
+    owner.push_back(static_cast<int>((i * i) % N));
+  }
+  const std::vector<Tensor> got = trainer::gather_to_owners(world(), layout, local, owner);
+  ASSERT_EQ(got.size(), whole.size());
+  for (size_t i = 0; i < whole.size(); ++i) {
+    SCOPED_TRACE("item " + std::to_string(i));
+    if (owner[i] != r) {
+      EXPECT_EQ(got[i].numel(), 0);
+      continue;
+    }
+    ASSERT_EQ(got[i].shape(), whole[i].shape());
+    EXPECT_EQ(rel_err(got[i], whole[i]), 0.0);
+  }
+  // Nothing owned anywhere, a bad owner, a count mismatch.
+  EXPECT_TRUE(trainer::gather_to_owners(world(), layout, {}, {}).empty());
+  EXPECT_THROW(trainer::gather_to_owners(world(), layout, {local[0]}, {N}), Error);
+  EXPECT_THROW(trainer::gather_to_owners(world(), layout, {local[0]}, {}), Error);
 }
 
 TEST(RingAttention, RefusesAMismatchedGroupOrShape) {

@@ -464,8 +464,8 @@ class CountingComm final : public Comm {
     ++gathers;
     return inner_.all_gather_bytes_async(s, r, n);
   }
-  std::unique_ptr<Request> do_ring_shift_bytes_async(const void* s, void* r, size_t n) override {
-    return inner_.ring_shift_bytes_async(s, r, n);
+  std::unique_ptr<Request> do_ring_shift_bytes_async(const void* s, void* r, size_t n, int distance) override {
+    return inner_.ring_shift_bytes_async(s, r, n, distance);
   }
   void do_reduce_scatter(const float* s, float* r, size_t n) override { inner_.reduce_scatter(s, r, n); }
   void do_all_reduce(float* b, size_t n) override { inner_.all_reduce(b, n); }

@@ -180,10 +180,10 @@ TEST_F(TrainRuns, ContextParallelDividesTheMemory) {
 }
 
 // What --context-parallel refuses, in one line each: a group size that does not divide the
-// ranks, a micro-batch too short to cut into 2N chunks, kvpop, a size below 1.
+// ranks, a micro-batch too short to cut into 2N chunks, a size below 1.
 TEST_F(TrainRuns, ContextParallelBadInputs) {
   expect_usage_errors({train_args(data_, dir_ / "x", "trimkv", 2) + " --context-parallel 0",
-                       kvpop_args(" --steps 2 --context-parallel 2")},
+                       kvpop_args(" --steps 2 --context-parallel 0")},
                       "--context-parallel");
   Result r = train(train_args(data_, dir_ / "y", "trimkv", 2) + " --context-parallel 2");  // 1 rank, groups of 2
   EXPECT_EQ(r.code, 1) << r.err;
