@@ -151,7 +151,8 @@ TEST_F(KvpopRuns, TwoRanksEqualOneRankAndScorersMove) {
 }
 
 // --context-parallel trains as one rank: a group of 2 (the micro-batch's 160 tokens in chunks
-// of 40), and a group of 3 (chunks of 26–27, the heads' owners unbalanced: 4 heads over 3 ranks).
+// of 40), and a group of 3 (chunks of 26–27, the heads' owners unbalanced: 4 heads over 3 ranks);
+// and a run resumes with another group size.
 TEST_F(KvpopRuns, ContextParallelTrainsAsOneRank) {
   const std::string one = dir_ / "one";
   Result r = train(one, 3, "--micro-batch 4");
@@ -170,6 +171,15 @@ TEST_F(KvpopRuns, ContextParallelTrainsAsOneRank) {
     EXPECT_GT(m.back().at("ring_mb").get<double>(), 0.0);
     EXPECT_EQ(m.back().at("tokens"), metrics(one).back().at("tokens"));
   }
+  // Resumed with another group size (not part of the trajectory): 2 steps as a group of 2, the
+  // third on one rank.
+  const std::string parts = dir_ / "parts";
+  r = train(parts, 3, "--micro-batch 4 --save-every 1 --stop-after 2 --context-parallel 2", 2);
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(latest_step(parts), 2);
+  r = train(parts, 3, "--micro-batch 4 --save-every 1 --resume");
+  ASSERT_EQ(r.code, 0) << r.err;
+  expect_same_gates(one, parts, 5e-5);
 }
 
 TEST_F(KvpopRuns, ResumeAfterStopAfterIsExact) {
