@@ -160,41 +160,45 @@ Group check_group(const char* op, dist::Comm& group, const ContextLayout& layout
   return {group.rank(), group.size()};
 }
 
-// The attention rings' packets, double-buffered: a rank's keys, values, logβ and document ids,
-// its two chunks in local order (the ops take row ranges of them).
-class AttentionKeys {
+// A ring's packets of per-token fields, double-buffered: field f holds a rank's tokens
+// ([tokens, per-token shape...], sized for the largest rank so that every rank shifts the same
+// byte count); buffer `cur` goes to the next rank while the previous rank's arrives in the other.
+// The attention rings carry a rank's keys, values, logβ and document ids (its two chunks in local
+// order: the ops take row ranges of them); the target ring its queries, their lse and documents.
+class TokenPackets {
  public:
-  AttentionKeys(const ContextLayout& layout, int64_t K, int64_t d) : K_(K), d_(d) {
-    const int64_t Tm = layout.max_local_tokens();
-    fk_ = p_.add(DType::F32, K * d, Tm);
-    fv_ = p_.add(DType::F32, K * d, Tm);
-    fl_ = p_.add(DType::F32, K, Tm);
-    fd_ = p_.add(DType::I32, 1, Tm);
+  TokenPackets(const ContextLayout& layout, std::vector<std::pair<DType, Shape>> fields) : fields_(std::move(fields)) {
+    for (const auto& [dtype, per_token] : fields_) p_.add(dtype, shape_numel(per_token), layout.max_local_tokens());
     buf_ = {p_.buffer(), p_.buffer()};
   }
-  // This rank's k, v [T_local, K, d], log_beta [T_local, K], doc [T_local] into the first buffer.
-  void pack(const Tensor& k, const Tensor& v, const Tensor& log_beta, const Tensor& doc) {
-    p_.view(buf_[0], fk_, k.shape()).copy_from(k);
-    p_.view(buf_[0], fv_, v.shape()).copy_from(v);
-    p_.view(buf_[0], fl_, log_beta.shape()).copy_from(log_beta);
-    p_.view(buf_[0], fd_, doc.shape()).copy_from(doc);
+  // This rank's tensors, one per field in order, into the first buffer.
+  void pack(std::initializer_list<const Tensor*> tensors) {
+    int f = 0;
+    for (const Tensor* t : tensors) p_.view(buf_[0], f++, t->shape()).copy_from(*t);
   }
   // Buffer `cur` to the next rank, the previous rank's into the other buffer.
   std::unique_ptr<dist::Request> shift(dist::Comm& group, int cur) {
     return group.ring_shift_bytes_async(buf_[cur].raw(), buf_[cur ^ 1].raw(), p_.bytes());
   }
-  // Buffer cur's tensors, for a rank holding `tokens` tokens.
-  Tensor k(int cur, int64_t tokens) const { return p_.view(buf_[cur], fk_, {tokens, K_, d_}); }
-  Tensor v(int cur, int64_t tokens) const { return p_.view(buf_[cur], fv_, {tokens, K_, d_}); }
-  Tensor log_beta(int cur, int64_t tokens) const { return p_.view(buf_[cur], fl_, {tokens, K_}); }
-  Tensor doc(int cur, int64_t tokens) const { return p_.view(buf_[cur], fd_, {tokens}); }
+  // Field f of buffer cur, for a rank holding `tokens` tokens.
+  Tensor field(int cur, int f, int64_t tokens) const {
+    Shape shape{tokens};
+    const Shape& per_token = fields_[static_cast<size_t>(f)].second;
+    shape.insert(shape.end(), per_token.begin(), per_token.end());
+    return p_.view(buf_[cur], f, shape);
+  }
 
  private:
-  int64_t K_, d_;
+  std::vector<std::pair<DType, Shape>> fields_;
   Packet p_;
-  int fk_ = 0, fv_ = 0, fl_ = 0, fd_ = 0;
   std::array<Tensor, 2> buf_;
 };
+
+// The attention rings' packets: a rank's keys, values, logβ and document ids.
+enum KeyField { kKeys, kValues, kLogBeta, kKeyDocs };
+TokenPackets attention_keys(const ContextLayout& layout, int64_t K, int64_t d) {
+  return TokenPackets(layout, {{DType::F32, {K, d}}, {DType::F32, {K, d}}, {DType::F32, {K}}, {DType::I32, {}}});
+}
 
 // Gradient sums that travel a ring one step behind the keys they belong to. At step s a rank
 // adds its part for that step's keys into `mine()` (zeroed by begin_step) while, in the same
@@ -265,8 +269,8 @@ void ring_gated_attention(dist::Comm& group, const ContextLayout& layout, const 
     check_dim(op, *t, 0, Tl);
   const int64_t H = q.dim(1), K = k.dim(1), d = k.dim(2);
 
-  AttentionKeys keys(layout, K, d);
-  keys.pack(k, v, log_beta, doc);
+  TokenPackets keys = attention_keys(layout, K, d);
+  keys.pack({&k, &v, &log_beta, &doc});
 
   std::memset(out.raw(), 0, out.nbytes());
   std::fill(lse.data<float>(), lse.data<float>() + lse.numel(), kNegInf);
@@ -278,7 +282,8 @@ void ring_gated_attention(dist::Comm& group, const ContextLayout& layout, const 
     std::unique_ptr<dist::Request> next;
     if (step + 1 < N) next = keys.shift(group, cur);
     const int64_t Ts = layout.local_tokens(src);
-    const Tensor ks = keys.k(cur, Ts), vs = keys.v(cur, Ts), ls = keys.log_beta(cur, Ts), ds = keys.doc(cur, Ts);
+    const Tensor ks = keys.field(cur, kKeys, Ts), vs = keys.field(cur, kValues, Ts),
+                 ls = keys.field(cur, kLogBeta, Ts), ds = keys.field(cur, kKeyDocs, Ts);
     const auto theirs = layout.spans(src);
     for_each_pair(mine, theirs, [&](int qi, int ki, int64_t q0, int64_t k0) {
       const TokenSpan &qs = mine[qi], &kspan = theirs[ki];
@@ -309,8 +314,8 @@ void ring_gated_attention_backward(dist::Comm& group, const ContextLayout& layou
 
   // The keys, each step's next packet sent ahead of the tiles; their gradient sums (dk, dv,
   // dlogβ) in a ring one step behind them (LaggedSums).
-  AttentionKeys keys(layout, K, d);
-  keys.pack(k, v, log_beta, doc);
+  TokenPackets keys = attention_keys(layout, K, d);
+  keys.pack({&k, &v, &log_beta, &doc});
   Packet g;
   const int gk = g.add(DType::F32, K * d, Tm), gv = g.add(DType::F32, K * d, Tm), gl = g.add(DType::F32, K, Tm);
   LaggedSums sums(group, g, DType::F32);
@@ -324,7 +329,8 @@ void ring_gated_attention_backward(dist::Comm& group, const ContextLayout& layou
     if (step + 1 < N) next = keys.shift(group, cur);
     sums.begin_step(step);
     const int64_t Ts = layout.local_tokens(src);
-    const Tensor ks = keys.k(cur, Ts), vs = keys.v(cur, Ts), ls = keys.log_beta(cur, Ts), ds = keys.doc(cur, Ts);
+    const Tensor ks = keys.field(cur, kKeys, Ts), vs = keys.field(cur, kValues, Ts),
+                 ls = keys.field(cur, kLogBeta, Ts), ds = keys.field(cur, kKeyDocs, Ts);
     Tensor dks = g.view(sums.mine(), gk, {Ts, K, d}), dvs = g.view(sums.mine(), gv, {Ts, K, d}),
            dls = g.view(sums.mine(), gl, {Ts, K});
     const auto theirs = layout.spans(src);
@@ -524,39 +530,6 @@ void ring_capacity_loss_backward(dist::Comm& group, const ContextLayout& layout,
   join_chunks({sum_chunk(all, mine, 0), sum_chunk(all, mine, 1)}, mine, scale, dlog_beta);
 }
 
-namespace {
-
-// The target ring's packets, double-buffered: a rank's queries, their lse and document ids.
-class TargetQueries {
- public:
-  TargetQueries(const ContextLayout& layout, int64_t H, int64_t d) : H_(H), d_(d) {
-    const int64_t Tm = layout.max_local_tokens();
-    fq_ = p_.add(DType::F32, H * d, Tm);
-    fl_ = p_.add(DType::F32, H, Tm);
-    fd_ = p_.add(DType::I32, 1, Tm);
-    buf_ = {p_.buffer(), p_.buffer()};
-  }
-  void pack(const Tensor& q, const Tensor& lse, const Tensor& doc) {
-    p_.view(buf_[0], fq_, q.shape()).copy_from(q);
-    p_.view(buf_[0], fl_, lse.shape()).copy_from(lse);
-    p_.view(buf_[0], fd_, doc.shape()).copy_from(doc);
-  }
-  std::unique_ptr<dist::Request> shift(dist::Comm& group, int cur) {
-    return group.ring_shift_bytes_async(buf_[cur].raw(), buf_[cur ^ 1].raw(), p_.bytes());
-  }
-  Tensor q(int cur, int64_t tokens) const { return p_.view(buf_[cur], fq_, {tokens, H_, d_}); }
-  Tensor lse(int cur, int64_t tokens) const { return p_.view(buf_[cur], fl_, {tokens, H_}); }
-  Tensor doc(int cur, int64_t tokens) const { return p_.view(buf_[cur], fd_, {tokens}); }
-
- private:
-  int64_t H_, d_;
-  Packet p_;
-  int fq_ = 0, fl_ = 0, fd_ = 0;
-  std::array<Tensor, 2> buf_;
-};
-
-}  // namespace
-
 Tensor ring_future_attention_target(dist::Comm& group, const ContextLayout& layout, const Tensor& q, const Tensor& k,
                                     const Tensor& lse, const Tensor& doc, int64_t w, float scale) {
   const char* op = "ring_future_attention_target";
@@ -568,8 +541,10 @@ Tensor ring_future_attention_target(dist::Comm& group, const ContextLayout& layo
          shape_str(k.shape()));
   const int64_t H = q.dim(1), d = q.dim(2), K = k.dim(1);
 
-  TargetQueries queries(layout, H, d);
-  queries.pack(q, lse, doc);
+  // The ring's packets: a rank's queries, their lse and document ids.
+  enum { kQueries, kLse, kQueryDocs };
+  TokenPackets queries(layout, {{DType::F32, {H, d}}, {DType::F32, {H}}, {DType::I32, {}}});
+  queries.pack({&q, &lse, &doc});
   const auto mine = layout.spans(r);
   // Each key chunk's running log-sum-exp (the span op wants consecutive keys).
   std::array<std::pair<Tensor, Tensor>, 2> acc{kvpop::future_attention_start(mine[0].length, H),
@@ -580,7 +555,8 @@ Tensor ring_future_attention_target(dist::Comm& group, const ContextLayout& layo
     std::unique_ptr<dist::Request> next;
     if (step + 1 < N) next = queries.shift(group, cur);
     const int64_t Ts = layout.local_tokens(src);
-    const Tensor qs = queries.q(cur, Ts), ls = queries.lse(cur, Ts), ds = queries.doc(cur, Ts);
+    const Tensor qs = queries.field(cur, kQueries, Ts), ls = queries.field(cur, kLse, Ts),
+                 ds = queries.field(cur, kQueryDocs, Ts);
     const auto theirs = layout.spans(src);
     // Pairs of their query chunk and this rank's key chunk, keys not wholly after the queries.
     for_each_pair(theirs, mine, [&](int qi, int ki, int64_t q0, int64_t k0) {
