@@ -151,6 +151,21 @@ void for_each_pair(const std::array<TokenSpan, 2>& mine, const std::array<TokenS
       if (!after(theirs[ki], mine[qi])) f(qi, ki, local_offset(mine, qi), local_offset(theirs, ki));
 }
 
+// The N steps of a ring: at step s this rank holds rank (r − s)'s packet in buffer `cur` of
+// `packets` and body(s, r − s, cur) computes on it while the next step's packet is already on
+// its way (sent ahead, waited for after the body).
+template <typename Packets, typename Body>
+void ring_steps(dist::Comm& group, int r, int N, Packets& packets, Body body) {
+  int cur = 0;
+  for (int step = 0; step < N; ++step) {
+    std::unique_ptr<dist::Request> next;
+    if (step + 1 < N) next = packets.shift(group, cur);
+    body(step, (r - step + N) % N, cur);
+    if (next) next->wait();
+    cur ^= 1;
+  }
+}
+
 struct Group {
   int rank, ranks;
 };
@@ -276,11 +291,7 @@ void ring_gated_attention(dist::Comm& group, const ContextLayout& layout, const 
   std::fill(lse.data<float>(), lse.data<float>() + lse.numel(), kNegInf);
   const auto mine = layout.spans(r);
   Tensor part_out = Tensor::empty({Tl, H, d}, DType::F32), part_lse = Tensor::empty({Tl, H}, DType::F32);
-  int cur = 0;
-  for (int step = 0; step < N; ++step) {
-    const int src = (r - step + N) % N;
-    std::unique_ptr<dist::Request> next;
-    if (step + 1 < N) next = keys.shift(group, cur);
+  ring_steps(group, r, N, keys, [&](int /*step*/, int src, int cur) {
     const int64_t Ts = layout.local_tokens(src);
     const Tensor ks = keys.field(cur, kKeys, Ts), vs = keys.field(cur, kValues, Ts),
                  ls = keys.field(cur, kLogBeta, Ts), ds = keys.field(cur, kKeyDocs, Ts);
@@ -295,9 +306,7 @@ void ring_gated_attention(dist::Comm& group, const ContextLayout& layout, const 
       Tensor o = out.rows(q0, q0 + qs.length), l = lse.rows(q0, q0 + qs.length);
       ops::merge_attention(o, l, po, pl);
     });
-    if (next) next->wait();
-    cur ^= 1;
-  }
+  });
 }
 
 void ring_gated_attention_backward(dist::Comm& group, const ContextLayout& layout, const Tensor& q,
@@ -322,11 +331,7 @@ void ring_gated_attention_backward(dist::Comm& group, const ContextLayout& layou
 
   std::memset(dq.raw(), 0, dq.nbytes());
   const auto mine = layout.spans(r);
-  int cur = 0;
-  for (int step = 0; step < N; ++step) {
-    const int src = (r - step + N) % N;
-    std::unique_ptr<dist::Request> next;
-    if (step + 1 < N) next = keys.shift(group, cur);
+  ring_steps(group, r, N, keys, [&](int step, int src, int cur) {
     sums.begin_step(step);
     const int64_t Ts = layout.local_tokens(src);
     const Tensor ks = keys.field(cur, kKeys, Ts), vs = keys.field(cur, kValues, Ts),
@@ -344,9 +349,7 @@ void ring_gated_attention_backward(dist::Comm& group, const ContextLayout& layou
                                          dv_rows, dl_rows);
     });
     sums.end_step(step);
-    if (next) next->wait();
-    cur ^= 1;
-  }
+  });
   const Tensor& home = sums.home();
   dk.copy_from(g.view(home, gk, dk.shape()));
   dv.copy_from(g.view(home, gv, dv.shape()));
@@ -422,20 +425,14 @@ std::array<Tensor, 2> chunk_capacity_sums(dist::Comm& group, const ContextLayout
   keys.pack(log_beta, doc, mine);
   std::array<Tensor, 2> S{Tensor::zeros({L, mine[0].length, K}, DType::F64),
                           Tensor::zeros({L, mine[1].length, K}, DType::F64)};
-  int cur = 0;
-  for (int step = 0; step < N; ++step) {
-    const int src = (r - step + N) % N;
-    std::unique_ptr<dist::Request> next;
-    if (step + 1 < N) next = keys.shift(group, cur);
+  ring_steps(group, r, N, keys, [&](int /*step*/, int src, int cur) {
     const auto theirs = layout.spans(src);
     const Tensor ds = keys.doc(cur, layout.local_tokens(src));
     for_each_pair(mine, theirs, [&](int qi, int ki, int64_t q0, int64_t k0) {
       ops::capacity_sums_span(keys.chunk(cur, theirs, ki), ds.rows(k0, k0 + theirs[ki].length), theirs[ki].start,
                               doc.rows(q0, q0 + mine[qi].length), mine[qi].start, S[qi], E);
     });
-    if (next) next->wait();
-    cur ^= 1;
-  }
+  });
   return S;
 }
 
@@ -508,11 +505,7 @@ void ring_capacity_loss_backward(dist::Comm& group, const ContextLayout& layout,
     const size_t front = i == 0 ? 0 : static_cast<size_t>(L * spans[0].length * K) * 8;
     return buffer.view_bytes(gp.offset(fg) + front, {L, spans[i].length, K}, DType::F64);
   };
-  int cur = 0;
-  for (int step = 0; step < N; ++step) {
-    const int src = (r - step + N) % N;
-    std::unique_ptr<dist::Request> next;
-    if (step + 1 < N) next = keys.shift(group, cur);
+  ring_steps(group, r, N, keys, [&](int step, int src, int cur) {
     sums.begin_step(step);
     const auto theirs = layout.spans(src);
     const Tensor ds = keys.doc(cur, layout.local_tokens(src));
@@ -522,9 +515,7 @@ void ring_capacity_loss_backward(dist::Comm& group, const ContextLayout& layout,
                               doc.rows(q0, q0 + mine[qi].length), mine[qi].start, g[qi], gk[ki], E);
     });
     sums.end_step(step);
-    if (next) next->wait();
-    cur ^= 1;
-  }
+  });
   // Home: this rank's own keys' sums, chunk by chunk, scaled and rounded into dlog_beta.
   const Tensor& all = sums.home();
   join_chunks({sum_chunk(all, mine, 0), sum_chunk(all, mine, 1)}, mine, scale, dlog_beta);
@@ -549,11 +540,7 @@ Tensor ring_future_attention_target(dist::Comm& group, const ContextLayout& layo
   // Each key chunk's running log-sum-exp (the span op wants consecutive keys).
   std::array<std::pair<Tensor, Tensor>, 2> acc{kvpop::future_attention_start(mine[0].length, H),
                                                kvpop::future_attention_start(mine[1].length, H)};
-  int cur = 0;
-  for (int step = 0; step < N; ++step) {
-    const int src = (r - step + N) % N;
-    std::unique_ptr<dist::Request> next;
-    if (step + 1 < N) next = queries.shift(group, cur);
+  ring_steps(group, r, N, queries, [&](int /*step*/, int src, int cur) {
     const int64_t Ts = layout.local_tokens(src);
     const Tensor qs = queries.field(cur, kQueries, Ts), ls = queries.field(cur, kLse, Ts),
                  ds = queries.field(cur, kQueryDocs, Ts);
@@ -565,9 +552,7 @@ Tensor ring_future_attention_target(dist::Comm& group, const ContextLayout& layo
                                    k.rows(k0, k1), doc.rows(k0, k1), mine[ki].start, w, scale, acc[ki].first,
                                    acc[ki].second);
     });
-    if (next) next->wait();
-    cur ^= 1;
-  }
+  });
   Tensor log_m = Tensor::empty({K, Tl}, DType::F32);
   for (int i = 0; i < 2; ++i) copy_range(kvpop::future_attention_finish(acc[i].first, acc[i].second, K), 0, log_m,
                                          local_offset(mine, i), mine[i].length, 1);
