@@ -60,11 +60,11 @@ TeacherPass teacher_pass(WeightProvider& weights, const Tensor& ids, const Tenso
 // margin_sum. teacher_pass without a part calls it.
 void add_decisions(TeacherPass& pass, const StepSettings& s, const std::vector<std::vector<double>>* target_log_gamma);
 
-// Scorer forward and backward on one sequence (the heads whose x is set; the others are skipped): returns grad_scale·Σℓ (with grad_scale =
-// 1 / global decisions this sequence's share of L_kvpop) and ADDS grad_scale·∂(Σℓ)/∂params
-// into grads (same [L][K] layout as params). A field that is empty is allocated; one that
-// already has the head's shape (e.g. a view rows(κ, κ + 1).reshape(...) of a stacked [K, …]
-// gradient tensor) is added into in place.
+// Scorer forward and backward on one sequence (the heads whose x is set; the others are
+// skipped): returns grad_scale·Σℓ (with grad_scale = 1 / global decisions this sequence's share
+// of L_kvpop) and ADDS grad_scale·∂(Σℓ)/∂params into grads (same [L][K] layout as params). A
+// field that is empty is allocated; one that already has the head's shape (e.g. a view
+// rows(κ, κ + 1).reshape(...) of a stacked [K, …] gradient tensor) is added into in place.
 // With `agreed`, adds the number of decisions the scorer already gets right: sign(ŝ_new(q) − ŝ_b(q))
 // equals y (a tie counts as wrong).
 double scorer_step(const TeacherPass& pass, const std::vector<std::vector<HeadParams>>& params, const StepSettings& s,
