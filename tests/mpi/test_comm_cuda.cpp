@@ -158,6 +158,12 @@ void check_collectives(Comm& comm, Device kind, const std::string& what) {
       EXPECT_EQ(got[i], value(prev, i)) << "ring_shift " << i;
       EXPECT_EQ(got2[i], value(prev, count - 1 - i)) << "ring_shift (second) " << i;
     }
+    // By distance 2 (gather_to_owners' pairwise exchanges): rank me − 2's bytes.
+    Tensor recv3 = buffer(std::vector<float>(count, -1.f));
+    comm.ring_shift_bytes_async(send.raw(), recv3.raw(), count * sizeof(float), 2)->wait();
+    const std::vector<float> got3 = host(recv3);
+    const int from = ((me - 2) % n + n) % n;
+    for (size_t i = 0; i < count; i += 53) EXPECT_EQ(got3[i], value(from, i)) << "shift by 2 " << i;
   }
 }
 
