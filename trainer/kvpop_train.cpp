@@ -23,36 +23,42 @@ kvpop::TeacherPass split_teacher_pass(WeightProvider& weights, const MicroBatch&
   const ContextPart part(group, layout, layout.local(ops::document_positions(mb.doc), r));
   kvpop::TeacherPass local = kvpop::teacher_pass(weights, layout.local(mb.ids, r), doc, s, target_log_gamma, &part);
 
-  // Items: per (layer, head) its x [T_local, 2d] and its log m row as [T_local, 1].
+  // A few layers at a time — enough for about one head per rank, ⌈N/K⌉ layers — so that the
+  // exchange's buffers hold about one head's whole sequence per rank, not all of its heads', and
+  // carry little padding. Items per head: its x [T_local, 2d] and its log m row as [T_local, 1].
   const int64_t L = static_cast<int64_t>(local.x.size()), K = L ? static_cast<int64_t>(local.x[0].size()) : 0;
-  const int64_t T = mb.ids.numel(), Tl = layout.local_tokens(r);
-  std::vector<Tensor> items;
-  std::vector<int> owner;
-  for (int64_t l = 0; l < L; ++l)
-    for (int64_t kv = 0; kv < K; ++kv) {
-      const int o = static_cast<int>((l * K + kv) % N);
-      items.push_back(local.x[l][kv]);
-      items.push_back(local.log_m[l].rows(kv, kv + 1).reshape({Tl, 1}));
-      owner.insert(owner.end(), {o, o});
-    }
-  local.x.clear();  // (the items hold them)
-  const std::vector<Tensor> whole = gather_to_owners(group, layout, items, owner);
-
+  const int64_t T = mb.ids.numel(), Tl = layout.local_tokens(r), per_exchange = K ? (N + K - 1) / K : 1;
   kvpop::TeacherPass pass;
   pass.doc = mb.doc.on(Device::CPU);
   pass.device = Device::CPU;
   pass.doc_on_device = pass.doc;
-  for (int64_t l = 0; l < L; ++l) {
-    pass.x.emplace_back(static_cast<size_t>(K));
-    Tensor log_m = Tensor::empty({K, T}, DType::F32);  // the owned heads' rows; −inf elsewhere
-    std::fill(log_m.data<float>(), log_m.data<float>() + log_m.numel(), -std::numeric_limits<float>::infinity());
-    for (int64_t kv = 0; kv < K; ++kv) {
-      const size_t i = static_cast<size_t>(2 * (l * K + kv));
-      if (owner[i] != r) continue;
-      pass.x[l][kv] = whole[i];
-      std::memcpy(log_m.data<float>() + kv * T, whole[i + 1].data<float>(), static_cast<size_t>(T) * sizeof(float));
+  pass.x.resize(static_cast<size_t>(L));
+  for (int64_t l0 = 0; l0 < L; l0 += per_exchange) {
+    const int64_t l1 = std::min(L, l0 + per_exchange);
+    std::vector<Tensor> items;
+    std::vector<int> owner;
+    for (int64_t l = l0; l < l1; ++l) {
+      for (int64_t kv = 0; kv < K; ++kv) {
+        const int o = static_cast<int>((l * K + kv) % N);
+        items.push_back(local.x[l][kv]);
+        items.push_back(local.log_m[l].rows(kv, kv + 1).reshape({Tl, 1}));
+        owner.insert(owner.end(), {o, o});
+      }
+      local.x[l].clear();  // (the items hold them until the exchange is done)
     }
-    pass.log_m.push_back(log_m);
+    const std::vector<Tensor> whole = gather_to_owners(group, layout, items, owner);
+    for (int64_t l = l0; l < l1; ++l) {
+      pass.x[l].resize(static_cast<size_t>(K));
+      Tensor log_m = Tensor::empty({K, T}, DType::F32);  // the owned heads' rows; −inf elsewhere
+      std::fill(log_m.data<float>(), log_m.data<float>() + log_m.numel(), -std::numeric_limits<float>::infinity());
+      for (int64_t kv = 0; kv < K; ++kv) {
+        const size_t i = static_cast<size_t>(2 * ((l - l0) * K + kv));
+        if (owner[i] != r) continue;
+        pass.x[l][kv] = whole[i];
+        std::memcpy(log_m.data<float>() + kv * T, whole[i + 1].data<float>(), static_cast<size_t>(T) * sizeof(float));
+      }
+      pass.log_m.push_back(log_m);
+    }
   }
   kvpop::add_decisions(pass, s, target_log_gamma);
   return pass;
