@@ -143,9 +143,9 @@ TEST_F(TrainRuns, ContextParallelResumesAcrossAChangeOfGroupSize) {
 }
 
 // Context parallelism divides a rank's memory: one 4,096-token step (12 random documents, some
-// crossing the chunk edges) on 1, 2 and 4 ranks, trimkv and kvpop; rank 0's live-tensor peak (tensor_peak_gb) is
-// ~1.4/N of one rank's (the T-proportional buffers divided by N, plus the ring's packets), the
-// loss the same. A rank that held the whole sequence's activations anywhere would fail it.
+// crossing the chunk edges) on 1, 2 and 4 ranks, trimkv and kvpop; rank 0's live-tensor peak
+// (tensor_peak_gb) is ~1.4/N of one rank's (the T-proportional buffers divided by N, plus the
+// ring's packets), the loss the same. A rank that held the whole sequence's activations anywhere would fail it.
 TEST_F(TrainRuns, ContextParallelDividesTheMemory) {
   {
     std::ofstream corpus(dir_ / "long.jsonl");
@@ -164,13 +164,15 @@ TEST_F(TrainRuns, ContextParallelDividesTheMemory) {
   const std::string data = " --model " + kModel + " --data " + (dir_ / "long.h5") + " --global-batch 1 --steps 1";
   // trimkv, and kvpop (its teacher's activations and targets split the same way; each rank then
   // holds its share of the heads' whole-sequence inputs, 1/N of them): measured 0.60× and 0.31×.
-  for (const std::string& gate :
-       {" --gate trimkv --init-gates " + kFixtures + "/gates-trimkv.safetensors --memory 4 --loss-chunk 16",
-        std::string(" --gate kvpop --window 64 --sinks 4 --topk 32")}) {
+  const std::string gates[] = {
+      " --gate trimkv --init-gates " + kFixtures + "/gates-trimkv.safetensors --memory 4 --loss-chunk 16",
+      " --gate kvpop --window 64 --sinks 4 --topk 32"};
+  for (size_t g = 0; g < std::size(gates); ++g) {
+    const std::string& gate = gates[g];
     SCOPED_TRACE(gate);
     std::map<int, nlohmann::json> step;
     for (int n : {1, 2, 4}) {
-      const std::string out = dir_ / fmt::format("mem{}-{}", n, gate.size());
+      const std::string out = dir_ / fmt::format("mem{}-gate{}", n, g);
       r = train(data + gate + " --out " + out + (n > 1 ? fmt::format(" --context-parallel {}", n) : std::string()), n);
       ASSERT_EQ(r.code, 0) << r.err;
       step[n] = metrics(out).back();
