@@ -249,12 +249,13 @@ void capacity_loss_backward(const Tensor& log_beta, const Tensor& doc, const Ten
 
 namespace {
 
-// The span ops run on the CPU only (the CUDA kernels take no chunk offsets yet).
+// The capacity span ops run on the CPU only (their CUDA kernels are not written yet), and every
+// span op in a build without CUDA kernels.
 void span_on_cpu(const char* op, std::initializer_list<const Tensor*> ts) {
   for (const Tensor* t : ts)
     if (t->device() != Device::CPU)
-      fail("{}: runs on the CPU only in this build (context parallelism on CUDA is not written yet); a tensor is on {}",
-           op, device_name(t->device()));
+      fail("{}: runs on the CPU only in this build (its CUDA kernel is not written yet); a tensor is on {}", op,
+           device_name(t->device()));
 }
 
 void check_span(const char* op, const char* what, int64_t start, int64_t n) {
@@ -262,17 +263,25 @@ void check_span(const char* op, const char* what, int64_t start, int64_t n) {
   if (start + n >= (int64_t{1} << 24)) fail("{}: {} + length = {} is not below 2^24", op, what, start + n);
 }
 
-// q, k, v, log_beta, the docs as a span pair: [Tq, H, d], [Tk, K, d], [Tk, K], [Tq], [Tk] (F32, I32).
+// q, k, v, log_beta, the docs as a span pair: [Tq, H, d], [Tk, K, d], [Tk, K], [Tq], [Tk] (q, k,
+// v F32 on the CPU, BF16 on CUDA; I32 docs), all on q's device.
 AttentionDims check_span_attention(const char* op, const Tensor& q, const Tensor& q_doc, int64_t q_start,
                                    const Tensor& k, const Tensor& v, const Tensor& log_beta, const Tensor& k_doc,
                                    int64_t k_start, float scale) {
-  span_on_cpu(op, {&q, &q_doc, &k, &v, &log_beta, &k_doc});
-  expect_ndim(op, "q", q, DType::F32, 3, "[Tq, H, d]");
-  expect_ndim(op, "k", k, DType::F32, 3, "[Tk, K, d]");
+#ifndef RETAIN_CUDA_KERNELS
+  span_on_cpu(op, {&q});
+#endif
+  check_attention_device(op, q, {&q_doc, &k, &v, &log_beta, &k_doc});
+  const DType act = activation_dtype(q);
+  if (q.device() == Device::CUDA && q.dtype() != act)
+    fail("{}: q is a CUDA {} tensor; on CUDA q, k, v, dout must be BF16 (out, lse and the gradients F32)", op,
+         dtype_name(q.dtype()));
+  expect_ndim(op, "q", q, act, 3, "[Tq, H, d]");
+  expect_ndim(op, "k", k, act, 3, "[Tk, K, d]");
   const int64_t Tq = q.dim(0), H = q.dim(1), d = q.dim(2), Tk = k.dim(0), K = k.dim(1);
   if (K <= 0 || H % K != 0) fail("{}: {} query heads are not a multiple of {} KV heads", op, H, K);
-  expect(op, "k", k, DType::F32, {Tk, K, d}, "[Tk, K, d]");
-  expect(op, "v", v, DType::F32, {Tk, K, d}, "[Tk, K, d]");
+  expect(op, "k", k, act, {Tk, K, d}, "[Tk, K, d]");
+  expect(op, "v", v, act, {Tk, K, d}, "[Tk, K, d]");
   expect(op, "log_beta", log_beta, DType::F32, {Tk, K}, "[Tk, K]");
   expect(op, "q_doc", q_doc, DType::I32, {Tq}, "[Tq]");
   expect(op, "k_doc", k_doc, DType::I32, {Tk}, "[Tk]");
@@ -305,19 +314,29 @@ void gated_attention_span(const Tensor& q, const Tensor& q_doc, int64_t q_start,
                           Tensor& lse) {
   const char* op = "gated_attention_span";
   const AttentionDims a = check_span_attention(op, q, q_doc, q_start, k, v, log_beta, k_doc, k_start, scale);
-  span_on_cpu(op, {&out, &lse});
+  check_attention_device(op, q, {&out, &lse});
   expect(op, "out", out, DType::F32, q.shape(), "[Tq, H, d]");
   expect(op, "lse", lse, DType::F32, {a.T, a.H}, "[Tq, H]");
+#ifdef RETAIN_CUDA_KERNELS
+  if (q.device() == Device::CUDA)
+    return cuda::gated_attention_span(q, q_doc, q_start, k, v, log_beta, k_doc, k_start, scale, out, lse);
+#endif
   cpu::gated_attention_span(q, q_doc, q_start, k, v, log_beta, k_doc, k_start, scale, out, lse);
 }
 
 void merge_attention(Tensor& out, Tensor& lse, const Tensor& part_out, const Tensor& part_lse) {
   const char* op = "merge_attention";
-  span_on_cpu(op, {&out, &lse, &part_out, &part_lse});
+#ifndef RETAIN_CUDA_KERNELS
+  span_on_cpu(op, {&out});
+#endif
+  check_attention_device(op, out, {&lse, &part_out, &part_lse});
   expect_ndim(op, "out", out, DType::F32, 3, "[R, H, d]");
   expect(op, "lse", lse, DType::F32, {out.dim(0), out.dim(1)}, "[R, H]");
   expect(op, "part_out", part_out, DType::F32, out.shape(), "[R, H, d]");
   expect(op, "part_lse", part_lse, DType::F32, lse.shape(), "[R, H]");
+#ifdef RETAIN_CUDA_KERNELS
+  if (out.device() == Device::CUDA) return cuda::merge_attention(out, lse, part_out, part_lse);
+#endif
   cpu::merge_attention(out, lse, part_out, part_lse);
 }
 
@@ -327,14 +346,19 @@ void gated_attention_span_backward(const Tensor& q, const Tensor& q_doc, int64_t
                                    Tensor& dk, Tensor& dv, Tensor& dlog_beta) {
   const char* op = "gated_attention_span_backward";
   const AttentionDims a = check_span_attention(op, q, q_doc, q_start, k, v, log_beta, k_doc, k_start, scale);
-  span_on_cpu(op, {&out, &lse, &dout, &dq, &dk, &dv, &dlog_beta});
+  check_attention_device(op, q, {&out, &lse, &dout, &dq, &dk, &dv, &dlog_beta});
   expect(op, "out", out, DType::F32, q.shape(), "[Tq, H, d]");
   expect(op, "lse", lse, DType::F32, {a.T, a.H}, "[Tq, H]");
-  expect(op, "dout", dout, DType::F32, q.shape(), "[Tq, H, d]");
+  expect(op, "dout", dout, activation_dtype(q), q.shape(), "[Tq, H, d]");
   expect(op, "dq", dq, DType::F32, q.shape(), "[Tq, H, d]");
   expect(op, "dk", dk, DType::F32, k.shape(), "[Tk, K, d]");
   expect(op, "dv", dv, DType::F32, k.shape(), "[Tk, K, d]");
   expect(op, "dlog_beta", dlog_beta, DType::F32, log_beta.shape(), "[Tk, K]");
+#ifdef RETAIN_CUDA_KERNELS
+  if (q.device() == Device::CUDA)
+    return cuda::gated_attention_span_backward(q, q_doc, q_start, k, v, log_beta, k_doc, k_start, scale, out, lse,
+                                               dout, dq, dk, dv, dlog_beta);
+#endif
   cpu::gated_attention_span_backward(q, q_doc, q_start, k, v, log_beta, k_doc, k_start, scale, out, lse, dout, dq,
                                      dk, dv, dlog_beta);
 }

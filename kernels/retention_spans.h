@@ -5,8 +5,10 @@
 // causal test i ≤ t use the global indices while each span brings its own document ids.
 // Called with q_start = k_start = 0 on the same tokens they are the whole-sequence ops.
 //
-// CPU only for now: on CUDA each is a retain::Error saying so (the kernels take no chunk
-// offsets yet).
+// Devices: the attention ops (gated_attention_span, merge_attention, _span_backward) run on
+// the CPU (F32) and on CUDA (kernels/cuda/retention_cuda.h: q, k, v, dout BF16, the rest F32;
+// the keys the queries' own span or one wholly before or after them; unverified on a GPU,
+// emulated). The capacity ops run on the CPU only: on CUDA each is a retain::Error saying so.
 #pragma once
 #include <cstdint>
 

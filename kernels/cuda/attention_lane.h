@@ -109,9 +109,15 @@ RETAIN_UNROLL
 
 // A finished row: l = the whole row's sum (quad-reduced), m its maximum. inv multiplies the
 // accumulated output (0 for a row with nothing allowed: padding, past T), lse is natural-log.
+// A row whose largest logit is at most kNoMass2 has only keys of β = 0 (clamped lb2, t − i ≥ 1:
+// logits ≤ −1e30 + |q·k|): a weight of exactly 0 for each, i.e. no allowed key, as the CPU
+// reference has it. Only a span pair meets such a row (kernels/retention_spans.h: a chunk before
+// the queries, without their own keys); in one sequence every row has its own key at weight 1.
+inline constexpr float kNoMass2 = 0.5f * kMinLb2;
 RETAIN_HD void finish_row(float l, float m, float& inv, float& lse) {
-  inv = l > 0.0f ? 1.0f / l : 0.0f;
-  lse = l > 0.0f ? (m + log2f(l)) * kLn2 : -INFINITY;
+  const bool mass = l > 0.0f && m > kNoMass2;
+  inv = mass ? 1.0f / l : 0.0f;
+  lse = mass ? (m + log2f(l)) * kLn2 : -INFINITY;
 }
 
 // The saved lse of a row in base-2 units, 0 for −inf (rows that allow nothing, whose

@@ -112,40 +112,79 @@ RETAIN_HD float block_max_log_beta(const float* log_beta, const int32_t* doc, in
 // spans (kernels/cuda/block_spans.h) bound the walks: query block qb meets no key block before
 // spans[qb].key_begin, key block kb no query block from spans[kb].query_end on, so a CTA looks
 // its span up instead of testing every block from 0 (forward, dq) or up to nb (dk/dv).
+//
+// A rectangle (rect_tiles; context parallelism's chunk against a wholly earlier chunk,
+// kernels/retention_spans.h): the keys are another span of query_blocks × key_blocks tiles,
+// every pair is causal (each key precedes each query), so a tile is visited when the blocks'
+// document ranges meet, with no diagonal; the key blocks have their own ranges, no spans table
+// (the walks cover every block of the other side) and no weight skip.
 struct TileFilter {
-  const DocRange* ranges;
+  const DocRange* ranges;  // the query blocks' (one sequence: every block's)
   const spans::BlockSpan* spans;
   const float* lbmax;
   int64_t stride;
   float log_eps;
+  const DocRange* key_ranges = nullptr;  // a rectangle's key blocks (nullptr: one sequence)
+  int64_t query_blocks = 0, key_blocks = 0;  // a rectangle's block counts
 };
 RETAIN_HD TileFilter exact_tiles(const DocRange* ranges, const spans::BlockSpan* block_spans) {
   return {ranges, block_spans, nullptr, 0, 0.0f};
 }
+RETAIN_HD TileFilter rect_tiles(const DocRange* query_ranges, int64_t query_blocks, const DocRange* key_ranges,
+                                int64_t key_blocks) {
+  return {query_ranges, nullptr, nullptr, 0, 0.0f, key_ranges, query_blocks, key_blocks};
+}
+RETAIN_HD bool is_rect(const TileFilter& f) { return f.key_ranges != nullptr; }
 RETAIN_HD bool visits(const TileFilter& f, int64_t qb, int64_t kb) {
+  if (is_rect(f)) return ranges_meet(f.ranges[qb], f.key_ranges[kb]);
   return tile_visited(f.ranges, qb, kb) && !(f.lbmax && tile_negligible(f.lbmax[kb * f.stride], qb, kb, f.log_eps));
 }
+// Every pair of a visited tile is allowed: tile_all_allowed, or in a rectangle both blocks
+// full blocks of the same single document.
+RETAIN_HD bool all_allowed(const TileFilter& f, int64_t qb, int64_t kb) {
+  if (is_rect(f)) {
+    const DocRange &q = f.ranges[qb], &k = f.key_ranges[kb];
+    return q.single && k.single && q.lo == k.lo;
+  }
+  return tile_all_allowed(f.ranges, qb, kb);
+}
 
-// The next key block ≥ kb visited by query block qb, or qb + 1 when none is left.
+// The blocks a CTA's walk covers, as [lo, hi): for query block qb the key blocks from its
+// span's start to the diagonal (a rectangle: all of them), for key block kb the query blocks
+// from the diagonal to its span's end (a rectangle: all of them).
+struct WalkRange {
+  int64_t lo, hi;
+};
+RETAIN_HD WalkRange key_walk_range(const TileFilter& f, int64_t qb) {
+  if (is_rect(f)) return {0, f.key_blocks};
+  return {f.spans[qb].key_begin, qb + 1};
+}
+RETAIN_HD WalkRange query_walk_range(const TileFilter& f, int64_t kb) {
+  if (is_rect(f)) return {0, f.query_blocks};
+  return {kb, f.spans[kb].query_end};
+}
+
+// The next key block ≥ kb visited by query block qb, or key_walk_range(f, qb).hi (one
+// sequence: qb + 1) when none is left.
 RETAIN_HD int64_t next_key_block(const TileFilter& f, int64_t qb, int64_t kb) {
-  const int64_t begin = f.spans[qb].key_begin;
-  if (kb < begin) kb = begin;
-  while (kb <= qb && !visits(f, qb, kb)) ++kb;
+  const WalkRange r = key_walk_range(f, qb);
+  if (kb < r.lo) kb = r.lo;
+  while (kb < r.hi && !visits(f, qb, kb)) ++kb;
   return kb;
 }
 
 // The next query block ≥ qb that visits key block kb, or nb when none is left.
 RETAIN_HD int64_t next_query_block(const TileFilter& f, int64_t nb, int64_t kb, int64_t qb) {
-  const int64_t end = f.spans[kb].query_end;
+  const int64_t end = query_walk_range(f, kb).hi;
   while (qb < end && !visits(f, qb, kb)) ++qb;
   return qb < end ? qb : nb;
 }
 
 // The dk/dv walk for key block kb: every query head h of [h_begin, h_end) (a GQA group), and
 // for each the query blocks visiting kb in increasing order, starting at
-// first_qb = next_query_block(f, nb, kb, kb) (< nb: the walk is empty otherwise). The kernels
-// take these walks on shared-memory bits (below); these are the definitions they are tested
-// against.
+// first_qb = next_query_block(f, nb, kb, query_walk_range(f, kb).lo) (< nb: the walk is empty
+// otherwise). The kernels take these walks on shared-memory bits (below); these are the
+// definitions they are tested against.
 // Returns the step after (h, qb); h == h_end marks the end.
 struct HeadBlock {
   int h;
@@ -163,21 +202,16 @@ RETAIN_HD HeadBlock next_head_block(const TileFilter& f, int64_t nb, int64_t kb,
 // the CTA waiting on it. Instead a CTA sets, once, two bits per block it may meet: `visit`
 // (visits()) and `full` (tile_all_allowed), in shared words; the loop then finds its next
 // block with one shared load and a count of trailing zeros. Bit b lives in word b / 32.
-//   query side (forward, dq; query block qb): bit kb for kb ∈ [spans[qb].key_begin, qb];
-//   key side (dk/dv; key block kb): bit qb for qb ∈ [kb, spans[kb].query_end).
+//   query side (forward, dq; query block qb): bit kb for kb ∈ key_walk_range(f, qb);
+//   key side (dk/dv; key block kb): bit qb for qb ∈ query_walk_range(f, kb).
 // key_walk_range / query_walk_range give [lo, hi); walk_bits the two bits of one block.
 RETAIN_HD int64_t walk_words(int64_t nb) { return (nb + 31) / 32; }
-struct WalkRange {
-  int64_t lo, hi;
-};
-RETAIN_HD WalkRange key_walk_range(const TileFilter& f, int64_t qb) { return {f.spans[qb].key_begin, qb + 1}; }
-RETAIN_HD WalkRange query_walk_range(const TileFilter& f, int64_t kb) { return {kb, f.spans[kb].query_end}; }
 struct WalkBits {
   bool visit, full;
 };
 RETAIN_HD WalkBits walk_bits(const TileFilter& f, int64_t qb, int64_t kb) {
   const bool visit = visits(f, qb, kb);
-  return {visit, visit && tile_all_allowed(f.ranges, qb, kb)};
+  return {visit, visit && all_allowed(f, qb, kb)};
 }
 
 RETAIN_HD int count_trailing_zeros(uint32_t w) {  // w ≠ 0

@@ -40,6 +40,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <limits>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -47,6 +48,7 @@
 #include "kernels/cuda/attention_tiles.h"
 #include "kernels/cuda/block_spans_cuda.h"
 #include "kernels/cuda/check.h"
+#include "kernels/cuda/memory.h"
 #include "kernels/cuda/mma.cuh"
 #include "kernels/cuda/retention_cuda.h"
 #include "kernels/cuda/wgmma.cuh"
@@ -69,13 +71,20 @@ using ptx::pack_bf16;
 
 constexpr float kNegInf = -INFINITY;
 
+// One sequence: queries and keys are the same T tokens (Tk = T, k_doc = doc, gap 0). A span pair
+// (kernels/retention_spans.h; gated_attention_span below): T queries against Tk keys of the
+// same sequence, either the same tokens or a span wholly before them (a rectangle: k_ranges
+// set), a query's position being its index + gap, a key's its index; the span forward writes
+// out32, the span backward reads out32 and adds to dq32, dk32, dv32 and dlog_beta.
 struct Params {
   const bf16* q;         // [T, H, d]
-  const bf16* k;         // [T, K, d]
-  const bf16* v;         // [T, K, d]
-  const float* log_beta; // [T, K]
-  const int32_t* doc;    // [T]
-  const DocRange* ranges;  // [nb]
+  const bf16* k;         // [Tk, K, d]
+  const bf16* v;         // [Tk, K, d]
+  const float* log_beta; // [Tk, K]
+  const int32_t* doc;    // [T]  the queries' documents
+  const int32_t* k_doc;  // [Tk] the keys' documents (one sequence: doc)
+  const DocRange* ranges;  // [nb] the query blocks' (one sequence: every block's)
+  const DocRange* k_ranges;  // [nkb] a rectangle's key blocks, or nullptr
   const spans::BlockSpan* spans;  // [nb] (kernels/cuda/block_spans.h)
   const float* lbmax;      // [nb, K] per-block max logβ, or nullptr: no weight skip (exact)
   float log_eps;           // the weight skip's log ε (when lbmax is set)
@@ -86,9 +95,15 @@ struct Params {
   bf16* dq;              // [T, H, d]
   bf16* dk;              // [T, K, d]
   bf16* dv;              // [T, K, d]
-  float* dlog_beta;      // [T, K]
-  int64_t T;
-  int H, K, group, nb;
+  float* dlog_beta;      // [Tk, K]
+  float* out32;          // span forward: out F32 [T, H, d] (instead of out); span backward: read
+  float* dq32;           // span backward: F32 sums added to (instead of dq, dk, dv stored), and
+  float* dk32;           //   dlog_beta added to
+  float* dv32;
+  int64_t T, Tk;
+  int64_t gap;           // a query's position minus its index (a rectangle: q_start − k_start)
+  int H, K, group, nb, nkb;
+  int walk_nb;           // max(nb, nkb): the walk bits' length
   float scale;   // head_dim^-0.5 (or the caller's)
   float scale2;  // scale · log2 e
 };
@@ -254,6 +269,29 @@ __device__ __forceinline__ void store_rows(bf16* base, int64_t stride, const int
   }
 }
 
+// store_rows in F32, stored (kAdd false) or added to what the rows hold (kAdd true: the span
+// backward's sums; each row belongs to one CTA, so no other thread touches it meanwhile).
+template <int D, bool kAdd>
+__device__ __forceinline__ void store_rows_f32(float* base, int64_t stride, const int64_t (&row)[2], const bool (&ok)[2],
+                                               const float (&acc)[D / 8][4], const float (&mul)[2], int lane) {
+#pragma unroll
+  for (int x = 0; x < 2; ++x) {
+    if (!ok[x]) continue;
+    float* dst = base + row[x] * stride + c_col(lane, 0);
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt) {
+      float2 val = make_float2(acc[nt][2 * x] * mul[x], acc[nt][2 * x + 1] * mul[x]);
+      float2* at = reinterpret_cast<float2*>(dst + 8 * nt);
+      if (kAdd) {
+        const float2 old = *at;
+        val.x += old.x;
+        val.y += old.y;
+      }
+      *at = val;
+    }
+  }
+}
+
 // Shared memory of the kernels, in bf16 tiles of kBlock × D plus per-stage float/int rows.
 template <int D>
 constexpr size_t tile_bytes() {
@@ -315,14 +353,14 @@ struct KeyStages {
   __device__ __forceinline__ KeyRow fetch(const Params& p, const Copy& copy_tile, int kv, int64_t kb,
                                           int stage) const {
     const int64_t i0 = block_begin(kb);
-    const int nk = static_cast<int>(block_size(p.T, kb));
+    const int nk = static_cast<int>(block_size(p.Tk, kb));
     copy_tile(k + stage * kBlock * D, p.k + kv * D, int64_t{p.K} * D, i0, nk);
     copy_tile(v + stage * kBlock * D, p.v + kv * D, int64_t{p.K} * D, i0, nk);
     KeyRow r;
     const int c = threadIdx.x;
     if (c < nk) {  // nk ≤ kBlock ≤ kThreads
       r.log_beta = p.log_beta[(i0 + c) * p.K + kv];
-      r.doc = p.doc[i0 + c];
+      r.doc = p.k_doc[i0 + c];
     }
     return r;
   }
@@ -341,6 +379,7 @@ static_assert(kBlock <= kThreads, "one thread stages one key or query of a tile"
 // The tile tables of KV head kv (attention_tiles.h TileFilter): document ranges, block spans
 // and, with the weight skip, the head's per-block largest logβ.
 __device__ __forceinline__ TileFilter tile_filter(const Params& p, int kv) {
+  if (p.k_ranges) return rect_tiles(p.ranges, p.nb, p.k_ranges, p.nkb);
   return {p.ranges, p.spans, p.lbmax ? p.lbmax + kv : nullptr, p.K, p.log_eps};
 }
 
@@ -358,14 +397,20 @@ __global__ void lbmax_kernel(const float* log_beta, const int32_t* doc, int64_t 
   if (x < nb * K) lbmax[x] = block_max_log_beta(log_beta, doc, T, K, x / K, x % K);
 }
 
-// D[row] = Σ_j dout[row, j]·out[row, j] over rows of length d (even), one warp per row.
-__global__ void delta_kernel(const bf16* out, const bf16* dout, float* delta, int64_t rows, int d) {
+// D[row] = Σ_j dout[row, j]·out[row, j] over rows of length d (even), one warp per row; out in
+// bf16 (one sequence) or F32 (a span pair's merged rows).
+__device__ __forceinline__ float2 two_floats(const bf16* x) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(x));
+}
+__device__ __forceinline__ float2 two_floats(const float* x) { return *reinterpret_cast<const float2*>(x); }
+template <typename Out>
+__global__ void delta_kernel(const Out* out, const bf16* dout, float* delta, int64_t rows, int d) {
   const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (row >= rows) return;  // whole warps leave together (row is warp-uniform)
   float sum = 0.0f;
   for (int j = 2 * lane; j < d; j += 64) {
-    const float2 o = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(out + row * d + j));
+    const float2 o = two_floats(out + row * d + j);
     const float2 g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(dout + row * d + j));
     sum += o.x * g.x + o.y * g.y;
   }
@@ -377,9 +422,11 @@ __global__ void delta_kernel(const bf16* out, const bf16* dout, float* delta, in
 // ---- forward -----------------------------------------------------------------------------
 
 // A lane's two query rows in a forward CTA (fragment rows group and group + 8 of its warp's
-// row-block): token, document (−1 past the block's nq rows) and whether it is a row.
+// row-block): token, its position (the token + p.gap), document (−1 past the block's nq rows)
+// and whether it is a row.
 struct ForwardRows {
   int64_t t[2];
+  int64_t pos[2];
   int32_t doc_t[2];
   bool in_t[2];
   __device__ __forceinline__ ForwardRows(const Params& p, int64_t q0, int nq, int warp, int lane) {
@@ -387,6 +434,7 @@ struct ForwardRows {
     for (int x = 0; x < 2; ++x) {
       const int r = warp * kRowsPerWarp + c_row(lane, 2 * x);
       t[x] = q0 + r;
+      pos[x] = t[x] + p.gap;
       in_t[x] = r < nq;
       doc_t[x] = in_t[x] ? p.doc[t[x]] : -1;
     }
@@ -407,7 +455,10 @@ __device__ __forceinline__ void finish_forward(const Params& p, const ForwardRow
     row[x] = q.t[x] * p.H + h;
     if (q.in_t[x] && lane % 4 == 0) p.lse[row[x]] = lse;
   }
-  store_rows<D>(p.out, D, row, q.in_t, o_acc, inv, lane);
+  if (p.out32)
+    store_rows_f32<D, false>(p.out32, D, row, q.in_t, o_acc, inv, lane);
+  else
+    store_rows<D>(p.out, D, row, q.in_t, o_acc, inv, lane);
 }
 
 // One key tile of a forward: the raw scores s (q·k) become the tile's weights P in place —
@@ -418,7 +469,7 @@ template <int D>
 __device__ __forceinline__ void softmax_tile(float (&s)[kBlock / 8][4], const ForwardRows& rows, int lane,
                                              const KeyStages<D>& keys, int stage, int64_t i0, bool all_allowed,
                                              float scale2, float (&m)[2], float (&l)[2], float (&o_acc)[D / 8][4]) {
-  query_row_logits(s, lane, rows.t, rows.doc_t, i0, keys.lb2 + stage * kBlock, keys.ncl + stage * kBlock,
+  query_row_logits(s, lane, rows.pos, rows.doc_t, i0, keys.lb2 + stage * kBlock, keys.ncl + stage * kBlock,
                    keys.doc + stage * kBlock, all_allowed, scale2);
   float mx[2], alpha[2];
   lane_row_max(s, mx);
@@ -474,7 +525,7 @@ template <int D>
 __global__ void __launch_bounds__(kThreads) forward_kernel(const Params p) {
   extern __shared__ __align__(128) unsigned char smem[];
   const TileCopy<D> copy_tile;
-  const ForwardSmem<D> sm(smem, p.nb);
+  const ForwardSmem<D> sm(smem, p.walk_nb);
 
   const int64_t qb = p.nb - 1 - static_cast<int64_t>(blockIdx.x);  // the longest rows first
   const int h = blockIdx.y, kv = h / p.group;
@@ -656,7 +707,7 @@ __global__ void __launch_bounds__(kForwardThreads) forward_wgmma_kernel(const Pa
   extern __shared__ __align__(128) unsigned char smem[];
   const uint32_t pad = wgmma_smem_pad(smem);
   const TileCopy<D, true, kForwardThreads> copy_tile;
-  const WgmmaForwardSmem<D> sm(smem + pad, p.nb);
+  const WgmmaForwardSmem<D> sm(smem + pad, p.walk_nb);
   const uint32_t aK = wgmma::smem_address(smem) + pad + kForwardGroups * kTileBytes<D>, aV = aK + 2 * kTileBytes<D>;
 
   const int64_t pairs = (p.nb + kForwardGroups - 1) / kForwardGroups;
@@ -791,14 +842,17 @@ __device__ __forceinline__ void finish_dq(const Params& p, const DqRows& q, int 
   const float mul[2] = {p.scale, p.scale};
 #pragma unroll
   for (int x = 0; x < 2; ++x) row[x] = q.t[x] * p.H + h;
-  store_rows<D>(p.dq, D, row, q.in_t, dq_acc, mul, lane);
+  if (p.dq32)
+    store_rows_f32<D, true>(p.dq32, D, row, q.in_t, dq_acc, mul, lane);
+  else
+    store_rows<D>(p.dq, D, row, q.in_t, dq_acc, mul, lane);
 }
 
 template <int D>
 __global__ void __launch_bounds__(kThreads) dq_kernel(const Params p) {
   extern __shared__ __align__(128) unsigned char smem[];
   const TileCopy<D> copy_tile;
-  const DqSmem<D> sm(smem, p.nb);
+  const DqSmem<D> sm(smem, p.walk_nb);
 
   const int64_t qb = p.nb - 1 - static_cast<int64_t>(blockIdx.x);
   const int h = blockIdx.y, kv = h / p.group;
@@ -827,7 +881,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const Params p) {
     float dp[kBlock / 8][4] = {};
     rows_times_rows_t<D, kBlock / 8>(s, smem_base(sm.kept(0)), warp * kRowsPerWarp, smem_base(k_s), 0, ldsm);     // Q·Kᵀ
     rows_times_rows_t<D, kBlock / 8>(dp, smem_base(sm.kept(1)), warp * kRowsPerWarp, smem_base(v_s), 0, ldsm);  // dO·Vᵀ
-    query_row_dscores(s, dp, lane, rows.t, rows.doc_t, block_begin(kb), keys.lb2 + stage * kBlock,
+    query_row_dscores(s, dp, lane, rows.pos, rows.doc_t, block_begin(kb), keys.lb2 + stage * kBlock,
                       keys.ncl + stage * kBlock, keys.doc + stage * kBlock, walk_bit(sm.full, kb), p.scale2,
                       rows.lse2, rows.delta);  // s = dS
     weights_times_rows<D, kBlock / 8>(dq_acc, s, smem_base(k_s), 0, ldsm);  // dS·K
@@ -850,7 +904,7 @@ __global__ void __launch_bounds__(kThreads) dq_wgmma_kernel(const Params p) {
   extern __shared__ __align__(128) unsigned char smem[];
   const uint32_t pad = wgmma_smem_pad(smem);
   const TileCopy<D, true> copy_tile;
-  const DqSmem<D> sm(smem + pad, p.nb);
+  const DqSmem<D> sm(smem + pad, p.walk_nb);
   const uint32_t aK = wgmma::smem_address(smem) + pad + 2 * kTileBytes<D>, aV = aK + 2 * kTileBytes<D>;
 
   const int64_t qb = p.nb - 1 - static_cast<int64_t>(blockIdx.x);
@@ -887,7 +941,7 @@ __global__ void __launch_bounds__(kThreads) dq_wgmma_kernel(const Params p) {
     wgmma::fence_operand(s);
     wgmma::fence_operand(dp);
 
-    query_row_dscores(s, dp, lane, rows.t, rows.doc_t, block_begin(kb), keys.lb2 + stage * kBlock,
+    query_row_dscores(s, dp, lane, rows.pos, rows.doc_t, block_begin(kb), keys.lb2 + stage * kBlock,
                       keys.ncl + stage * kBlock, keys.doc + stage * kBlock, walk_bit(sm.full, kb), p.scale2,
                       rows.lse2, rows.delta);  // s = dS
     uint32_t dsa[kBlock / 16][4];
@@ -925,7 +979,7 @@ struct KeyRows {
       const int r = warp * kRowsPerWarp + c_row(lane, 2 * x);
       i[x] = i0 + r;
       in_i[x] = r < nk;
-      doc_i[x] = in_i[x] ? p.doc[i[x]] : -1;
+      doc_i[x] = in_i[x] ? p.k_doc[i[x]] : -1;
       lb2[x] = in_i[x] ? staged_lb2(p.log_beta[i[x] * p.K + kv]) : 0.0f;
     }
   }
@@ -975,7 +1029,7 @@ template <int D, class Copy>
 __device__ __forceinline__ HeadBlock start_dkdv(const Params& p, const DkdvSmem<D>& sm, const Copy& copy_tile,
                                                 const TileFilter& tiles, const WalkRange& walk, int64_t kb, int kv) {
   const int64_t i0 = block_begin(kb);
-  const int nk = static_cast<int>(block_size(p.T, kb));
+  const int nk = static_cast<int>(block_size(p.Tk, kb));
   copy_tile(sm.kept(0), p.k + int64_t{kv} * D, int64_t{p.K} * D, i0, nk);
   copy_tile(sm.kept(1), p.v + int64_t{kv} * D, int64_t{p.K} * D, i0, nk);
   fill_walk(sm.visit, sm.full, walk, [&](int64_t qb) { return walk_bits(tiles, qb, kb); });
@@ -999,7 +1053,13 @@ __device__ __forceinline__ void finish_dkdv(const Params& p, const KeyRows& k, i
   for (int x = 0; x < 2; ++x) {
     row[x] = k.i[x] * p.K + kv;
     dlb[x] = quad_sum(dlb[x]);
-    if (k.in_i[x] && lane % 4 == 0) p.dlog_beta[row[x]] = static_cast<float>(dlb[x]);
+    if (k.in_i[x] && lane % 4 == 0)
+      p.dlog_beta[row[x]] = static_cast<float>(dlb[x]) + (p.dk32 ? p.dlog_beta[row[x]] : 0.0f);
+  }
+  if (p.dk32) {
+    store_rows_f32<D, true>(p.dk32, D, row, k.in_i, dk_acc, mul_k, lane);
+    store_rows_f32<D, true>(p.dv32, D, row, k.in_i, dv_acc, mul_v, lane);
+    return;
   }
   store_rows<D>(p.dk, D, row, k.in_i, dk_acc, mul_k, lane);
   store_rows<D>(p.dv, D, row, k.in_i, dv_acc, mul_v, lane);
@@ -1014,13 +1074,13 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(const Params p) {
   constexpr int kSubTiles = kSub / 8;
   extern __shared__ __align__(128) unsigned char smem[];
   const TileCopy<D> copy_tile;
-  const DkdvSmem<D> sm(smem, p.nb);
+  const DkdvSmem<D> sm(smem, p.walk_nb);
 
   const int64_t kb = blockIdx.x;  // early key blocks meet the most query blocks: first
   const int kv = blockIdx.y;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const LaneLdsm<D> ldsm(lane);
-  const KeyRows rows(p, block_begin(kb), static_cast<int>(block_size(p.T, kb)), kv, warp, lane);
+  const KeyRows rows(p, block_begin(kb), static_cast<int>(block_size(p.Tk, kb)), kv, warp, lane);
   const QueryStages<D> queries = sm.queries();
   const TileFilter tiles = tile_filter(p, kv);
   const WalkRange walk = query_walk_range(tiles, kb);
@@ -1056,7 +1116,7 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(const Params p) {
       float dp[kSubTiles][4] = {};
       rows_times_rows_t<D, kSubTiles>(s, smem_base(sm.kept(0)), warp * kRowsPerWarp, smem_base(q_s), c0, ldsm);    // K·Qᵀ
       rows_times_rows_t<D, kSubTiles>(dp, smem_base(sm.kept(1)), warp * kRowsPerWarp, smem_base(do_s), c0, ldsm);  // V·dOᵀ
-      key_row_grads(s, dp, lane, rows.i, rows.doc_i, rows.lb2, block_begin(qb), c0, queries.lse2 + stage * kBlock,
+      key_row_grads(s, dp, lane, rows.i, rows.doc_i, rows.lb2, block_begin(qb) + p.gap, c0, queries.lse2 + stage * kBlock,
                     queries.delta + stage * kBlock, queries.doc + stage * kBlock, all_allowed, p.scale2, dlb_tile);
       weights_times_rows<D, kSubTiles>(dv_acc, s, smem_base(do_s), c0, ldsm);  // Pᵀ·dO
       weights_times_rows<D, kSubTiles>(dk_acc, dp, smem_base(q_s), c0, ldsm);  // dSᵀ·Q
@@ -1084,14 +1144,14 @@ __global__ void __launch_bounds__(kThreads) dkdv_wgmma_kernel(const Params p) {
   extern __shared__ __align__(128) unsigned char smem[];
   const uint32_t pad = wgmma_smem_pad(smem);
   const TileCopy<D, true> copy_tile;
-  const DkdvSmem<D> sm(smem + pad, p.nb);
+  const DkdvSmem<D> sm(smem + pad, p.walk_nb);
   const uint32_t aK = wgmma::smem_address(smem) + pad, aV = aK + kTileBytes<D>, aQ = aV + kTileBytes<D>, adO = aQ + 2 * kTileBytes<D>;
   const uint64_t desc_k = wgmma::k_major_desc(aK, kBlock, 0, 0), desc_v = wgmma::k_major_desc(aV, kBlock, 0, 0);
 
   const int64_t kb = blockIdx.x;
   const int kv = blockIdx.y;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const KeyRows rows(p, block_begin(kb), static_cast<int>(block_size(p.T, kb)), kv, warp, lane);
+  const KeyRows rows(p, block_begin(kb), static_cast<int>(block_size(p.Tk, kb)), kv, warp, lane);
   const QueryStages<D> queries = sm.queries();
   const TileFilter tiles = tile_filter(p, kv);
   const WalkRange walk = query_walk_range(tiles, kb);
@@ -1126,7 +1186,7 @@ __global__ void __launch_bounds__(kThreads) dkdv_wgmma_kernel(const Params p) {
     wgmma::fence_operand(dp);
 
     float dlb_tile[2] = {0.0f, 0.0f};
-    key_row_grads(s, dp, lane, rows.i, rows.doc_i, rows.lb2, block_begin(qb), 0, queries.lse2 + stage * kBlock,
+    key_row_grads(s, dp, lane, rows.i, rows.doc_i, rows.lb2, block_begin(qb) + p.gap, 0, queries.lse2 + stage * kBlock,
                   queries.delta + stage * kBlock, queries.doc + stage * kBlock, walk_bit(sm.full, qb), p.scale2,
                   dlb_tile);  // s = P, dp = dS
     uint32_t pa[kBlock / 16][4], dsa[kBlock / 16][4];
@@ -1237,8 +1297,46 @@ class TileTables {
   Scratch ranges_, spans_, lbmax_;
 };
 
+// A span pair's tile tables (kernels/retention_spans.h): the queries' own tokens (the
+// one-sequence tables of q_doc: ranges and spans; no weight skip), or a wholly earlier key span
+// (a rectangle: each side's block ranges, no spans).
+class SpanTables {
+ public:
+  SpanTables(const char* op, bool rect, const Tensor& log_beta, const Tensor& q_doc, const Tensor& k_doc)
+      : rect_(rect),
+        nqb_(block_count(q_doc.dim(0))),
+        nkb_(block_count(k_doc.dim(0))),
+        q_ranges_(rect ? sizeof(DocRange) * static_cast<size_t>(nqb_) : 0),
+        k_ranges_(rect ? sizeof(DocRange) * static_cast<size_t>(nkb_) : 0) {
+    if (!rect) {
+      self_.emplace(op, log_beta, q_doc, 0.0f);
+      return;
+    }
+    const int threads = 128;
+    doc_ranges_kernel<<<static_cast<unsigned>((nqb_ + threads - 1) / threads), threads>>>(
+        q_doc.data<int32_t>(), q_doc.dim(0), nqb_, q_ranges_.as<DocRange>());
+    CUDA_CHECK(cudaGetLastError());
+    doc_ranges_kernel<<<static_cast<unsigned>((nkb_ + threads - 1) / threads), threads>>>(
+        k_doc.data<int32_t>(), k_doc.dim(0), nkb_, k_ranges_.as<DocRange>());
+    CUDA_CHECK(cudaGetLastError());
+  }
+  void fill(Params& p) const {
+    if (!rect_) return self_->fill(p);
+    p.ranges = q_ranges_.as<DocRange>();
+    p.k_ranges = k_ranges_.as<DocRange>();
+    p.spans = nullptr;
+    p.lbmax = nullptr;
+  }
+
+ private:
+  bool rect_;
+  int64_t nqb_, nkb_;
+  Scratch q_ranges_, k_ranges_;
+  std::optional<TileTables> self_;
+};
+
 Params base_params(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& log_beta,
-                   const Tensor& doc, float scale, const TileTables& tables) {
+                   const Tensor& doc, float scale) {
   for (auto [name, t] : {std::pair<const char*, const Tensor*>{"q", &q}, {"k", &k}, {"v", &v}})
     check_aligned(op, name, *t);
   Params p{};
@@ -1247,12 +1345,15 @@ Params base_params(const char* op, const Tensor& q, const Tensor& k, const Tenso
   p.v = static_cast<const bf16*>(v.raw());
   p.log_beta = log_beta.data<float>();
   p.doc = doc.data<int32_t>();
-  tables.fill(p);
+  p.k_doc = p.doc;
   p.T = q.dim(0);
+  p.Tk = k.dim(0);
   p.H = static_cast<int>(q.dim(1));
   p.K = static_cast<int>(k.dim(1));
   p.group = p.H / p.K;
   p.nb = static_cast<int>(block_count(p.T));
+  p.nkb = static_cast<int>(block_count(p.Tk));
+  p.walk_nb = std::max(p.nb, p.nkb);
   p.scale = scale;
   p.scale2 = scale * kLog2e;
   return p;
@@ -1296,9 +1397,9 @@ template <int D>
 void forward(const Params& p) {
   if (use_wgmma(kForward, "RETAIN_ATTENTION_FORWARD"))
     launch(forward_wgmma_kernel<D>, static_cast<unsigned>((p.nb + kForwardGroups - 1) / kForwardGroups),
-           static_cast<unsigned>(p.H), wgmma_forward_smem<D>(p.nb), p, kForwardThreads);
+           static_cast<unsigned>(p.H), wgmma_forward_smem<D>(p.walk_nb), p, kForwardThreads);
   else
-    launch(forward_kernel<D>, static_cast<unsigned>(p.nb), static_cast<unsigned>(p.H), staged_smem<D>(1, p.nb),
+    launch(forward_kernel<D>, static_cast<unsigned>(p.nb), static_cast<unsigned>(p.H), staged_smem<D>(1, p.walk_nb),
            p);
 }
 
@@ -1307,17 +1408,21 @@ void backward(const Params& p) {
   const bool wgmma = use_wgmma(kBackward, "RETAIN_ATTENTION_BACKWARD");
   const int64_t rows = p.T * p.H;
   const int warps_per_cta = 8;
-  delta_kernel<<<static_cast<unsigned>((rows + warps_per_cta - 1) / warps_per_cta), 32 * warps_per_cta>>>(
-      p.out, p.dout, const_cast<float*>(p.delta), rows, D);
+  const auto delta_blocks = static_cast<unsigned>((rows + warps_per_cta - 1) / warps_per_cta);
+  if (p.out32)
+    delta_kernel<float><<<delta_blocks, 32 * warps_per_cta>>>(p.out32, p.dout, const_cast<float*>(p.delta), rows, D);
+  else
+    delta_kernel<bf16><<<delta_blocks, 32 * warps_per_cta>>>(p.out, p.dout, const_cast<float*>(p.delta), rows, D);
   CUDA_CHECK(cudaGetLastError());
-  const auto nb = static_cast<unsigned>(p.nb);
+  const auto nb = static_cast<unsigned>(p.nb), nkb = static_cast<unsigned>(p.nkb);
+  const size_t smem = staged_smem<D>(2, p.walk_nb);
   if (wgmma) {
-    launch(dq_wgmma_kernel<D>, nb, static_cast<unsigned>(p.H), staged_smem<D>(2, p.nb) + kWgmmaSmemPad, p);
-    launch(dkdv_wgmma_kernel<D>, nb, static_cast<unsigned>(p.K), staged_smem<D>(2, p.nb) + kWgmmaSmemPad, p);
+    launch(dq_wgmma_kernel<D>, nb, static_cast<unsigned>(p.H), smem + kWgmmaSmemPad, p);
+    launch(dkdv_wgmma_kernel<D>, nkb, static_cast<unsigned>(p.K), smem + kWgmmaSmemPad, p);
     return;
   }
-  launch(dq_kernel<D>, nb, static_cast<unsigned>(p.H), staged_smem<D>(2, p.nb), p);
-  launch(dkdv_kernel<D>, nb, static_cast<unsigned>(p.K), staged_smem<D>(2, p.nb), p);
+  launch(dq_kernel<D>, nb, static_cast<unsigned>(p.H), smem, p);
+  launch(dkdv_kernel<D>, nkb, static_cast<unsigned>(p.K), smem, p);
 }
 
 }  // namespace
@@ -1386,7 +1491,8 @@ void gated_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Te
   if (q.dim(0) == 0) return;
   check_aligned(kForward, "out", out);
   const TileTables tables(kForward, log_beta, doc, skip_weight_below);
-  Params p = base_params(kForward, q, k, v, log_beta, doc, scale, tables);
+  Params p = base_params(kForward, q, k, v, log_beta, doc, scale);
+  tables.fill(p);
   p.out = static_cast<bf16*>(out.raw());
   p.lse = lse.data<float>();
   if (d == 64)
@@ -1407,7 +1513,8 @@ void gated_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
     check_aligned(kBackward, name, *t);
   const TileTables tables(kBackward, log_beta, doc, skip_weight_below);
   Scratch delta(sizeof(float) * static_cast<size_t>(T * q.dim(1)));
-  Params p = base_params(kBackward, q, k, v, log_beta, doc, scale, tables);
+  Params p = base_params(kBackward, q, k, v, log_beta, doc, scale);
+  tables.fill(p);
   p.out = const_cast<bf16*>(static_cast<const bf16*>(out.raw()));  // read only (delta_kernel)
   p.lse = const_cast<float*>(lse.data<float>());                     // read only in backward
   p.dout = static_cast<const bf16*>(dout.raw());
@@ -1415,6 +1522,102 @@ void gated_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
   p.dq = static_cast<bf16*>(dq.raw());
   p.dk = static_cast<bf16*>(dk.raw());
   p.dv = static_cast<bf16*>(dv.raw());
+  p.dlog_beta = dlog_beta.data<float>();
+  if (d == 64)
+    backward<64>(p);
+  else
+    backward<128>(p);
+}
+
+// ---- span pairs (context parallelism; kernels/retention_spans.h) -------------------------
+
+namespace {
+
+const char* kSpanForward = "gated_attention_span";
+const char* kSpanBackward = "gated_attention_span_backward";
+
+// What the kernels make of a span pair: nothing allowed (the keys all after the queries, or a
+// side empty), the queries' own tokens, or a wholly earlier key span (a rectangle). The ring
+// of trainer/context_parallel.cpp only pairs whole chunks, so a partial overlap is a caller's
+// error here (the CPU reference takes any pair).
+enum class SpanPair { none, self, earlier };
+SpanPair span_pair(const char* op, int64_t q_start, int64_t Tq, int64_t k_start, int64_t Tk) {
+  if (Tq == 0 || Tk == 0 || k_start >= q_start + Tq) return SpanPair::none;
+  if (k_start == q_start && Tk == Tq) return SpanPair::self;
+  if (k_start + Tk <= q_start) return SpanPair::earlier;
+  fail("{}: on CUDA the keys [{}, {}) must be the queries' own tokens [{}, {}) or lie wholly before or after them",
+       op, k_start, k_start + Tk, q_start, q_start + Tq);
+}
+
+__global__ void fill_f32_kernel(float* x, int64_t n, float value) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) x[i] = value;
+}
+
+void fill_f32(Tensor& t, float value) {
+  const int64_t n = t.numel();
+  if (n == 0) return;
+  const int threads = 256;
+  fill_f32_kernel<<<static_cast<unsigned>((n + threads - 1) / threads), threads>>>(t.data<float>(), n, value);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+// The pair's Params: base_params over the queries, then the keys' side and the position gap.
+Params span_params(const char* op, SpanPair kind, const Tensor& q, const Tensor& q_doc, int64_t q_start,
+                   const Tensor& k, const Tensor& v, const Tensor& log_beta, const Tensor& k_doc, int64_t k_start,
+                   float scale, const SpanTables& tables) {
+  Params p = base_params(op, q, k, v, log_beta, q_doc, scale);
+  tables.fill(p);
+  p.k_doc = k_doc.data<int32_t>();
+  p.gap = kind == SpanPair::earlier ? q_start - k_start : 0;
+  return p;
+}
+
+}  // namespace
+
+void gated_attention_span(const Tensor& q, const Tensor& q_doc, int64_t q_start, const Tensor& k, const Tensor& v,
+                          const Tensor& log_beta, const Tensor& k_doc, int64_t k_start, float scale, Tensor& out,
+                          Tensor& lse) {
+  const char* op = kSpanForward;
+  const int d = head_dim(op, q);
+  check_aligned(op, "out", out);
+  const SpanPair kind = span_pair(op, q_start, q.dim(0), k_start, k.dim(0));
+  if (kind == SpanPair::none) {  // no allowed key for any row: out 0, lse −inf
+    if (out.nbytes() > 0) memset_device(out.raw(), 0, out.nbytes());
+    fill_f32(lse, kNegInf);
+    return;
+  }
+  const SpanTables tables(op, kind == SpanPair::earlier, log_beta, q_doc, k_doc);
+  Params p = span_params(op, kind, q, q_doc, q_start, k, v, log_beta, k_doc, k_start, scale, tables);
+  p.out32 = out.data<float>();
+  p.lse = lse.data<float>();
+  if (d == 64)
+    forward<64>(p);
+  else
+    forward<128>(p);
+}
+
+void gated_attention_span_backward(const Tensor& q, const Tensor& q_doc, int64_t q_start, const Tensor& k,
+                                   const Tensor& v, const Tensor& log_beta, const Tensor& k_doc, int64_t k_start,
+                                   float scale, const Tensor& out, const Tensor& lse, const Tensor& dout, Tensor& dq,
+                                   Tensor& dk, Tensor& dv, Tensor& dlog_beta) {
+  const char* op = kSpanBackward;
+  const int d = head_dim(op, q);
+  for (auto [name, t] : {std::pair<const char*, const Tensor*>{"out", &out}, {"dout", &dout}, {"dq", &dq},
+                         {"dk", &dk}, {"dv", &dv}})
+    check_aligned(op, name, *t);
+  const SpanPair kind = span_pair(op, q_start, q.dim(0), k_start, k.dim(0));
+  if (kind == SpanPair::none) return;  // the pair adds nothing
+  const SpanTables tables(op, kind == SpanPair::earlier, log_beta, q_doc, k_doc);
+  Scratch delta(sizeof(float) * static_cast<size_t>(q.dim(0) * q.dim(1)));
+  Params p = span_params(op, kind, q, q_doc, q_start, k, v, log_beta, k_doc, k_start, scale, tables);
+  p.out32 = const_cast<float*>(out.data<float>());  // read only (delta_kernel)
+  p.lse = const_cast<float*>(lse.data<float>());    // read only in backward
+  p.dout = static_cast<const bf16*>(dout.raw());
+  p.delta = delta.as<float>();
+  p.dq32 = dq.data<float>();
+  p.dk32 = dk.data<float>();
+  p.dv32 = dv.data<float>();
   p.dlog_beta = dlog_beta.data<float>();
   if (d == 64)
     backward<64>(p);

@@ -45,6 +45,23 @@ std::string wgmma_unavailable_reason();
 // "mma" or "wgmma" (fails as the pass would on a bad value).
 std::string attention_kernels(bool backward);
 
+// The span pairs of context parallelism (kernels/retention_spans.h's ops, same math): q, k, v,
+// dout BF16; out, lse, dq, dk, dv, dlog_beta F32 (the partial and merged rows, the gradient
+// sums, which the backward ADDS to); docs I32. The keys are the queries' own span (q_start =
+// k_start, equal lengths and documents), a wholly earlier one (every tile a rectangle: each
+// key before each query, decay (q_start − k_start + a − b)·logβ), or one wholly after them
+// (nothing allowed); any other overlap is an error. No weight skip. Unverified on a GPU
+// (emulated: tests/cuda/test_attention_span_cuda.cpp).
+void gated_attention_span(const Tensor& q, const Tensor& q_doc, int64_t q_start, const Tensor& k, const Tensor& v,
+                          const Tensor& log_beta, const Tensor& k_doc, int64_t k_start, float scale, Tensor& out,
+                          Tensor& lse);
+void gated_attention_span_backward(const Tensor& q, const Tensor& q_doc, int64_t q_start, const Tensor& k,
+                                   const Tensor& v, const Tensor& log_beta, const Tensor& k_doc, int64_t k_start,
+                                   float scale, const Tensor& out, const Tensor& lse, const Tensor& dout, Tensor& dq,
+                                   Tensor& dk, Tensor& dv, Tensor& dlog_beta);
+// (out, lse) F32 [R, H, d], [R, H] ← merged with a part's (kernels/cuda/attention_merge.cu).
+void merge_attention(Tensor& out, Tensor& lse, const Tensor& part_out, const Tensor& part_lse);
+
 // ---- end of retention-gated attention ----------------------------------------------------
 
 // ---- capacity sums and hinge (kernels/cuda/capacity.cu) ----------------------------------

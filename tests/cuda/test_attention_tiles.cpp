@@ -285,6 +285,113 @@ TEST(AttentionTiles, WalkBitsWalkLikeTheFilter) {
   }
 }
 
+// A rectangle (context parallelism: a query span against a wholly earlier key span; documents
+// crossing between them): the walks of both sides, on the filter and on the walk bits, visit
+// every tile holding an allowed pair, in increasing order, once each, and only tiles whose
+// ranges meet; all-allowed tiles are, pair by pair; pair_allowed on positions (a query's index +
+// the gap, a key's index) is "same document, not padding": every key precedes every query.
+TEST(AttentionTiles, RectanglesVisitExactlyTheTilesThatMatter) {
+  std::mt19937 rng(9);
+  struct Spans {
+    int64_t T, k0, k1, q0, q1;
+  };
+  for (const Spans& c : {Spans{300, 0, 64, 64, 300}, Spans{400, 10, 75, 200, 263}, Spans{1000, 0, 1, 1, 1000},
+                         Spans{2000, 100, 1100, 1100, 1999}, Spans{130, 0, 65, 129, 130}}) {
+    for (bool interleaved : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << "T=" << c.T << " keys [" << c.k0 << ", " << c.k1 << ") queries [" << c.q0
+                                        << ", " << c.q1 << ") interleaved=" << interleaved);
+      const std::vector<int32_t> doc = random_docs(c.T, rng, interleaved);
+      const std::vector<int32_t> qd(doc.begin() + c.q0, doc.begin() + c.q1), kd(doc.begin() + c.k0, doc.begin() + c.k1);
+      const std::vector<DocRange> qr = ranges_of(qd), kr = ranges_of(kd);
+      const int64_t Tq = c.q1 - c.q0, Tk = c.k1 - c.k0, nqb = block_count(Tq), nkb = block_count(Tk), gap = c.q0 - c.k0;
+      const TileFilter f = rect_tiles(qr.data(), nqb, kr.data(), nkb);
+      ASSERT_TRUE(is_rect(f));
+      std::set<std::pair<int64_t, int64_t>> needed;
+      for (int64_t a = 0; a < Tq; ++a)
+        for (int64_t b = 0; b < Tk; ++b) {
+          const bool want = allowed_by_definition(doc, c.q0 + a, c.k0 + b);
+          ASSERT_EQ(pair_allowed(a + gap, b, qd[static_cast<size_t>(a)], kd[static_cast<size_t>(b)]), want);
+          ASSERT_EQ(decay(a + gap, b, -0.5f), static_cast<float>(c.q0 + a - c.k0 - b) * -0.5f);
+          if (want) needed.insert({a / kBlock, b / kBlock});
+        }
+      const auto all_pairs_allowed = [&](int64_t qb, int64_t kb) {
+        for (int64_t a = block_begin(qb); a < block_begin(qb) + kBlock; ++a)
+          for (int64_t b = block_begin(kb); b < block_begin(kb) + kBlock; ++b)
+            if (!(a < Tq && b < Tk && allowed_by_definition(doc, c.q0 + a, c.k0 + b))) return false;
+        return true;
+      };
+      std::set<std::pair<int64_t, int64_t>> visited;
+      const size_t words = static_cast<size_t>(walk_words(std::max(nqb, nkb)));
+      for (int64_t qb = 0; qb < nqb; ++qb) {  // forward, dq
+        const WalkRange walk = key_walk_range(f, qb);
+        ASSERT_EQ(walk.lo, 0);
+        ASSERT_EQ(walk.hi, nkb);
+        std::vector<uint32_t> visit(words), full(words);
+        for (size_t w = 0; w < words; ++w) visit[w] = rng(), full[w] = rng();
+        fill_walk_like_the_kernel(visit, full, walk, [&](int64_t kb) { return walk_bits(f, qb, kb); });
+        int64_t want = next_key_block(f, qb, 0);
+        for (int64_t kb = next_walk_bit(visit.data(), walk.lo, walk.hi); kb < walk.hi;
+             kb = next_walk_bit(visit.data(), kb + 1, walk.hi)) {
+          ASSERT_EQ(kb, want) << "query block " << qb;
+          EXPECT_TRUE(ranges_meet(qr[static_cast<size_t>(qb)], kr[static_cast<size_t>(kb)]));
+          ASSERT_EQ(walk_bit(full.data(), kb), all_allowed(f, qb, kb));
+          if (all_allowed(f, qb, kb)) {
+            ASSERT_TRUE(all_pairs_allowed(qb, kb)) << "tile " << qb << "," << kb;
+          }
+          visited.insert({qb, kb});
+          want = next_key_block(f, qb, kb + 1);
+        }
+        ASSERT_EQ(want, nkb) << "query block " << qb << ": the bits ended early";
+      }
+      for (const auto& tile : needed) EXPECT_TRUE(visited.count(tile)) << "tile " << tile.first << "," << tile.second;
+      for (int64_t kb = 0; kb < nkb; ++kb) {  // dk/dv, a GQA group of heads 2..4
+        const WalkRange walk = query_walk_range(f, kb);
+        ASSERT_EQ(walk.lo, 0);
+        ASSERT_EQ(walk.hi, nqb);
+        std::vector<uint32_t> visit(words), full(words);
+        for (size_t w = 0; w < words; ++w) visit[w] = rng(), full[w] = rng();
+        fill_walk_like_the_kernel(visit, full, walk, [&](int64_t qb) { return walk_bits(f, qb, kb); });
+        const int64_t first = next_walk_bit(visit.data(), walk.lo, walk.hi);
+        const int64_t first_want = next_query_block(f, nqb, kb, walk.lo);
+        ASSERT_EQ(first < walk.hi ? first : nqb, first_want);
+        std::vector<std::pair<int, int64_t>> got, want;
+        for (HeadBlock at{first < walk.hi ? 2 : 5, first}; at.h < 5;
+             at = next_walk_head_block(visit.data(), walk, first, at))
+          got.emplace_back(at.h, at.qb);
+        for (HeadBlock at{first_want < nqb ? 2 : 5, first_want}; at.h < 5;
+             at = next_head_block(f, nqb, kb, first_want, at))
+          want.emplace_back(at.h, at.qb);
+        ASSERT_EQ(got, want) << "key block " << kb;
+        std::vector<std::pair<int, int64_t>> from_visited;  // the transposed query-side set, per head
+        for (int h = 2; h < 5; ++h)
+          for (const auto& [qb, k] : visited)
+            if (k == kb) from_visited.emplace_back(h, qb);
+        ASSERT_EQ(got, from_visited) << "key block " << kb;
+      }
+    }
+  }
+}
+
+// The end of a forward row: lse = ln(Σ weights) from the base-2 running max m and sum l; no
+// mass (nothing allowed, or only β = 0 keys of an earlier span, whose clamped logits are
+// ≤ −1e30) gives out 0 and lse −inf, as the CPU reference does.
+TEST(AttentionTiles, FinishRowKeepsOnlyRowsWithMass) {
+  float inv = -1, lse = 0;
+  finish_row(2.0f, 3.0f, inv, lse);
+  EXPECT_FLOAT_EQ(inv, 0.5f);
+  EXPECT_FLOAT_EQ(lse, 4.0f * 0.6931471805599453f);
+  finish_row(0.0f, -INFINITY, inv, lse);
+  EXPECT_EQ(inv, 0.0f);
+  EXPECT_EQ(lse, -INFINITY);
+  // A key of β = 0 one token back: its logit is the clamped decay plus q·k.
+  const float clamped = 1.0f * staged_lb2(-INFINITY) + 50.0f;
+  finish_row(1.0f, clamped, inv, lse);
+  EXPECT_EQ(inv, 0.0f);
+  EXPECT_EQ(lse, -INFINITY);
+  finish_row(1.0f, -1e4f, inv, lse);  // a tiny weight is still a weight
+  EXPECT_FLOAT_EQ(lse, -1e4f * 0.6931471805599453f);
+}
+
 // LdsmLane's split address (four lane values + a constant) is the swizzled chunk of every
 // row block r0 (a multiple of 8) and k-step, for both ldmatrix patterns and every lane.
 template <int D>
