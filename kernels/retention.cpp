@@ -249,15 +249,6 @@ void capacity_loss_backward(const Tensor& log_beta, const Tensor& doc, const Ten
 
 namespace {
 
-// The capacity span ops run on the CPU only (their CUDA kernels are not written yet), and every
-// span op in a build without CUDA kernels.
-void span_on_cpu(const char* op, std::initializer_list<const Tensor*> ts) {
-  for (const Tensor* t : ts)
-    if (t->device() != Device::CPU)
-      fail("{}: runs on the CPU only in this build (its CUDA kernel is not written yet); a tensor is on {}", op,
-           device_name(t->device()));
-}
-
 void check_span(const char* op, const char* what, int64_t start, int64_t n) {
   if (start < 0) fail("{}: {} {} is negative", op, what, start);
   if (start + n >= (int64_t{1} << 24)) fail("{}: {} + length = {} is not below 2^24", op, what, start + n);
@@ -269,7 +260,7 @@ AttentionDims check_span_attention(const char* op, const Tensor& q, const Tensor
                                    const Tensor& k, const Tensor& v, const Tensor& log_beta, const Tensor& k_doc,
                                    int64_t k_start, float scale) {
 #ifndef RETAIN_CUDA_KERNELS
-  span_on_cpu(op, {&q});
+  require_cpu(op, {&q});
 #endif
   check_attention_device(op, q, {&q_doc, &k, &v, &log_beta, &k_doc});
   const DType act = activation_dtype(q);
@@ -295,7 +286,10 @@ AttentionDims check_span_attention(const char* op, const Tensor& q, const Tensor
 void check_capacity_span(const char* op, const Tensor& log_beta, const Tensor& k_doc, int64_t k_start,
                          const Tensor& q_doc, int64_t q_start, const Tensor& rows, const char* rows_name,
                          double skip_exponent) {
-  span_on_cpu(op, {&log_beta, &k_doc, &q_doc, &rows});
+  require_device(op, log_beta.device(), {&k_doc, &q_doc, &rows});
+#ifndef RETAIN_CUDA_KERNELS
+  require_cpu(op, {&log_beta});
+#endif
   if (!(skip_exponent > 0)) fail("{}: skip exponent {} is not > 0", op, skip_exponent);
   expect_ndim(op, "log_beta", log_beta, DType::F32, 3, "[L, Tk, K]");
   const int64_t L = log_beta.dim(0), Tk = log_beta.dim(1), K = log_beta.dim(2);
@@ -327,7 +321,7 @@ void gated_attention_span(const Tensor& q, const Tensor& q_doc, int64_t q_start,
 void merge_attention(Tensor& out, Tensor& lse, const Tensor& part_out, const Tensor& part_lse) {
   const char* op = "merge_attention";
 #ifndef RETAIN_CUDA_KERNELS
-  span_on_cpu(op, {&out});
+  require_cpu(op, {&out});
 #endif
   check_attention_device(op, out, {&lse, &part_out, &part_lse});
   expect_ndim(op, "out", out, DType::F32, 3, "[R, H, d]");
@@ -366,22 +360,31 @@ void gated_attention_span_backward(const Tensor& q, const Tensor& q_doc, int64_t
 void capacity_sums_span(const Tensor& log_beta, const Tensor& k_doc, int64_t k_start, const Tensor& q_doc,
                         int64_t q_start, Tensor& S, double skip_exponent) {
   check_capacity_span("capacity_sums_span", log_beta, k_doc, k_start, q_doc, q_start, S, "S", skip_exponent);
+#ifdef RETAIN_CUDA_KERNELS
+  if (on_cuda(log_beta)) return cuda::capacity_sums_span(log_beta, k_doc, k_start, q_doc, q_start, S, skip_exponent);
+#endif
   cpu::capacity_sums_span(log_beta, k_doc, k_start, q_doc, q_start, S, skip_exponent);
 }
 
 CapacityLoss capacity_hinge(const Tensor& S, const Tensor& doc, const Tensor& positions, double memory,
                             CapacityMode mode, Tensor* g) {
   const char* op = "capacity_hinge";
-  span_on_cpu(op, {&S, &doc, &positions});
+#ifndef RETAIN_CUDA_KERNELS
+  require_cpu(op, {&S});
+#endif
+  require_device(op, S.device(), {&doc, &positions});
   expect_ndim(op, "S", S, DType::F64, 3, "[L, T, K]");
   expect(op, "doc", doc, DType::I32, {S.dim(1)}, "[T]");
   expect(op, "positions", positions, DType::I32, {S.dim(1)}, "[T]");
   if (g) {
-    span_on_cpu(op, {g});
+    require_device(op, S.device(), {g});
     expect(op, "g", *g, DType::F64, S.shape(), "[L, T, K]");
   }
   check_positions(op, positions);
   if (!std::isfinite(memory) || memory < 0) fail("{}: memory M = {} is not a finite number ≥ 0", op, memory);
+#ifdef RETAIN_CUDA_KERNELS
+  if (S.device() == Device::CUDA) return cuda::capacity_hinge(S, doc, positions, memory, mode, g);
+#endif
   return cpu::capacity_hinge(S, doc, positions, memory, mode, g);
 }
 
@@ -389,8 +392,12 @@ void capacity_grad_span(const Tensor& log_beta, const Tensor& k_doc, int64_t k_s
                         int64_t q_start, const Tensor& g, Tensor& dlog_beta, double skip_exponent) {
   const char* op = "capacity_grad_span";
   check_capacity_span(op, log_beta, k_doc, k_start, q_doc, q_start, g, "g", skip_exponent);
-  span_on_cpu(op, {&dlog_beta});
+  require_device(op, log_beta.device(), {&dlog_beta});
   expect(op, "dlog_beta", dlog_beta, DType::F64, log_beta.shape(), "[L, Tk, K]");
+#ifdef RETAIN_CUDA_KERNELS
+  if (on_cuda(log_beta))
+    return cuda::capacity_grad_span(log_beta, k_doc, k_start, q_doc, q_start, g, dlog_beta, skip_exponent);
+#endif
   cpu::capacity_grad_span(log_beta, k_doc, k_start, q_doc, q_start, g, dlog_beta, skip_exponent);
 }
 

@@ -8,7 +8,7 @@
 // Devices: the attention ops (gated_attention_span, merge_attention, _span_backward) run on
 // the CPU (F32) and on CUDA (kernels/cuda/retention_cuda.h: q, k, v, dout BF16, the rest F32;
 // the keys the queries' own span or one wholly before or after them; unverified on a GPU,
-// emulated). The capacity ops run on the CPU only: on CUDA each is a retain::Error saying so.
+// emulated), and so do the capacity ops (the same three kinds of pairs; S, g, dlog_beta F64).
 #pragma once
 #include <cstdint>
 

@@ -16,7 +16,7 @@ cd "$(dirname "$0")/.."
 case "${1:-}" in -h|--help) sed -n 2,13p "$0" | sed 's/^# \{0,1\}//'; exit 0 ;; esac
 dest=${1:-.gpu}
 build=${BUILD_DIR:-build}
-bins=(test_cuda_emu test_gated_attention_cuda test_gated_attention_long test_attention_span_cuda test_capacity_cuda test_kvpop_cuda test_ops_cuda
+bins=(test_cuda_emu test_gated_attention_cuda test_gated_attention_long test_attention_span_cuda test_capacity_cuda test_capacity_span_cuda test_kvpop_cuda test_ops_cuda
       test_gemm_cuda test_loss_cuda test_gates_cuda test_step_cuda test_kvpop_step_cuda test_comm_cuda test_train_cuda
       retain-bench retain-make-tiny retain-train retain-pack retain-forward retain-eval)
 for b in "${bins[@]}"; do

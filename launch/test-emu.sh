@@ -43,7 +43,7 @@ fi
 # the whole GPU training step (TRIM-KV, DBTrimKV, KVPOP) against the CPU step, and the FSDP
 # provider on device buffers, one rank and two under mpirun (staged through the host), and
 # retain-train --device cuda's one-step gradient dumps (1 rank, 2 ranks staged) vs the CPU.
-targets=(test_cuda_emu test_cublaslt_emu test_gated_attention_cuda test_gated_attention_long test_attention_span_cuda test_capacity_cuda test_kvpop_cuda test_ops_cuda
+targets=(test_cuda_emu test_cublaslt_emu test_gated_attention_cuda test_gated_attention_long test_attention_span_cuda test_capacity_cuda test_capacity_span_cuda test_kvpop_cuda test_ops_cuda
          test_gemm_cuda test_gates_cuda test_loss_cuda test_step_cuda test_kvpop_step_cuda test_comm_cuda
          test_train_cuda retain-train retain-make-tiny retain-pack retain-bench retain-forward)
 # Cases that take minutes under emulation: long kernels, and the 100- and 1,000-step runs. The

@@ -32,6 +32,7 @@
 #include "kernels/cuda/capacity_tiles.h"
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/retention_cuda.h"
+#include "kernels/cuda/span_pair.h"
 
 namespace retain::cuda {
 
@@ -46,30 +47,12 @@ constexpr int kReduceThreads = 256;
 #define RETAIN_LAUNCH_CHECK() CUDA_CHECK(cudaGetLastError())
 
 // ---- tile_info ---------------------------------------------------------------------------
-// grid (nb, L), kTile threads: thread j looks at key i = kb·kTile + j.
-__global__ void __launch_bounds__(kTile) tile_info_kernel(const float* __restrict__ lb, const int32_t* __restrict__ doc,
-                                                          int64_t T, int K, int64_t nb, float* __restrict__ tile_max,
-                                                          TileDocs* __restrict__ docs) {
-  const int64_t kb = blockIdx.x, l = blockIdx.y;
+// The TileDocs of one tile from its kTile threads, thread j holding token j's document d (−1:
+// padding or past T); thread 0 writes *out. Every thread of the block calls it.
+__device__ void reduce_tile_docs(int32_t d, TileDocs* out) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int64_t i = kb * kTile + threadIdx.x;
-  const int32_t d = i < T ? doc[i] : -1;
-  const bool real = d >= 0;
-  __shared__ float s_max[kTile / 32];
   __shared__ int32_t s_lo[kTile / 32], s_hi[kTile / 32], s_pad[kTile / 32];
-  for (int k = 0; k < K; ++k) {
-    float v = real ? lb[(l * T + i) * K + k] : -INFINITY;
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, o));
-    if (lane == 0) s_max[warp] = v;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      float m = s_max[0];
-      for (int w = 1; w < kTile / 32; ++w) m = fmaxf(m, s_max[w]);
-      tile_max[(l * nb + kb) * K + k] = m;
-    }
-    __syncthreads();  // s_max is reused by the next head
-  }
-  if (l != 0) return;  // the document ranges do not depend on the layer
+  const bool real = d >= 0;
   int32_t lo = real ? d : INT32_MAX, hi = real ? d : INT32_MIN, pad = real ? 0 : 1;
   for (int o = 16; o > 0; o >>= 1) {
     lo = min(lo, __shfl_xor_sync(kFullMask, lo, o));
@@ -89,8 +72,41 @@ __global__ void __launch_bounds__(kTile) tile_info_kernel(const float* __restric
       r.hi = max(r.hi, s_hi[w]);
       r.padded = max(r.padded, s_pad[w]);
     }
-    docs[kb] = r;
+    *out = r;
   }
+}
+
+// grid (nb, L), kTile threads: thread j looks at key i = kb·kTile + j.
+__global__ void __launch_bounds__(kTile) tile_info_kernel(const float* __restrict__ lb, const int32_t* __restrict__ doc,
+                                                          int64_t T, int K, int64_t nb, float* __restrict__ tile_max,
+                                                          TileDocs* __restrict__ docs) {
+  const int64_t kb = blockIdx.x, l = blockIdx.y;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t i = kb * kTile + threadIdx.x;
+  const int32_t d = i < T ? doc[i] : -1;
+  const bool real = d >= 0;
+  __shared__ float s_max[kTile / 32];
+  for (int k = 0; k < K; ++k) {
+    float v = real ? lb[(l * T + i) * K + k] : -INFINITY;
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, o));
+    if (lane == 0) s_max[warp] = v;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      float m = s_max[0];
+      for (int w = 1; w < kTile / 32; ++w) m = fmaxf(m, s_max[w]);
+      tile_max[(l * nb + kb) * K + k] = m;
+    }
+    __syncthreads();  // s_max is reused by the next head
+  }
+  if (l != 0) return;  // the document ranges do not depend on the layer
+  reduce_tile_docs(d, docs + kb);
+}
+
+// grid (nb), kTile threads: the TileDocs of a document array alone (a rectangle's rows).
+__global__ void __launch_bounds__(kTile) tile_docs_kernel(const int32_t* __restrict__ doc, int64_t T,
+                                                          TileDocs* __restrict__ docs) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * kTile + threadIdx.x;
+  reduce_tile_docs(t < T ? doc[t] : -1, docs + blockIdx.x);
 }
 
 // ---- sums --------------------------------------------------------------------------------
@@ -111,6 +127,17 @@ struct SumsArgs {
   float* g;                       // local slopes [L, T, K] or null
   uint8_t* g_any;                 // [L, nb, K]: some slope of the (layer, query tile, head) ≠ 0
   double* head_totals;            // [L·Z, T]: Σ_κ S over the block's heads, or null
+  // The keys: the rows' own tokens (one sequence, and a span with itself: klb = lb, ...), or in
+  // a rectangle (rect; capacity_sums_span) a wholly earlier span of Tk tokens whose positions
+  // are `gap` before the rows' (a row's position is its index + gap, a key's its index).
+  const float* klb;               // [L, Tk, K]
+  const int32_t* kdoc;            // [Tk]
+  int64_t Tk, nkb;
+  const float* k_tile_max;        // [L, nkb, K]
+  const TileDocs* k_docs;         // [nkb]
+  int64_t gap;
+  bool rect;
+  double* S64;                    // [L, T, K]: S added to (a span's sums), or null
 };
 
 __global__ void __launch_bounds__(32 * kHeadsPerBlock) sums_kernel(SumsArgs a) {
@@ -128,16 +155,23 @@ __global__ void __launch_bounds__(32 * kHeadsPerBlock) sums_kernel(SumsArgs a) {
   __shared__ double s_sum[kHeadsPerBlock];
   __shared__ unsigned long long s_count[kHeadsPerBlock];
 
-  const int64_t t0 = qb * kTile + lane * kRun;
+  const int64_t row0 = qb * kTile + lane * kRun;  // the lane's first row
+  const int64_t t0 = row0 + a.gap;                // and its position
   int32_t rdoc[kRun];
-  for (int r = 0; r < kRun; ++r) rdoc[r] = t0 + r < T ? row_doc(a.doc[t0 + r]) : kPadRow;
+  for (int r = 0; r < kRun; ++r) rdoc[r] = row0 + r < T ? row_doc(a.doc[row0 + r]) : kPadRow;
   double acc[kRun] = {0, 0, 0, 0};
   const TileDocs qd = a.docs[qb];
-  const float* head_max = a.tile_max + l * nb * K;
+  const float* head_max = a.k_tile_max + l * a.nkb * K;
+  const int64_t Tk = a.Tk;
 
-  for (int64_t kb = a.spans[qb].key_begin; kb <= qb; ++kb) {
-    const TileDocs kd = a.docs[kb];
-    const bool mine = active && tiles_may_meet(qd, kd) && !tile_negligible(qb, kb, head_max[kb * K + kappa], a.skip);
+  // Key tiles from the first that may share a document up to the diagonal (a rectangle: all).
+  const int64_t kb_end = a.rect ? a.nkb : qb + 1;
+  for (int64_t kb = a.rect ? 0 : a.spans[qb].key_begin; kb < kb_end; ++kb) {
+    const TileDocs kd = a.k_docs[kb];
+    const float key_max = active ? head_max[kb * K + kappa] : -INFINITY;
+    const bool negligible =
+        a.rect ? rect_tile_negligible(a.gap, qb, kb, key_max, a.skip) : tile_negligible(qb, kb, key_max, a.skip);
+    const bool mine = active && tiles_may_meet(qd, kd) && !negligible;
     // Also the barrier after the previous tile's reads: shared memory may be overwritten.
     if (!__syncthreads_or(mine)) continue;
     const int64_t i0 = kb * kTile;
@@ -145,32 +179,33 @@ __global__ void __launch_bounds__(32 * kHeadsPerBlock) sums_kernel(SumsArgs a) {
       const int j = x / W, w = x % W;  // neighbouring threads read neighbouring heads of a key
       const int64_t i = i0 + j;
       const int k = z * W + w;
-      const float v = i < T && k < K ? a.lb[(l * T + i) * K + k] : -INFINITY;
+      const float v = i < Tk && k < K ? a.klb[(l * Tk + i) * K + k] : -INFINITY;
       s_lb[w][j] = staged_lb2(v);
       s_beta[w][j] = expf(v);
     }
-    for (int j = threadIdx.x; j < kTile; j += blockDim.x) s_doc[j] = i0 + j < T ? key_doc(a.doc[i0 + j]) : kPadKey;
+    for (int j = threadIdx.x; j < kTile; j += blockDim.x) s_doc[j] = i0 + j < Tk ? key_doc(a.kdoc[i0 + j]) : kPadKey;
     __syncthreads();
     if (mine) {
-      if (kb == qb)
+      if (!a.rect && kb == qb)
         lane_sums_diagonal(s_lb[warp], s_doc, i0, kTile, t0, rdoc, acc);
       else
         lane_sums_off_diagonal(s_lb[warp], s_beta[warp], s_doc, i0, kTile, t0, rdoc, tile_one_document(qd, kd), acc);
     }
   }
-  lane_self_terms(rdoc, acc);
+  if (!a.rect) lane_self_terms(rdoc, acc);  // a rectangle holds no row's own key
 
   // Outputs of the lane's rows for head kappa.
   double ell_sum = 0;
   unsigned long long ell_count = 0;
   bool slope_any = false;
   for (int r = 0; r < kRun; ++r) {
-    const int64_t t = t0 + r;
+    const int64_t t = row0 + r;
     const double s = rdoc[r] >= 0 ? acc[r] : 0.0;  // padding rows: S = 0, no ℓ
     if (a.head_totals) s_tot[warp][lane * kRun + r] = active ? s : 0.0;
     if (!active || t >= T) continue;
     const int64_t out = (l * T + t) * K + kappa;
     if (a.S) a.S[out] = static_cast<float>(s);
+    if (a.S64) a.S64[out] += s;  // the row belongs to this lane alone
     if (a.part_sum || a.g) {
       double ell = 0, slope = 0;
       if (rdoc[r] >= 0) {
@@ -284,6 +319,15 @@ struct GradArgs {
   bool per_head;         // local (true) or global (false) slopes
   double scale;
   float* dlb;  // [L, T, K]
+  // The queries (g's rows): the keys' own tokens (one sequence, a span with itself: qdoc = doc,
+  // ...), or in a rectangle (rect; capacity_grad_span) a wholly later span of Tq tokens whose
+  // positions are `gap` past the keys'. dlb64: the gradient added to (a span's), or null.
+  const int32_t* qdoc;     // [Tq]
+  int64_t Tq, nqb;
+  const TileDocs* q_docs;  // [nqb]
+  int64_t gap;
+  bool rect;
+  double* dlb64;  // [L, T, K]
 };
 
 __global__ void __launch_bounds__(32 * kHeadsPerBlock) grads_kernel(GradArgs a) {
@@ -313,27 +357,33 @@ __global__ void __launch_bounds__(32 * kHeadsPerBlock) grads_kernel(GradArgs a) 
   const TileDocs kd = a.docs[kb];
   const float key_max = active ? a.tile_max[(l * nb + kb) * K + kappa] : -INFINITY;
 
-  for (int64_t qb = kb; qb < a.spans[kb].query_end; ++qb) {
-    const bool live = active && !tile_negligible(qb, kb, key_max, a.skip);
-    // tile_negligible is monotone in qb: once no head of the block is live, none will be.
+  const int64_t Tq = a.Tq, nqb = a.nqb;
+  // Query tiles from the diagonal to the last that may share a document (a rectangle: all).
+  const int64_t qb_end = a.rect ? nqb : a.spans[kb].query_end;
+  for (int64_t qb = a.rect ? 0 : kb; qb < qb_end; ++qb) {
+    const bool negligible =
+        a.rect ? rect_tile_negligible(a.gap, qb, kb, key_max, a.skip) : tile_negligible(qb, kb, key_max, a.skip);
+    const bool live = active && !negligible;
+    // Negligibility is monotone in qb: once no head of the block is live, none will be.
     if (!__syncthreads_or(live)) break;
-    const TileDocs qd = a.docs[qb];
-    const uint8_t any = a.per_head ? (live ? a.g_any[(l * nb + qb) * K + kappa] : 0) : a.g_any[qb];
+    const TileDocs qd = a.q_docs[qb];
+    const uint8_t any = a.per_head ? (live ? a.g_any[(l * nqb + qb) * K + kappa] : 0) : a.g_any[qb];
     const bool mine = live && any != 0 && tiles_may_meet(qd, kd);
     if (!__syncthreads_or(mine)) continue;
-    const int64_t t0 = qb * kTile;
+    const int64_t r0 = qb * kTile;  // the tile's first row; its position r0 + gap
     for (int x = threadIdx.x; x < W * kTile; x += blockDim.x) {
       const int j = x / W, w = x % W;
-      const int64_t t = t0 + j;
+      const int64_t t = r0 + j;
       const int k = z * W + w;
       float gv = 0;
-      if (t < T && k < K) gv = a.per_head ? a.g[(l * T + t) * K + k] : a.g[t];
+      if (t < Tq && k < K) gv = a.per_head ? a.g[(l * Tq + t) * K + k] : a.g[t];
       s_g[w][j] = gv;
     }
-    for (int j = threadIdx.x; j < kTile; j += blockDim.x) s_doc[j] = t0 + j < T ? row_doc(a.doc[t0 + j]) : kPadRow;
+    for (int j = threadIdx.x; j < kTile; j += blockDim.x) s_doc[j] = r0 + j < Tq ? row_doc(a.qdoc[r0 + j]) : kPadRow;
     __syncthreads();
     if (mine) {
-      if (qb == kb)
+      const int64_t t0 = r0 + a.gap;
+      if (!a.rect && qb == kb)
         lane_grads_diagonal(s_g[warp], s_doc, t0, kTile, i0, lbk, kdoc, acc);
       else
         lane_grads_off_diagonal(s_g[warp], s_doc, t0, kTile, i0, lbk, bk, kdoc, tile_one_document(qd, kd), acc);
@@ -342,7 +392,12 @@ __global__ void __launch_bounds__(32 * kHeadsPerBlock) grads_kernel(GradArgs a) 
   if (!active) return;
   for (int j = 0; j < kRun; ++j) {
     const int64_t i = i0 + j;
-    if (i < T) a.dlb[(l * T + i) * K + kappa] = kdoc[j] >= 0 ? static_cast<float>(a.scale * acc[j]) : 0.0f;
+    if (i >= T) continue;
+    const double v = kdoc[j] >= 0 ? a.scale * acc[j] : 0.0;
+    if (a.dlb64)
+      a.dlb64[(l * T + i) * K + kappa] += v;  // the key belongs to this lane alone
+    else
+      a.dlb[(l * T + i) * K + kappa] = static_cast<float>(v);
   }
 }
 
@@ -421,6 +476,12 @@ struct Plan {
     a.docs = tile_docs();
     a.spans = tile_spans();
     a.skip = skip;
+    a.klb = a.lb;
+    a.kdoc = a.doc;
+    a.Tk = T;
+    a.nkb = nb;
+    a.k_tile_max = a.tile_max;
+    a.k_docs = a.docs;
     return a;
   }
   void launch_sums(const SumsArgs& a) const {
@@ -527,8 +588,179 @@ void capacity_loss_backward(const Tensor& log_beta, const Tensor& doc, const Ten
   b.per_head = local;
   b.scale = scale;
   b.dlb = ptr<float>(dlog_beta);
+  b.qdoc = b.doc;
+  b.Tq = plan.T;
+  b.nqb = plan.nb;
+  b.q_docs = b.docs;
   grads_kernel<<<dim3(static_cast<unsigned>(plan.nb), static_cast<unsigned>(plan.L), static_cast<unsigned>(plan.Z)),
                  32 * plan.W>>>(b);
+  RETAIN_LAUNCH_CHECK();
+}
+
+// ---- span pairs (context parallelism; kernels/retention_spans.h) -------------------------
+
+namespace {
+
+// The hinge of capacity_hinge from S F64 [L, T, K] (all of the rows' key spans added), the
+// CPU's formulas and summation orders per row; g F64 = ∂(Σℓ)/∂S (0 on padding rows and where
+// the hinge is flat) when given. Local mode: a thread per element of S; global: a thread per
+// row, its Σ_{l,κ} S layer by layer as the CPU adds it. Per-block partials of (Σℓ, #ℓ > 0) in a
+// fixed tree order, summed by reduce_kernel: the result does not depend on scheduling.
+__global__ void __launch_bounds__(kReduceThreads) hinge_kernel(const double* __restrict__ S,
+                                                               const int32_t* __restrict__ doc,
+                                                               const int32_t* __restrict__ pos, int64_t L, int64_t T,
+                                                               int64_t K, double M, bool local, double* g,
+                                                               double* part_sum, unsigned long long* part_count) {
+  const int64_t x = static_cast<int64_t>(blockIdx.x) * kReduceThreads + threadIdx.x;
+  double ell = 0;
+  if (local && x < L * T * K) {
+    const int64_t t = (x / K) % T;
+    double slope = 0;
+    if (doc[t] >= 0) {
+      const double den = local_denominator(pos[t], M);
+      ell = hinge(S[x] - M, den);
+      slope = hinge_slope(S[x] - M, den);
+    }
+    if (g) g[x] = slope;
+  } else if (!local && x < T) {
+    const int64_t t = x;
+    double slope = 0;
+    if (doc[t] >= 0) {
+      double total = 0;  // layer by layer, κ within (the CPU's order)
+      for (int64_t l = 0; l < L; ++l)
+        for (int64_t k = 0; k < K; ++k) total += S[(l * T + t) * K + k];
+      const double N = static_cast<double>(L * K);
+      const double den = global_denominator(pos[t], M, N);
+      ell = hinge(total - M * N, den);
+      slope = hinge_slope(total - M * N, den);
+    }
+    if (g)
+      for (int64_t l = 0; l < L; ++l)
+        for (int64_t k = 0; k < K; ++k) g[(l * T + t) * K + k] = slope;
+  }
+  __shared__ double s_sum[kReduceThreads];
+  __shared__ unsigned long long s_count[kReduceThreads];
+  s_sum[threadIdx.x] = ell;
+  s_count[threadIdx.x] = ell > 0 ? 1 : 0;
+  __syncthreads();
+  for (int half = kReduceThreads / 2; half > 0; half /= 2) {
+    if (static_cast<int>(threadIdx.x) < half) {
+      s_sum[threadIdx.x] += s_sum[threadIdx.x + half];
+      s_count[threadIdx.x] += s_count[threadIdx.x + half];
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    part_sum[blockIdx.x] = s_sum[0];
+    part_count[blockIdx.x] = s_count[0];
+  }
+}
+
+// grid (nqb, L), kTile threads: g F64 [L, T, K] → the grads kernel's F32 per-head slopes and
+// their per-(layer, query tile, head) "any slope ≠ 0" flags.
+__global__ void __launch_bounds__(kTile) slopes_kernel(const double* __restrict__ g64, int64_t T, int K, int64_t nqb,
+                                                       float* __restrict__ g, uint8_t* __restrict__ g_any) {
+  const int64_t qb = blockIdx.x, l = blockIdx.y;
+  const int64_t t = qb * kTile + threadIdx.x;
+  for (int k = 0; k < K; ++k) {
+    const double v = t < T ? g64[(l * T + t) * K + k] : 0.0;
+    if (t < T) g[(l * T + t) * K + k] = static_cast<float>(v);
+    const int any = __syncthreads_or(v != 0.0);
+    if (threadIdx.x == 0) g_any[(l * nqb + qb) * K + k] = any ? 1 : 0;
+  }
+}
+
+// A rectangle's row side: its tiles' document ranges.
+Tensor row_tile_docs(const Tensor& q_doc) {
+  const int64_t T = q_doc.dim(0), nb = tile_count(T);
+  Tensor docs = Tensor::empty({nb, 3}, DType::I32, Device::CUDA);
+  tile_docs_kernel<<<static_cast<unsigned>(nb), kTile>>>(ptr<int32_t>(q_doc), T, reinterpret_cast<TileDocs*>(docs.raw()));
+  RETAIN_LAUNCH_CHECK();
+  return docs;
+}
+
+}  // namespace
+
+void capacity_sums_span(const Tensor& log_beta, const Tensor& k_doc, int64_t k_start, const Tensor& q_doc,
+                        int64_t q_start, Tensor& S, double skip_exponent) {
+  const SpanPair kind = span_pair("capacity_sums_span", q_start, q_doc.dim(0), k_start, k_doc.dim(0));
+  if (kind == SpanPair::none || log_beta.numel() == 0) return;
+  if (kind == SpanPair::self) {  // one sequence: the rows' own sums, added to S
+    Plan plan(log_beta, k_doc, skip_exponent);
+    SumsArgs a = plan.sums_args(log_beta, k_doc);
+    a.S64 = ptr<double>(S);
+    plan.launch_sums(a);
+    return;
+  }
+  Plan keys(log_beta, k_doc, skip_exponent);  // the key tiles' maxima and documents
+  Tensor q_docs = row_tile_docs(q_doc);
+  SumsArgs a = keys.sums_args(log_beta, k_doc);  // klb, kdoc, Tk, nkb, k_tile_max, k_docs: the keys
+  a.doc = ptr<int32_t>(q_doc);
+  a.T = q_doc.dim(0);
+  a.nb = tile_count(a.T);
+  a.docs = reinterpret_cast<const TileDocs*>(q_docs.raw());
+  a.spans = nullptr;
+  a.tile_max = nullptr;
+  a.gap = q_start - k_start;
+  a.rect = true;
+  a.S64 = ptr<double>(S);
+  sums_kernel<<<dim3(static_cast<unsigned>(a.nb), static_cast<unsigned>(keys.L), static_cast<unsigned>(keys.Z)),
+                32 * keys.W>>>(a);
+  RETAIN_LAUNCH_CHECK();
+}
+
+ops::CapacityLoss capacity_hinge(const Tensor& S, const Tensor& doc, const Tensor& positions, double memory,
+                                 ops::CapacityMode mode, Tensor* g) {
+  const int64_t L = S.dim(0), T = S.dim(1), K = S.dim(2);
+  const bool local = mode == ops::CapacityMode::local;
+  const int64_t threads = local ? L * T * K : T;
+  if (threads == 0) return {};
+  const int64_t blocks = (threads + kReduceThreads - 1) / kReduceThreads;
+  Tensor part_sum = Tensor::empty({blocks}, DType::F64, Device::CUDA);
+  Tensor part_count = Tensor::empty({blocks}, DType::I64, Device::CUDA);
+  hinge_kernel<<<static_cast<unsigned>(blocks), kReduceThreads>>>(
+      ptr<double>(S), ptr<int32_t>(doc), ptr<int32_t>(positions), L, T, K, memory, local,
+      g ? ptr<double>(*g) : nullptr, ptr<double>(part_sum), static_cast<unsigned long long*>(part_count.raw()));
+  RETAIN_LAUNCH_CHECK();
+  return reduce_to_host(part_sum, part_count, blocks);
+}
+
+void capacity_grad_span(const Tensor& log_beta, const Tensor& k_doc, int64_t k_start, const Tensor& q_doc,
+                        int64_t q_start, const Tensor& g, Tensor& dlog_beta, double skip_exponent) {
+  const SpanPair kind = span_pair("capacity_grad_span", q_start, q_doc.dim(0), k_start, k_doc.dim(0));
+  if (kind == SpanPair::none || log_beta.numel() == 0) return;
+  Plan keys(log_beta, k_doc, skip_exponent);
+  const int64_t Tq = q_doc.dim(0), nqb = tile_count(Tq);
+  Tensor g32 = Tensor::empty({keys.L, Tq, keys.K}, DType::F32, Device::CUDA);
+  Tensor g_any = Tensor::empty({keys.L, nqb, keys.K}, DType::U8, Device::CUDA);
+  slopes_kernel<<<dim3(static_cast<unsigned>(nqb), static_cast<unsigned>(keys.L)), kTile>>>(
+      ptr<double>(g), Tq, keys.K, nqb, ptr<float>(g32), ptr<uint8_t>(g_any));
+  RETAIN_LAUNCH_CHECK();
+  Tensor q_docs = kind == SpanPair::earlier ? row_tile_docs(q_doc) : Tensor();
+  GradArgs b{};
+  b.lb = ptr<float>(log_beta);
+  b.doc = ptr<int32_t>(k_doc);
+  b.T = keys.T;
+  b.nb = keys.nb;
+  b.K = keys.K;
+  b.W = keys.W;
+  b.tile_max = ptr<float>(keys.tile_max);
+  b.docs = keys.tile_docs();
+  b.spans = keys.tile_spans();
+  b.skip = keys.skip;
+  b.g = ptr<float>(g32);
+  b.g_any = ptr<uint8_t>(g_any);
+  b.per_head = true;
+  b.scale = 1.0;
+  b.qdoc = ptr<int32_t>(q_doc);
+  b.Tq = Tq;
+  b.nqb = nqb;
+  b.q_docs = kind == SpanPair::earlier ? reinterpret_cast<const TileDocs*>(q_docs.raw()) : b.docs;
+  b.gap = kind == SpanPair::earlier ? q_start - k_start : 0;
+  b.rect = kind == SpanPair::earlier;
+  b.dlb64 = ptr<double>(dlog_beta);
+  grads_kernel<<<dim3(static_cast<unsigned>(keys.nb), static_cast<unsigned>(keys.L), static_cast<unsigned>(keys.Z)),
+                 32 * keys.W>>>(b);
   RETAIN_LAUNCH_CHECK();
 }
 

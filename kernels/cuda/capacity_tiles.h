@@ -88,10 +88,19 @@ RETAIN_HD bool tile_one_document(const TileDocs& q, const TileDocs& k) {
 // logβ ≤ key_max ≤ 0: its smallest distance t − i is qb·kTile − (kb·kTile + kTile − 1) ≥ 1
 // (a short last key tile only makes distances larger). Monotone in qb: once true for some qb
 // it stays true for every later query tile (the backward stops there).
+RETAIN_HD bool tile_negligible_at(int64_t min_distance, float key_max, double exponent = kNegligibleExponent) {
+  return static_cast<double>(min_distance) * static_cast<double>(key_max) < -exponent;
+}
 RETAIN_HD bool tile_negligible(int64_t qb, int64_t kb, float key_max, double exponent = kNegligibleExponent) {
   if (qb <= kb) return false;
-  const double min_distance = static_cast<double>(qb * kTile - (kb * kTile + kTile - 1));
-  return min_distance * static_cast<double>(key_max) < -exponent;
+  return tile_negligible_at(qb * kTile - (kb * kTile + kTile - 1), key_max, exponent);
+}
+// The same for a rectangle (context parallelism, kernels/retention_spans.h): query tile qb of a
+// span whose positions are `gap` past those of a wholly earlier key span's tiles (every
+// distance ≥ 1, also for qb ≤ kb). Monotone in qb as tile_negligible is.
+RETAIN_HD bool rect_tile_negligible(int64_t gap, int64_t qb, int64_t kb, float key_max,
+                                    double exponent = kNegligibleExponent) {
+  return tile_negligible_at(gap + qb * kTile - (kb * kTile + kTile - 1), key_max, exponent);
 }
 
 // ---- sums: one lane, kRun rows t0 .. t0+3, one key tile of n keys starting at i0 ----------

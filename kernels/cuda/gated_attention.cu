@@ -51,6 +51,7 @@
 #include "kernels/cuda/memory.h"
 #include "kernels/cuda/mma.cuh"
 #include "kernels/cuda/retention_cuda.h"
+#include "kernels/cuda/span_pair.h"
 #include "kernels/cuda/wgmma.cuh"
 
 namespace retain::cuda {
@@ -1535,19 +1536,6 @@ namespace {
 
 const char* kSpanForward = "gated_attention_span";
 const char* kSpanBackward = "gated_attention_span_backward";
-
-// What the kernels make of a span pair: nothing allowed (the keys all after the queries, or a
-// side empty), the queries' own tokens, or a wholly earlier key span (a rectangle). The ring
-// of trainer/context_parallel.cpp only pairs whole chunks, so a partial overlap is a caller's
-// error here (the CPU reference takes any pair).
-enum class SpanPair { none, self, earlier };
-SpanPair span_pair(const char* op, int64_t q_start, int64_t Tq, int64_t k_start, int64_t Tk) {
-  if (Tq == 0 || Tk == 0 || k_start >= q_start + Tq) return SpanPair::none;
-  if (k_start == q_start && Tk == Tq) return SpanPair::self;
-  if (k_start + Tk <= q_start) return SpanPair::earlier;
-  fail("{}: on CUDA the keys [{}, {}) must be the queries' own tokens [{}, {}) or lie wholly before or after them",
-       op, k_start, k_start + Tk, q_start, q_start + Tq);
-}
 
 __global__ void fill_f32_kernel(float* x, int64_t n, float value) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;

@@ -78,6 +78,17 @@ ops::CapacityLoss capacity_loss(const Tensor& log_beta, const Tensor& doc, const
 void capacity_loss_backward(const Tensor& log_beta, const Tensor& doc, const Tensor& positions,
                             double memory, ops::CapacityMode mode, double scale, Tensor& dlog_beta,
                             double skip_exponent);
+// The span pairs of context parallelism (kernels/retention_spans.h's capacity ops, same math and
+// dtypes: log_beta F32, docs and positions I32, S, g and dlog_beta F64; S and dlog_beta are
+// ADDED to), the keys the rows' own span, a wholly earlier one or one wholly after them (nothing
+// to add); any other overlap is an error. capacity_hinge synchronizes to return its two
+// numbers. Unverified on a GPU (emulated: tests/cuda/test_capacity_span_cuda.cpp).
+void capacity_sums_span(const Tensor& log_beta, const Tensor& k_doc, int64_t k_start, const Tensor& q_doc,
+                        int64_t q_start, Tensor& S, double skip_exponent);
+ops::CapacityLoss capacity_hinge(const Tensor& S, const Tensor& doc, const Tensor& positions, double memory,
+                                 ops::CapacityMode mode, Tensor* g);
+void capacity_grad_span(const Tensor& log_beta, const Tensor& k_doc, int64_t k_start, const Tensor& q_doc,
+                        int64_t q_start, const Tensor& g, Tensor& dlog_beta, double skip_exponent);
 // ---- end of capacity ---------------------------------------------------------------------
 
 // The device that runs kernels/deferred_checks.h's scans (kernels/cuda/deferred_checks.cu).
