@@ -134,11 +134,29 @@ void swiglu(const Tensor& gate, const Tensor& up, Tensor& out) {
 }
 
 void add_inplace(Tensor& x, const Tensor& y) {
-  RETAIN_CHECK(x.dtype() == DType::F32 && y.dtype() == DType::F32 && x.shape() == y.shape(), "add: x {} y {}",
-               shape_str(x.shape()), shape_str(y.shape()));
+  RETAIN_CHECK((x.dtype() == DType::F32 || x.dtype() == DType::F64) && y.dtype() == x.dtype() &&
+                   x.shape() == y.shape(),
+               "add: x {} {} y {} {} (both F32 or both F64, one shape)", dtype_name(x.dtype()), shape_str(x.shape()),
+               dtype_name(y.dtype()), shape_str(y.shape()));
   if (one_device("add_inplace", {&x, &y}) == Device::CUDA)
     RETAIN_CUDA_OP("add_inplace", add_inplace(x, y));
   cpu::add_inplace(x, y);
+}
+
+void fill(Tensor& x, double value) {
+  RETAIN_CHECK(x.dtype() == DType::F32 || x.dtype() == DType::F64, "fill: x is {} (F32 or F64)",
+               dtype_name(x.dtype()));
+  if (one_device("fill", {&x}) == Device::CUDA) RETAIN_CUDA_OP("fill", fill(x, value));
+  cpu::fill(x, value);
+}
+
+void scale_to_f32(const Tensor& src, double scale, Tensor& dst) {
+  RETAIN_CHECK(src.dtype() == DType::F64 && dst.dtype() == DType::F32 && src.numel() == dst.numel(),
+               "scale_to_f32: src {} {} dst {} {} (F64 to F32, one element count)", dtype_name(src.dtype()),
+               shape_str(src.shape()), dtype_name(dst.dtype()), shape_str(dst.shape()));
+  if (one_device("scale_to_f32", {&src, &dst}) == Device::CUDA)
+    RETAIN_CUDA_OP("scale_to_f32", scale_to_f32(src, scale, dst));
+  cpu::scale_to_f32(src, scale, dst);
 }
 
 namespace {

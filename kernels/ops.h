@@ -53,8 +53,15 @@ void rope(Tensor& x, const Tensor& positions, const Tensor& inv_freq, float atte
 // out = silu(gate) * up, elementwise; all F32 of one shape. out may alias gate or up.
 void swiglu(const Tensor& gate, const Tensor& up, Tensor& out);
 
-// x += y, elementwise F32.
+// x += y, elementwise, both F32 or both F64 (context parallelism's gradient sums).
 void add_inplace(Tensor& x, const Tensor& y);
+
+// x[i] = value for every element of x (F32 or F64; value rounded to F32 for F32).
+void fill(Tensor& x, double value);
+
+// dst[i] = float(scale · src[i]): src F64, dst F32 of src's element count (rounded once, to
+// nearest): the F64 sums of context parallelism's rings, scaled into their F32 results.
+void scale_to_f32(const Tensor& src, double scale, Tensor& dst);
 
 // out = [a ‖ b] row by row: a F32 [T, A], b F32 [T, B], out F32 [T, A + B] (a copy; out aliases
 // neither). The input of a retention gate that reads [k ‖ v] (model/gates/gates.h).

@@ -134,6 +134,30 @@ TEST(Ops, SwiGluAndAdd) {
   for (int i = 0; i < 28; ++i) EXPECT_EQ(s.data<float>()[i], g.data<float>()[i] + u.data<float>()[i]);
 }
 
+// The ring sums' helpers: F64 add, fill, and F64 → F32 scaled (rounded once, as float(scale·x)).
+TEST(Ops, F64AddFillAndScaleToF32) {
+  Tensor a = Tensor::from_vector<double>({1.0, 0.1, -2.5, 1e300}, {2, 2});
+  const Tensor b = Tensor::from_vector<double>({0.25, 0.2, 2.5, 1e300}, {2, 2});
+  ops::add_inplace(a, b);
+  EXPECT_EQ(a.data<double>()[0], 1.25);
+  EXPECT_EQ(a.data<double>()[1], 0.1 + 0.2);  // the F64 sum, not a float one
+  EXPECT_EQ(a.data<double>()[2], 0.0);
+  EXPECT_EQ(a.data<double>()[3], 2e300);
+  Tensor f = Tensor::empty({4}, DType::F32);
+  ops::scale_to_f32(a, 0.5, f);
+  EXPECT_EQ(f.data<float>()[0], 0.625f);
+  EXPECT_EQ(f.data<float>()[1], static_cast<float>(0.5 * (0.1 + 0.2)));
+  EXPECT_EQ(f.data<float>()[3], INFINITY);  // beyond float's range
+  ops::fill(f, -INFINITY);
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(f.data<float>()[i], -INFINITY);
+  ops::fill(a, 0.1);
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(a.data<double>()[i], 0.1);
+  Tensor i32 = Tensor::zeros({2}, DType::I32);
+  EXPECT_THROW(ops::fill(i32, 1.0), Error);
+  EXPECT_THROW(ops::add_inplace(a, Tensor::zeros({2, 2}, DType::F32)), Error);
+  EXPECT_THROW(ops::scale_to_f32(f, 1.0, f), Error);
+}
+
 // [a ‖ b] row by row, and its backward adding each part of the joined gradient into its own
 // gradient; shapes with empty parts and rows; errors for wrong shapes and aliasing.
 TEST(Ops, ConcatColumnsAndSplitColumnsAdd) {

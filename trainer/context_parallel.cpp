@@ -21,6 +21,7 @@
 #include "kernels/base/error.h"
 #include "kernels/base/fault.h"
 #include "kernels/kvpop.h"
+#include "kernels/ops.h"
 #include "kernels/retention_spans.h"
 
 namespace retain::trainer {
@@ -65,18 +66,30 @@ Strides strides(const Tensor& t, int64_t dim) {
 
 // Copies indices [from, from + n) of dimension dim of src into [to, to + n) of dst (same dtype,
 // same sizes in every other dimension).
+// Either tensor may be on either device (a device copy per index before `dim`).
 void copy_range(const Tensor& src, int64_t from, Tensor& dst, int64_t to, int64_t n, int64_t dim) {
   const Strides s = strides(src, dim);
   const size_t es = dtype_size(src.dtype());
   const int64_t ns = src.dim(dim), nd = dst.dim(dim);
-  for (int64_t o = 0; o < s.outer; ++o)
-    std::memcpy(static_cast<char*>(dst.raw()) + static_cast<size_t>((o * nd + to) * s.inner) * es,
-                static_cast<const char*>(src.raw()) + static_cast<size_t>((o * ns + from) * s.inner) * es,
-                static_cast<size_t>(n * s.inner) * es);
+  const bool host = src.device() == Device::CPU && dst.device() == Device::CPU;
+  for (int64_t o = 0; o < s.outer; ++o) {
+    const size_t at_dst = static_cast<size_t>((o * nd + to) * s.inner) * es,
+                 at_src = static_cast<size_t>((o * ns + from) * s.inner) * es, bytes = static_cast<size_t>(n * s.inner) * es;
+    if (host) {
+      std::memcpy(static_cast<char*>(dst.raw()) + at_dst, static_cast<const char*>(src.raw()) + at_src, bytes);
+    } else if (bytes > 0) {
+      const Shape run{n * s.inner};
+      dst.view_bytes(at_dst, run, dst.dtype()).copy_from(src.view_bytes(at_src, run, src.dtype()));
+    }
+  }
+}
+
+// The ops that run on the host only: KVPOP's query ring and head exchange.
+void check_on_cpu(const char* op, const Tensor& t) {
+  if (t.device() != Device::CPU) fail("{}: runs on the CPU only in this build (KVPOP under context parallelism)", op);
 }
 
 void check_dim(const char* op, const Tensor& t, int64_t dim, int64_t want) {
-  if (t.device() != Device::CPU) fail("{}: context parallelism runs on the CPU only in this build", op);
   if (t.ndim() <= dim || t.dim(dim) != want)
     fail("{}: a tensor of shape {} does not hold this rank's {} tokens in dimension {}", op, shape_str(t.shape()),
          want, dim);
@@ -88,7 +101,7 @@ Tensor ContextLayout::local(const Tensor& whole, int rank, int64_t dim) const {
   check_dim("ContextLayout::local", whole, dim, T_);
   Shape shape = whole.shape();
   shape[static_cast<size_t>(dim)] = local_tokens(rank);
-  Tensor out = Tensor::empty(shape, whole.dtype());
+  Tensor out = Tensor::empty(shape, whole.dtype(), whole.device());
   int64_t at = 0;
   for (const TokenSpan& s : spans(rank)) {
     copy_range(whole, s.start, out, at, s.length, dim);
@@ -112,14 +125,15 @@ namespace {
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // A flat buffer of named tensors whose token dimension is sized for the largest rank; a
-// rank's tensors occupy the start of their field, contiguous, with its own token count.
+// rank's tensors occupy the start of their field, contiguous, with its own token count. Fields
+// start 16-byte aligned (the CUDA attention kernels' loads), the bytes between them zero.
 class Packet {
  public:
   // Adds a field of `per_token` elements per token (times `outer` blocks: [outer, T, ...]).
   int add(DType dtype, int64_t per_token, int64_t max_tokens, int64_t outer = 1) {
     offsets_.push_back(bytes_);
     dtypes_.push_back(dtype);
-    bytes_ += (static_cast<size_t>(outer * max_tokens * per_token) * dtype_size(dtype) + 7) / 8 * 8;
+    bytes_ += (static_cast<size_t>(outer * max_tokens * per_token) * dtype_size(dtype) + 15) / 16 * 16;
     return static_cast<int>(offsets_.size()) - 1;
   }
   size_t bytes() const { return bytes_; }
@@ -127,7 +141,9 @@ class Packet {
   Tensor view(const Tensor& buffer, int field, const Shape& shape) const {
     return buffer.view_bytes(offsets_[static_cast<size_t>(field)], shape, dtypes_[static_cast<size_t>(field)]);
   }
-  Tensor buffer() const { return Tensor::zeros({static_cast<int64_t>(std::max<size_t>(bytes_, 8))}, DType::U8); }
+  Tensor buffer(Device device) const {
+    return Tensor::zeros({static_cast<int64_t>(std::max<size_t>(bytes_, 16))}, DType::U8, device);
+  }
 
  private:
   std::vector<size_t> offsets_;
@@ -182,9 +198,10 @@ Group check_group(const char* op, dist::Comm& group, const ContextLayout& layout
 // order: the ops take row ranges of them); the target ring its queries, their lse and documents.
 class TokenPackets {
  public:
-  TokenPackets(const ContextLayout& layout, std::vector<std::pair<DType, Shape>> fields) : fields_(std::move(fields)) {
+  TokenPackets(const ContextLayout& layout, std::vector<std::pair<DType, Shape>> fields, Device device)
+      : fields_(std::move(fields)) {
     for (const auto& [dtype, per_token] : fields_) p_.add(dtype, shape_numel(per_token), layout.max_local_tokens());
-    buf_ = {p_.buffer(), p_.buffer()};
+    buf_ = {p_.buffer(device), p_.buffer(device)};
   }
   // This rank's tensors, one per field in order, into the first buffer.
   void pack(std::initializer_list<const Tensor*> tensors) {
@@ -209,10 +226,13 @@ class TokenPackets {
   std::array<Tensor, 2> buf_;
 };
 
-// The attention rings' packets: a rank's keys, values, logβ and document ids.
+// The attention rings' packets: a rank's keys and values (F32 on the CPU, BF16 on CUDA), logβ
+// and document ids, on k's device.
 enum KeyField { kKeys, kValues, kLogBeta, kKeyDocs };
-TokenPackets attention_keys(const ContextLayout& layout, int64_t K, int64_t d) {
-  return TokenPackets(layout, {{DType::F32, {K, d}}, {DType::F32, {K, d}}, {DType::F32, {K}}, {DType::I32, {}}});
+TokenPackets attention_keys(const ContextLayout& layout, const Tensor& k) {
+  const int64_t K = k.dim(1), d = k.dim(2);
+  return TokenPackets(layout, {{k.dtype(), {K, d}}, {k.dtype(), {K, d}}, {DType::F32, {K}}, {DType::I32, {}}},
+                      k.device());
 }
 
 // Gradient sums that travel a ring one step behind the keys they belong to. At step s a rank
@@ -225,12 +245,17 @@ TokenPackets attention_keys(const ContextLayout& layout, int64_t K, int64_t d) {
 class LaggedSums {
  public:
   // `fields`: the sums' layout, every field of `dtype` (F32 or F64).
-  LaggedSums(dist::Comm& group, const Packet& fields, DType dtype)
-      : group_(group), bytes_(fields.bytes()), f64_(dtype == DType::F64), in_(fields.buffer()), out_(fields.buffer()),
-        mine_(fields.buffer()) {}
+  LaggedSums(dist::Comm& group, const Packet& fields, DType dtype, Device device)
+      : group_(group),
+        bytes_(fields.bytes()),
+        dtype_(dtype),
+        in_(fields.buffer(device)),
+        out_(fields.buffer(device)),
+        mine_(fields.buffer(device)) {}
   Tensor& mine() { return mine_; }
   void begin_step(int step) {
-    std::memset(mine_.raw(), 0, mine_.nbytes());
+    Tensor all = flat(mine_);
+    ops::fill(all, 0.0);
     // (at step 0 the keys are this rank's own: nobody before it has sums for them)
     if (step > 0) shift_ = group_.ring_shift_bytes_async(out_.raw(), in_.raw(), bytes_);
   }
@@ -251,22 +276,18 @@ class LaggedSums {
   }
 
  private:
-  // The fields are all F32 or all F64 (8-byte aligned, zero padding): added as one flat array.
+  // The fields are all F32 or all F64 (16-byte aligned, zero padding): one flat array.
+  Tensor flat(const Tensor& buffer) const {
+    return buffer.view_bytes(0, {static_cast<int64_t>(bytes_ / dtype_size(dtype_))}, dtype_);
+  }
   void add(Tensor& into, const Tensor& from) {
-    if (f64_) {
-      double* a = static_cast<double*>(into.raw());
-      const double* b = static_cast<const double*>(from.raw());
-      for (size_t x = 0; x < bytes_ / 8; ++x) a[x] += b[x];
-    } else {
-      float* a = static_cast<float*>(into.raw());
-      const float* b = static_cast<const float*>(from.raw());
-      for (size_t x = 0; x < bytes_ / 4; ++x) a[x] += b[x];
-    }
+    Tensor a = flat(into);
+    ops::add_inplace(a, flat(from));
   }
 
   dist::Comm& group_;
   size_t bytes_;
-  bool f64_;
+  DType dtype_;
   Tensor in_, out_, mine_;
   std::unique_ptr<dist::Request> shift_;
 };
@@ -282,15 +303,19 @@ void ring_gated_attention(dist::Comm& group, const ContextLayout& layout, const 
   const int64_t Tl = layout.local_tokens(r);
   for (const Tensor* t : std::initializer_list<const Tensor*>{&q, &k, &v, &log_beta, &doc, &out, &lse})
     check_dim(op, *t, 0, Tl);
-  const int64_t H = q.dim(1), K = k.dim(1), d = k.dim(2);
+  const int64_t H = q.dim(1), d = k.dim(2);
+  const Device dev = q.device();
 
-  TokenPackets keys = attention_keys(layout, K, d);
+  TokenPackets keys = attention_keys(layout, k);
   keys.pack({&k, &v, &log_beta, &doc});
 
-  std::memset(out.raw(), 0, out.nbytes());
-  std::fill(lse.data<float>(), lse.data<float>() + lse.numel(), kNegInf);
+  // The rows' running (out, lse): out itself on the CPU (F32); on CUDA an F32 sum, rounded into
+  // the BF16 out at the end (the span kernels' partials are F32).
+  Tensor acc = out.dtype() == DType::F32 ? out : Tensor::empty({Tl, H, d}, DType::F32, dev);
+  ops::fill(acc, 0.0);
+  ops::fill(lse, kNegInf);
   const auto mine = layout.spans(r);
-  Tensor part_out = Tensor::empty({Tl, H, d}, DType::F32), part_lse = Tensor::empty({Tl, H}, DType::F32);
+  Tensor part_out = Tensor::empty({Tl, H, d}, DType::F32, dev), part_lse = Tensor::empty({Tl, H}, DType::F32, dev);
   ring_steps(group, r, N, keys, [&](int /*step*/, int src, int cur) {
     const int64_t Ts = layout.local_tokens(src);
     const Tensor ks = keys.field(cur, kKeys, Ts), vs = keys.field(cur, kValues, Ts),
@@ -303,10 +328,11 @@ void ring_gated_attention(dist::Comm& group, const ContextLayout& layout, const 
                                 ks.rows(k0, k0 + kspan.length), vs.rows(k0, k0 + kspan.length),
                                 ls.rows(k0, k0 + kspan.length), ds.rows(k0, k0 + kspan.length), kspan.start, scale,
                                 po, pl);
-      Tensor o = out.rows(q0, q0 + qs.length), l = lse.rows(q0, q0 + qs.length);
+      Tensor o = acc.rows(q0, q0 + qs.length), l = lse.rows(q0, q0 + qs.length);
       ops::merge_attention(o, l, po, pl);
     });
   });
+  if (acc.raw() != out.raw()) ops::cast(acc, out);
 }
 
 void ring_gated_attention_backward(dist::Comm& group, const ContextLayout& layout, const Tensor& q,
@@ -320,16 +346,27 @@ void ring_gated_attention_backward(dist::Comm& group, const ContextLayout& layou
        std::initializer_list<const Tensor*>{&q, &k, &v, &log_beta, &doc, &out, &lse, &dout, &dq, &dk, &dv, &dlog_beta})
     check_dim(op, *t, 0, Tl);
   const int64_t K = k.dim(1), d = k.dim(2);
+  const Device dev = q.device();
+  // F32 on the CPU; on CUDA (BF16 activations) out is read as F32 and dq summed in F32, rounded
+  // into the BF16 dq at the end (the span kernels take out F32 and add to F32 sums).
+  const bool f32 = dq.dtype() == DType::F32;
+  const auto as_f32 = [&](const Tensor& x) {
+    Tensor y = Tensor::empty(x.shape(), DType::F32, dev);
+    ops::cast(x, y);
+    return y;
+  };
+  const Tensor out32 = f32 ? out : as_f32(out);
+  Tensor dq32 = f32 ? dq : Tensor::empty(dq.shape(), DType::F32, dev);
 
   // The keys, each step's next packet sent ahead of the tiles; their gradient sums (dk, dv,
-  // dlogβ) in a ring one step behind them (LaggedSums).
-  TokenPackets keys = attention_keys(layout, K, d);
+  // dlogβ; F32) in a ring one step behind them (LaggedSums).
+  TokenPackets keys = attention_keys(layout, k);
   keys.pack({&k, &v, &log_beta, &doc});
   Packet g;
   const int gk = g.add(DType::F32, K * d, Tm), gv = g.add(DType::F32, K * d, Tm), gl = g.add(DType::F32, K, Tm);
-  LaggedSums sums(group, g, DType::F32);
+  LaggedSums sums(group, g, DType::F32, dev);
 
-  std::memset(dq.raw(), 0, dq.nbytes());
+  ops::fill(dq32, 0.0);
   const auto mine = layout.spans(r);
   ring_steps(group, r, N, keys, [&](int step, int src, int cur) {
     sums.begin_step(step);
@@ -341,19 +378,26 @@ void ring_gated_attention_backward(dist::Comm& group, const ContextLayout& layou
     const auto theirs = layout.spans(src);
     for_each_pair(mine, theirs, [&](int qi, int ki, int64_t q0, int64_t k0) {
       const int64_t q1 = q0 + mine[qi].length, k1 = k0 + theirs[ki].length;
-      Tensor dq_rows = dq.rows(q0, q1), dk_rows = dks.rows(k0, k1), dv_rows = dvs.rows(k0, k1),
+      Tensor dq_rows = dq32.rows(q0, q1), dk_rows = dks.rows(k0, k1), dv_rows = dvs.rows(k0, k1),
              dl_rows = dls.rows(k0, k1);
       ops::gated_attention_span_backward(q.rows(q0, q1), doc.rows(q0, q1), mine[qi].start, ks.rows(k0, k1),
                                          vs.rows(k0, k1), ls.rows(k0, k1), ds.rows(k0, k1), theirs[ki].start, scale,
-                                         out.rows(q0, q1), lse.rows(q0, q1), dout.rows(q0, q1), dq_rows, dk_rows,
+                                         out32.rows(q0, q1), lse.rows(q0, q1), dout.rows(q0, q1), dq_rows, dk_rows,
                                          dv_rows, dl_rows);
     });
     sums.end_step(step);
   });
   const Tensor& home = sums.home();
-  dk.copy_from(g.view(home, gk, dk.shape()));
-  dv.copy_from(g.view(home, gv, dv.shape()));
+  const auto take = [&](const Tensor& sum, Tensor& into) {
+    if (into.dtype() == DType::F32)
+      into.copy_from(sum);
+    else
+      ops::cast(sum, into);
+  };
+  take(g.view(home, gk, dk.shape()), dk);
+  take(g.view(home, gv, dv.shape()), dv);
   dlog_beta.copy_from(g.view(home, gl, dlog_beta.shape()));
+  if (!f32) ops::cast(dq32, dq);
 }
 
 namespace {
@@ -363,21 +407,24 @@ namespace {
 std::array<Tensor, 2> split_chunks(const Tensor& x, const std::array<TokenSpan, 2>& s) {
   std::array<Tensor, 2> out;
   for (int i = 0; i < 2; ++i) {
-    out[i] = Tensor::empty({x.dim(0), s[i].length, x.dim(2)}, x.dtype());
+    out[i] = Tensor::empty({x.dim(0), s[i].length, x.dim(2)}, x.dtype(), x.device());
     copy_range(x, local_offset(s, i), out[i], 0, s[i].length, 1);
   }
   return out;
 }
 
-// The inverse, from F64 sums: out F32 [L, T_local, K] = scale · the two chunks' [L, len, K], rounded.
+// The inverse, from F64 sums: out F32 [L, T_local, K] = scale · the two chunks' [L, len, K], rounded
+// (on either device: one run of len·K values per chunk and layer).
 void join_chunks(const std::array<Tensor, 2>& parts, const std::array<TokenSpan, 2>& s, double scale, Tensor& out) {
   const int64_t L = out.dim(0), Tl = out.dim(1), K = out.dim(2);
-  float* o = out.data<float>();
   for (int i = 0; i < 2; ++i) {
-    const double* p = parts[i].data<double>();
     const int64_t len = s[i].length, off = local_offset(s, i);
-    for (int64_t l = 0; l < L; ++l)
-      for (int64_t x = 0; x < len * K; ++x) o[(l * Tl + off) * K + x] = static_cast<float>(scale * p[l * len * K + x]);
+    if (len == 0) continue;
+    for (int64_t l = 0; l < L; ++l) {
+      Tensor o = out.view_bytes(static_cast<size_t>((l * Tl + off) * K) * sizeof(float), {len * K}, DType::F32);
+      ops::scale_to_f32(parts[i].view_bytes(static_cast<size_t>(l * len * K) * sizeof(double), {len * K}, DType::F64),
+                        scale, o);
+    }
   }
 }
 
@@ -385,11 +432,11 @@ void join_chunks(const std::array<Tensor, 2>& parts, const std::array<TokenSpan,
 // [L, len, K], one after the other (the field holds L·Tm·K floats), and its document ids.
 class CapacityKeys {
  public:
-  CapacityKeys(const ContextLayout& layout, int64_t L, int64_t K) : L_(L), K_(K) {
+  CapacityKeys(const ContextLayout& layout, int64_t L, int64_t K, Device device) : L_(L), K_(K) {
     const int64_t Tm = layout.max_local_tokens();
     fl_ = p_.add(DType::F32, K, Tm, L);
     fd_ = p_.add(DType::I32, 1, Tm);
-    buf_ = {p_.buffer(), p_.buffer()};
+    buf_ = {p_.buffer(device), p_.buffer(device)};
   }
   // This rank's logβ [L, T_local, K] and doc into the first buffer.
   void pack(const Tensor& log_beta, const Tensor& doc, const std::array<TokenSpan, 2>& mine) {
@@ -421,10 +468,11 @@ std::array<Tensor, 2> chunk_capacity_sums(dist::Comm& group, const ContextLayout
                                          const Tensor& log_beta, const Tensor& doc, double E) {
   const int64_t L = log_beta.dim(0), K = log_beta.dim(2);
   const auto mine = layout.spans(r);
-  CapacityKeys keys(layout, L, K);
+  const Device dev = log_beta.device();
+  CapacityKeys keys(layout, L, K, dev);
   keys.pack(log_beta, doc, mine);
-  std::array<Tensor, 2> S{Tensor::zeros({L, mine[0].length, K}, DType::F64),
-                          Tensor::zeros({L, mine[1].length, K}, DType::F64)};
+  std::array<Tensor, 2> S{Tensor::zeros({L, mine[0].length, K}, DType::F64, dev),
+                          Tensor::zeros({L, mine[1].length, K}, DType::F64, dev)};
   ring_steps(group, r, N, keys, [&](int /*step*/, int src, int cur) {
     const auto theirs = layout.spans(src);
     const Tensor ds = keys.doc(cur, layout.local_tokens(src));
@@ -454,7 +502,8 @@ Tensor ring_capacity_sums(dist::Comm& group, const ContextLayout& layout, const 
   const char* op = "ring_capacity_sums";
   const auto [r, N] = check_group(op, group, layout);
   check_capacity(op, layout, r, log_beta, doc, doc);
-  Tensor out = Tensor::empty({log_beta.dim(0), layout.local_tokens(r), log_beta.dim(2)}, DType::F32);
+  Tensor out = Tensor::empty({log_beta.dim(0), layout.local_tokens(r), log_beta.dim(2)}, DType::F32,
+                             log_beta.device());
   join_chunks(chunk_capacity_sums(group, layout, r, N, log_beta, doc, E), layout.spans(r), 1.0, out);
   return out;
 }
@@ -490,17 +539,17 @@ void ring_capacity_loss_backward(dist::Comm& group, const ContextLayout& layout,
   std::array<Tensor, 2> g;
   for (int i = 0; i < 2; ++i) {
     const int64_t a = local_offset(mine, i), b = a + mine[i].length;
-    g[i] = Tensor::empty(S[i].shape(), DType::F64);
+    g[i] = Tensor::empty(S[i].shape(), DType::F64, log_beta.device());
     ops::capacity_hinge(S[i], doc.rows(a, b), positions.rows(a, b), memory, mode, &g[i]);
   }
 
   // The keys' logβ and documents (sent ahead), and their F64 gradient sums in a ring one step
   // behind (LaggedSums), laid out as the packets' logβ: each chunk's [L, len, K] in turn.
-  CapacityKeys keys(layout, L, K);
+  CapacityKeys keys(layout, L, K, log_beta.device());
   keys.pack(log_beta, doc, mine);
   Packet gp;
   const int fg = gp.add(DType::F64, K, Tm, L);
-  LaggedSums sums(group, gp, DType::F64);
+  LaggedSums sums(group, gp, DType::F64, log_beta.device());
   auto sum_chunk = [&](const Tensor& buffer, const std::array<TokenSpan, 2>& spans, int i) {
     const size_t front = i == 0 ? 0 : static_cast<size_t>(L * spans[0].length * K) * 8;
     return buffer.view_bytes(gp.offset(fg) + front, {L, spans[i].length, K}, DType::F64);
@@ -526,7 +575,10 @@ Tensor ring_future_attention_target(dist::Comm& group, const ContextLayout& layo
   const char* op = "ring_future_attention_target";
   const auto [r, N] = check_group(op, group, layout);
   const int64_t Tl = layout.local_tokens(r);
-  for (const Tensor* t : std::initializer_list<const Tensor*>{&q, &k, &lse, &doc}) check_dim(op, *t, 0, Tl);
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&q, &k, &lse, &doc}) {
+    check_on_cpu(op, *t);
+    check_dim(op, *t, 0, Tl);
+  }
   if (q.ndim() != 3 || k.ndim() != 3)
     fail("{}: q must be [T_local, H, d] and k [T_local, K, d], got {} and {}", op, shape_str(q.shape()),
          shape_str(k.shape()));
@@ -534,7 +586,7 @@ Tensor ring_future_attention_target(dist::Comm& group, const ContextLayout& layo
 
   // The ring's packets: a rank's queries, their lse and document ids.
   enum { kQueries, kLse, kQueryDocs };
-  TokenPackets queries(layout, {{DType::F32, {H, d}}, {DType::F32, {H}}, {DType::I32, {}}});
+  TokenPackets queries(layout, {{DType::F32, {H, d}}, {DType::F32, {H}}, {DType::I32, {}}}, Device::CPU);
   queries.pack({&q, &lse, &doc});
   const auto mine = layout.spans(r);
   // Each key chunk's running log-sum-exp (the span op wants consecutive keys).
@@ -570,6 +622,7 @@ std::vector<Tensor> gather_to_owners(dist::Comm& group, const ContextLayout& lay
   for (size_t i = 0; i < local.size(); ++i) {
     if (owner[i] < 0 || owner[i] >= N) fail("{}: item {} has owner {}, not a rank of [0, {})", op, i, owner[i], N);
     const Tensor& t = local[i];
+    check_on_cpu(op, t);
     check_dim(op, t, 0, Tl);
     if (t.ndim() != 2 || t.dtype() != DType::F32)
       fail("{}: item {} must be F32 [T_local, C], got {} {}", op, i, dtype_name(t.dtype()), shape_str(t.shape()));

@@ -167,7 +167,6 @@ StepLosses compute_gradients(WeightProvider& weights, gates::RetentionGates& gat
   const Device dev = weights.device();
   const bool on_device = dev != Device::CPU;
   const bool split = context_group != nullptr && context_group->size() > 1;
-  if (split && on_device) fail("context parallelism runs on the CPU only in this build (--device cpu)");
   if (on_device) gates.sync_to_device();  // the values of the last optimizer step
   std::vector<Tensor> ids, docs;
   std::vector<Tensor> positions, loss_masks;
@@ -175,7 +174,7 @@ StepLosses compute_gradients(WeightProvider& weights, gates::RetentionGates& gat
   // to the layouts: a deque never moves them), and its rows' targets.
   std::deque<ContextLayout> layouts;
   std::vector<std::unique_ptr<ContextPart>> parts;
-  std::vector<Tensor> targets;
+  std::vector<Tensor> targets, local_docs;  // (the rows' targets and documents stay on the host too)
   auto part = [&](size_t m) -> const SequencePart* { return split ? parts[m].get() : nullptr; };
   // counts: [loss positions, tokens, capacity positives (accumulation only)], reduced in float64
   // (exact for counts below 2^53).
@@ -192,13 +191,14 @@ StepLosses compute_gradients(WeightProvider& weights, gates::RetentionGates& gat
     }
     const int r = context_group->rank();
     const ContextLayout& layout = layouts.emplace_back(mb.ids.numel(), context_group->size());
-    ids.push_back(layout.local(mb.ids, r));
-    docs.push_back(layout.local(mb.doc, r));
-    positions.push_back(layout.local(ops::document_positions(mb.doc), r));
+    ids.push_back(layout.local(mb.ids, r).on(dev));
+    local_docs.push_back(layout.local(mb.doc, r));
+    docs.push_back(local_docs.back().on(dev));
+    positions.push_back(layout.local(ops::document_positions(mb.doc), r).on(dev));
     targets.push_back(layout.local(loss_targets(mb.ids, ops::loss_positions(mb.doc, mb.target_mask)), r));
     parts.push_back(std::make_unique<ContextPart>(*context_group, layout, positions.back()));
     counts[0] += static_cast<double>(count_targets(targets.back()));
-    counts[1] += static_cast<double>(count_tokens(docs.back()));
+    counts[1] += static_cast<double>(count_tokens(local_docs.back()));
   }
   auto capacity_loss = [&](size_t m, const Tensor& log_beta) {
     if (split)
@@ -278,7 +278,7 @@ StepLosses compute_gradients(WeightProvider& weights, gates::RetentionGates& gat
       Tensor S = split ? ring_capacity_sums(*context_group, layouts[m], pass.log_beta, docs[m])
                        : Tensor::empty(pass.log_beta.shape(), DType::F32, dev);
       if (!split) ops::capacity_sums(pass.log_beta, docs[m], S);
-      accumulate_stats(pass.log_beta, S, split ? docs[m] : mb.doc, beta_sum, cache_sum);
+      accumulate_stats(pass.log_beta, S, split ? local_docs[m] : mb.doc, beta_sum, cache_sum);
     }
   }
   if (on_device) {

@@ -130,10 +130,32 @@ void swiglu(const Tensor& gate, const Tensor& up, Tensor& out) {
 
 void add_inplace(Tensor& x, const Tensor& y) {
   const int64_t n = x.numel();
+  if (x.dtype() == DType::F64) {
+    double* a = x.data<double>();
+    const double* b = y.data<double>();
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i) a[i] += b[i];
+    return;
+  }
   float* a = x.data<float>();
   const float* b = y.data<float>();
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < n; ++i) a[i] += b[i];
+}
+
+void fill(Tensor& x, double value) {
+  if (x.dtype() == DType::F64)
+    std::fill(x.data<double>(), x.data<double>() + x.numel(), value);
+  else
+    std::fill(x.data<float>(), x.data<float>() + x.numel(), static_cast<float>(value));
+}
+
+void scale_to_f32(const Tensor& src, double scale, Tensor& dst) {
+  const double* s = src.data<double>();
+  float* d = dst.data<float>();
+  const int64_t n = src.numel();
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) d[i] = static_cast<float>(scale * s[i]);
 }
 
 void concat_columns(const Tensor& a, const Tensor& b, Tensor& out) {

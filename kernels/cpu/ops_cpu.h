@@ -20,6 +20,8 @@ void rope(Tensor& x, const Tensor& positions, const Tensor& inv_freq, float atte
 void rope_rotate(Tensor& x, const Tensor& positions, const Tensor& inv_freq, float attention_factor, bool transpose);
 void swiglu(const Tensor& gate, const Tensor& up, Tensor& out);
 void add_inplace(Tensor& x, const Tensor& y);
+void fill(Tensor& x, double value);
+void scale_to_f32(const Tensor& src, double scale, Tensor& dst);
 void concat_columns(const Tensor& a, const Tensor& b, Tensor& out);
 void split_columns_add(const Tensor& src, Tensor& da, Tensor& db);
 void attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& doc, float scale,

@@ -113,8 +113,18 @@ __global__ void swiglu_backward_kernel(const float* g, const float* u, const flo
   }
 }
 
-__global__ void add_kernel(float* x, const float* y, int64_t n) {
+template <typename T>
+__global__ void add_kernel(T* x, const T* y, int64_t n) {
   for (int64_t i = first_index(); i < n; i += grid_stride()) x[i] += y[i];
+}
+
+template <typename T>
+__global__ void fill_kernel(T* x, T value, int64_t n) {
+  for (int64_t i = first_index(); i < n; i += grid_stride()) x[i] = value;
+}
+
+__global__ void scale_to_f32_kernel(const double* src, double scale, float* dst, int64_t n) {
+  for (int64_t i = first_index(); i < n; i += grid_stride()) dst[i] = static_cast<float>(scale * src[i]);
 }
 
 // One element of the joined [T, A + B] per thread step: copied out of (concat) or added into
@@ -221,7 +231,27 @@ void swiglu_backward(const Tensor& gate, const Tensor& up, const Tensor& dout, T
 void add_inplace(Tensor& x, const Tensor& y) {
   const int64_t n = x.numel();
   if (n == 0) return;
-  add_kernel<<<elem_blocks(n), kElemThreads>>>(ptr<float>(x), ptr<float>(y), n);
+  if (x.dtype() == DType::F64)
+    add_kernel<double><<<elem_blocks(n), kElemThreads>>>(ptr<double>(x), ptr<double>(y), n);
+  else
+    add_kernel<float><<<elem_blocks(n), kElemThreads>>>(ptr<float>(x), ptr<float>(y), n);
+  RETAIN_LAUNCH_CHECK();
+}
+
+void fill(Tensor& x, double value) {
+  const int64_t n = x.numel();
+  if (n == 0) return;
+  if (x.dtype() == DType::F64)
+    fill_kernel<double><<<elem_blocks(n), kElemThreads>>>(ptr<double>(x), value, n);
+  else
+    fill_kernel<float><<<elem_blocks(n), kElemThreads>>>(ptr<float>(x), static_cast<float>(value), n);
+  RETAIN_LAUNCH_CHECK();
+}
+
+void scale_to_f32(const Tensor& src, double scale, Tensor& dst) {
+  const int64_t n = src.numel();
+  if (n == 0) return;
+  scale_to_f32_kernel<<<elem_blocks(n), kElemThreads>>>(ptr<double>(src), scale, ptr<float>(dst), n);
   RETAIN_LAUNCH_CHECK();
 }
 

@@ -22,6 +22,8 @@ void rope_backward(Tensor& dx, const Tensor& positions, const Tensor& inv_freq, 
 void swiglu(const Tensor& gate, const Tensor& up, Tensor& out);
 void swiglu_backward(const Tensor& gate, const Tensor& up, const Tensor& dout, Tensor& dgate, Tensor& dup);
 void add_inplace(Tensor& x, const Tensor& y);
+void fill(Tensor& x, double value);
+void scale_to_f32(const Tensor& src, double scale, Tensor& dst);
 void concat_columns(const Tensor& a, const Tensor& b, Tensor& out);
 void split_columns_add(const Tensor& src, Tensor& da, Tensor& db);
 

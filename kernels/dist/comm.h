@@ -114,8 +114,8 @@ class Comm {
 
   // The ranks of this comm that pass the same `color` (≥ 0), as a comm of their own, ranked by
   // `key` (then by rank here): context parallelism's groups, rank / N (trainer/train.cpp).
-  // Collective. MPI: MPI_Comm_split; local: the one-rank world itself again. NCCL: not yet (a
-  // retain::Error saying so).
+  // Collective. MPI: MPI_Comm_split; local: the one-rank world itself again; NCCL: the host comm
+  // split, and a NCCL communicator over each group.
   std::unique_ptr<Comm> split(int color, int key);
 
   // Copies `bytes` bytes of rank `root`'s buf into every rank's buf.

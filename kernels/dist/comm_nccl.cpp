@@ -168,6 +168,8 @@ class NcclComm final : public Comm {
     CUDA_CHECK(cudaEventCreateWithFlags(&latest_, cudaEventDisableTiming));
     monitor_ = std::thread([this] { monitor(); });
   }
+  // A communicator over a host comm it owns (a group of do_split).
+  explicit NcclComm(std::unique_ptr<Comm> host) : NcclComm(*host) { owned_host_ = std::move(host); }
 
   ~NcclComm() override {
     stop_ = true;
@@ -269,6 +271,14 @@ class NcclComm final : public Comm {
   // A host-side meeting point: the host comm's barrier (device work is not waited for).
   void do_barrier() override { host_.barrier(); }
 
+  // Context parallelism's groups: the host comm split alike (MPI_Comm_split), then a NCCL
+  // communicator of the group's own over it (its unique id broadcast within the group). The
+  // group's ranks are devices of the parent's ranks, so each already has its device bound.
+  // Unverified on GPUs (none lent with two devices yet).
+  std::unique_ptr<Comm> do_split(int color, int key) override {
+    return std::make_unique<NcclComm>(host_.split(color, key));
+  }
+
   void do_set_timeout(double seconds) override {
     host_.set_timeout(seconds);  // the id broadcast and barriers are host collectives
     std::lock_guard lock(mu_);
@@ -320,6 +330,7 @@ class NcclComm final : public Comm {
   }
 
   Comm& host_;
+  std::unique_ptr<Comm> owned_host_;  // host_ when this comm is a split's group, else null
   int rank_ = 0, size_ = 1, device_ = 0;
   ncclComm_t comm_ = nullptr;
   cudaStream_t stream_ = nullptr;

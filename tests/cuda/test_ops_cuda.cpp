@@ -157,6 +157,33 @@ TEST_F(OpsCuda, ConcatAndSplitColumns) {
   }
 }
 
+// The ring sums' helpers on F64 (add, fill) and the scaled F64 → F32 rounding: one operation per
+// element on both devices, so exact.
+TEST_F(OpsCuda, F64AddFillAndScaleToF32) {
+  SKIP_WITHOUT_GPU();
+  TRACE_SEED();
+  std::normal_distribution<double> n(0.0, 1e3);
+  for (int64_t count : {0, 1, 1000, 70001}) {
+    std::vector<double> x(static_cast<size_t>(count)), y(static_cast<size_t>(count));
+    for (size_t i = 0; i < x.size(); ++i) x[i] = n(rng_), y[i] = n(rng_);
+    Tensor a = Tensor::from_vector<double>(x, {count}), ad = gpu(a);
+    const Tensor b = Tensor::from_vector<double>(y, {count});
+    ops::add_inplace(a, b);
+    ops::add_inplace(ad, gpu(b));
+    const Tensor back = ad.to(Device::CPU);
+    for (int64_t i = 0; i < count; ++i) ASSERT_EQ(back.data<double>()[i], a.data<double>()[i]) << "add " << i;
+    Tensor f = Tensor::empty({count}, DType::F32), fd = gpu_empty({count});
+    ops::scale_to_f32(a, 1.0 / 3.0, f);
+    ops::scale_to_f32(ad, 1.0 / 3.0, fd);
+    EXPECT_EQ(to_vec(fd), to_vec(f)) << "scale_to_f32 " << count;
+    ops::fill(fd, -INFINITY);
+    ops::fill(ad, 0.1);
+    for (float v : to_vec(fd)) ASSERT_EQ(v, -INFINITY);
+    const Tensor filled = ad.to(Device::CPU);
+    for (int64_t i = 0; i < count; ++i) ASSERT_EQ(filled.data<double>()[i], 0.1);
+  }
+}
+
 TEST_F(OpsCuda, BadInputs) {
   SKIP_WITHOUT_GPU();
   const Tensor table = gpu(random_table(5, 3, DType::BF16, rng_));

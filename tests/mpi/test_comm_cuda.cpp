@@ -190,6 +190,15 @@ TEST(CommCuda, NcclEqualsTheExpectedValues) {
   check_collectives(*nccl, Device::CUDA, "nccl, device buffers");
   check_collectives(*nccl, Device::CPU, "nccl, host buffers (staged)");
   nccl->barrier();
+  // Context parallelism's groups: the even and the odd ranks, each a NCCL communicator of its own
+  // (ranked in reverse by key), whose collectives and ring shifts stay inside the group.
+  const int me = world().rank();
+  std::unique_ptr<Comm> group = nccl->split(me % 2, world().size() - me);
+  EXPECT_EQ(group->backend(), "nccl");
+  EXPECT_EQ(group->size(), (world().size() - me % 2 + 1) / 2);
+  EXPECT_EQ(group->rank(), group->size() - 1 - me / 2);
+  check_collectives(*group, Device::CUDA, "nccl split, device buffers");
+  group->barrier();
 }
 
 // A gather of 64 MB followed at once by a device copy of its result: the copy must see the

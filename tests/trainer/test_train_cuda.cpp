@@ -2,8 +2,8 @@
 // - --dump-grads with --device cuda against the same dump on the CPU (the CPU path equals the
 //   float64 autograd reference, test_dump_grads.cpp) at the GPU step's bf16 tolerance; two ranks
 //   sharing the GPU over MPI (FSDP-sharded bf16 weights staged through the host), one rank
-//   gathering its weights through the comm (--fsdp-force-gather) and one rank over NCCL against
-//   the one-rank GPU dump;
+//   gathering its weights through the comm (--fsdp-force-gather), one rank over NCCL and two
+//   ranks splitting each sequence (--context-parallel 2) against the one-rank GPU dump;
 // - 1,000 optimizer steps on the GPU track the CPU run's loss curve;
 // - the NVTX ranges of a GPU run (through tests/trainer/nvtx_recorder.cpp).
 // The model is a tiny random Qwen3 with head_dim 64 (the CUDA attention kernels take 64 and
@@ -137,6 +137,20 @@ TEST_P(DumpGradsCuda, RanksAndGatherPathsAgree) {
   const std::string forced = dump(m, kind, "cuda", "", "--fsdp-force-gather --micro-batch 4", dir, "forced", &why);
   ASSERT_FALSE(forced.empty()) << why;
   expect_close_dumps(forced, one, 0, 0, "1 rank gathering through the comm (--fsdp-force-gather) vs 1 rank");
+}
+
+// Context parallelism on the device (issue 39): two ranks sharing the GPU over MPI (the rings'
+// packets staged through the host), each holding two of the four chunks of every sequence,
+// against the one-rank GPU dump. The rings' partials are F32 and merged in F32 where one rank
+// rounds each key tile's P to bf16 inside one online softmax, so the tolerance is the other
+// micro-batch shapes' 1e-2.
+TEST_P(DumpGradsCuda, ContextParallelEqualsOneRank) {
+  SKIP_WITHOUT_GPU();
+  ASSERT_NO_FATAL_FAILURE(model_and_one_rank_dump());
+  const std::string cp =
+      dump(m, kind, "cuda", mpirun(2), "--comm mpi --context-parallel 2 --micro-batch 4", dir, "cp2", &why);
+  ASSERT_FALSE(cp.empty()) << why;
+  expect_close_dumps(cp, one, 1e-2, 1e-2, "--context-parallel 2 (2 ranks sharing the GPU, mpi) vs 1 rank");
 }
 
 // One rank over NCCL: the same computation; only the reductions go through NCCL. Its own test,

@@ -266,9 +266,9 @@ int run(int argc, char** argv, dist::Comm& host_comm, std::unique_ptr<dist::Comm
     throw cli::UsageError(fmt::format("--device: unknown device '{}' (expected cpu or cuda)", device));
   c.device = resolve_device(device);  // a missing GPU: one line, exit 1
   if (c.comm == "nccl" && c.device != Device::CUDA) throw cli::UsageError("--comm nccl needs --device cuda");
-  if (c.context_parallel > 1 && c.device == Device::CUDA)
-    throw cli::UsageError("--context-parallel runs on the CPU only in this build (--device cpu): the CUDA attention "
-                          "kernels take no chunk offsets yet");
+  if (c.context_parallel > 1 && c.device == Device::CUDA && c.kvpop)
+    throw cli::UsageError("--gate kvpop --context-parallel runs on the CPU only in this build (--device cpu): the "
+                          "KVPOP target's query ring and head exchange have no CUDA path yet");
   // A GPU step is seconds, so 10 minutes in one collective means a rank is gone; a CPU step of a
   // large model can legitimately keep ranks waiting longer.
   c.timeout = vm.count("timeout") ? timeout : c.device == Device::CUDA ? 600.0 : 0.0;
