@@ -1,17 +1,19 @@
 // Shape/dtype checks and device dispatch for kernels/kvpop.h. Failures are one line naming the
 // op, the argument and what was expected. future_attention_target and mlstm_scores[_backward]
-// run CUDA tensors on the kernels of kernels/cuda/kvpop.cu (CUDA builds); the other ops are
-// CPU-only so far.
+// run CUDA tensors on the kernels of kernels/cuda/kvpop.cu (CUDA builds), and so do the target's
+// spans (future_attention_start / _sums / _finish); the other ops are CPU-only so far.
 #include "kernels/kvpop.h"
 
 #include <cmath>
 #include <initializer_list>
+#include <limits>
 #include <tuple>
 #include <unordered_set>
 
 #include <fmt/format.h>
 
 #include "kernels/cpu/kvpop_cpu.h"
+#include "kernels/ops.h"
 #include "kernels/require_cpu.h"
 #ifdef RETAIN_CUDA_KERNELS
 #include "kernels/cuda/kvpop_cuda.h"
@@ -208,8 +210,14 @@ Tensor future_attention_target(const Tensor& q, const Tensor& k, const Tensor& l
   return cpu::kvpop::future_attention_target(q, k, lse, dp, w, scale);
 }
 
-std::pair<Tensor, Tensor> future_attention_start(int64_t T_k, int64_t H) {
+std::pair<Tensor, Tensor> future_attention_start(int64_t T_k, int64_t H, Device device) {
   if (T_k < 0 || H < 1) fail("kvpop::future_attention_start: {} keys, {} heads", T_k, H);
+  if (device != Device::CPU) {
+    std::pair<Tensor, Tensor> acc{Tensor::empty({T_k, H}, DType::F64, device), Tensor::empty({T_k, H}, DType::F64, device)};
+    ops::fill(acc.first, -std::numeric_limits<double>::infinity());
+    ops::fill(acc.second, 0.0);
+    return acc;
+  }
   return cpu::kvpop::future_attention_start(T_k, H);
 }
 
@@ -226,8 +234,18 @@ void future_attention_sums(const Tensor& q, const Tensor& lse, const Tensor& q_d
   expect(op, "mx", mx, {Tk, H}, DType::F64);
   expect(op, "sum", sum, {Tk, H}, DType::F64);
   if (q_start < 0 || k_start < 0) fail("{}: spans start at tokens {} (queries) and {} (keys)", op, q_start, k_start);
-  ops::require_cpu(op, {&q, &lse, &q_doc, &k, &k_doc, &mx, &sum});
+  require_device(op, q.device(), {&lse, &q_doc, &k, &k_doc, &mx, &sum});
   check_window(op, w);
+  if (q.device() == Device::CUDA) {
+#ifdef RETAIN_CUDA_KERNELS
+    // (the documents' layout is checked where the whole sequence is: the teacher pass's caller)
+    expect(op, "q_doc", q_doc, {Tq}, DType::I32);
+    expect(op, "k_doc", k_doc, {Tk}, DType::I32);
+    return cuda::kvpop_future_attention_sums(q, lse, q_doc, q_start, k, k_doc, k_start, w, scale, mx, sum);
+#else
+    no_cuda_kernels(op);
+#endif
+  }
   const int32_t* qd = check_doc(op, q_doc, Tq);
   const int32_t* kd = check_doc(op, k_doc, Tk);
   if (Tq == 0 || Tk == 0) return;
@@ -240,7 +258,14 @@ Tensor future_attention_finish(const Tensor& mx, const Tensor& sum, int64_t K) {
     fail("{}: mx must be F64 [T_k, H] with H a multiple of {} KV heads, got {}", op, K, shape_str(mx.shape()));
   expect(op, "mx", mx, mx.shape(), DType::F64);
   expect(op, "sum", sum, mx.shape(), DType::F64);
-  ops::require_cpu(op, {&mx, &sum});
+  require_device(op, mx.device(), {&sum});
+  if (mx.device() == Device::CUDA) {
+#ifdef RETAIN_CUDA_KERNELS
+    return cuda::kvpop_future_attention_finish(mx, sum, K);
+#else
+    no_cuda_kernels(op);
+#endif
+  }
   return cpu::kvpop::future_attention_finish(mx, sum, K);
 }
 

@@ -77,8 +77,9 @@ Tensor future_attention_target(const Tensor& q, const Tensor& k, const Tensor& l
 // (the pairs d ≥ t + w of one document, in increasing d); future_attention_finish gives log_m
 // F32 [K, T_k]. One span of each over the whole sequence is future_attention_target, bit for
 // bit (it is that code). Each span's documents must be contiguous runs, as in the whole
-// sequence. CPU only: a CUDA tensor is a retain::Error.
-std::pair<Tensor, Tensor> future_attention_start(int64_t T_k, int64_t H);
+// sequence (checked on the CPU; on CUDA the caller checks the whole sequence's). On CUDA
+// (start's device) the same walk in target_kernel's tiles (unverified on a GPU, emulated).
+std::pair<Tensor, Tensor> future_attention_start(int64_t T_k, int64_t H, Device device = Device::CPU);
 void future_attention_sums(const Tensor& q, const Tensor& lse, const Tensor& q_doc, int64_t q_start, const Tensor& k,
                            const Tensor& k_doc, int64_t k_start, int64_t w, float scale, Tensor& mx, Tensor& sum);
 Tensor future_attention_finish(const Tensor& mx, const Tensor& sum, int64_t K);

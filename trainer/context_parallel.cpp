@@ -84,9 +84,10 @@ void copy_range(const Tensor& src, int64_t from, Tensor& dst, int64_t to, int64_
   }
 }
 
-// The ops that run on the host only: KVPOP's query ring and head exchange.
+// The exchange of KVPOP's heads runs on the host (the scorers' step is host work under context
+// parallelism: kernels/kvpop_train.cpp).
 void check_on_cpu(const char* op, const Tensor& t) {
-  if (t.device() != Device::CPU) fail("{}: runs on the CPU only in this build (KVPOP under context parallelism)", op);
+  if (t.device() != Device::CPU) fail("{}: the items must be host tensors", op);
 }
 
 void check_dim(const char* op, const Tensor& t, int64_t dim, int64_t want) {
@@ -575,10 +576,7 @@ Tensor ring_future_attention_target(dist::Comm& group, const ContextLayout& layo
   const char* op = "ring_future_attention_target";
   const auto [r, N] = check_group(op, group, layout);
   const int64_t Tl = layout.local_tokens(r);
-  for (const Tensor* t : std::initializer_list<const Tensor*>{&q, &k, &lse, &doc}) {
-    check_on_cpu(op, *t);
-    check_dim(op, *t, 0, Tl);
-  }
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&q, &k, &lse, &doc}) check_dim(op, *t, 0, Tl);
   if (q.ndim() != 3 || k.ndim() != 3)
     fail("{}: q must be [T_local, H, d] and k [T_local, K, d], got {} and {}", op, shape_str(q.shape()),
          shape_str(k.shape()));
@@ -586,12 +584,13 @@ Tensor ring_future_attention_target(dist::Comm& group, const ContextLayout& layo
 
   // The ring's packets: a rank's queries, their lse and document ids.
   enum { kQueries, kLse, kQueryDocs };
-  TokenPackets queries(layout, {{DType::F32, {H, d}}, {DType::F32, {H}}, {DType::I32, {}}}, Device::CPU);
+  const Device dev = q.device();
+  TokenPackets queries(layout, {{DType::F32, {H, d}}, {DType::F32, {H}}, {DType::I32, {}}}, dev);
   queries.pack({&q, &lse, &doc});
   const auto mine = layout.spans(r);
   // Each key chunk's running log-sum-exp (the span op wants consecutive keys).
-  std::array<std::pair<Tensor, Tensor>, 2> acc{kvpop::future_attention_start(mine[0].length, H),
-                                               kvpop::future_attention_start(mine[1].length, H)};
+  std::array<std::pair<Tensor, Tensor>, 2> acc{kvpop::future_attention_start(mine[0].length, H, dev),
+                                               kvpop::future_attention_start(mine[1].length, H, dev)};
   ring_steps(group, r, N, queries, [&](int /*step*/, int src, int cur) {
     const int64_t Ts = layout.local_tokens(src);
     const Tensor qs = queries.field(cur, kQueries, Ts), ls = queries.field(cur, kLse, Ts),
@@ -605,7 +604,7 @@ Tensor ring_future_attention_target(dist::Comm& group, const ContextLayout& layo
                                    acc[ki].second);
     });
   });
-  Tensor log_m = Tensor::empty({K, Tl}, DType::F32);
+  Tensor log_m = Tensor::empty({K, Tl}, DType::F32, dev);
   for (int i = 0; i < 2; ++i) copy_range(kvpop::future_attention_finish(acc[i].first, acc[i].second, K), 0, log_m,
                                          local_offset(mine, i), mine[i].length, 1);
   return log_m;

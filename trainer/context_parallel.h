@@ -13,7 +13,10 @@
 // Each ring op takes the group's comm and this rank's local tokens ([T_local, ...] in the
 // layout's order) and is collective over the group. The ring moves O(T/N) per rank per step
 // (N steps), overlapped with the local tile work: the next step's keys are in flight while this
-// step's spans are computed. CPU (the reference, over MPI); the span ops refuse CUDA tensors.
+// step's spans are computed. The CPU path is the reference (over MPI); on CUDA the same rings
+// run over device buffers (keys and values BF16, partials and sums F32/F64; NCCL, or MPI staged
+// through the host) with the span kernels of kernels/cuda (unverified on a GPU, emulated);
+// gather_to_owners moves host tensors.
 #pragma once
 #include <array>
 #include <cstdint>
@@ -44,7 +47,7 @@ class ContextLayout {
   int64_t local_tokens(int rank) const;
   int64_t max_local_tokens() const;  // the ring's message size, in tokens
   // Rank r's rows of a tensor whose dimension `dim` (0 or 1) runs over the whole sequence's T
-  // tokens, copied in local order (a CPU tensor).
+  // tokens, copied in local order (on whole's device).
   Tensor local(const Tensor& whole, int rank, int64_t dim = 0) const;
   // The inverse: rank r's local rows written into `whole` (dimension `dim` of T).
   void put_local(const Tensor& local, int rank, Tensor& whole, int64_t dim = 0) const;

@@ -20,7 +20,7 @@ kvpop::TeacherPass split_teacher_pass(WeightProvider& weights, const MicroBatch&
   const int r = group.rank(), N = group.size();
   const ContextLayout layout(mb.ids.numel(), N);
   const Tensor doc = layout.local(mb.doc, r);
-  const ContextPart part(group, layout, layout.local(ops::document_positions(mb.doc), r));
+  const ContextPart part(group, layout, layout.local(ops::document_positions(mb.doc), r).on(weights.device()));
   kvpop::TeacherPass local = kvpop::teacher_pass(weights, layout.local(mb.ids, r), doc, s, target_log_gamma, &part);
 
   // A few layers at a time — enough for about one head per rank, ⌈N/K⌉ layers — so that the
@@ -30,8 +30,8 @@ kvpop::TeacherPass split_teacher_pass(WeightProvider& weights, const MicroBatch&
   const int64_t T = mb.ids.numel(), Tl = layout.local_tokens(r), per_exchange = K ? (N + K - 1) / K : 1;
   kvpop::TeacherPass pass;
   pass.doc = mb.doc.on(Device::CPU);
-  pass.device = Device::CPU;
-  pass.doc_on_device = pass.doc;
+  pass.device = local.device;  // the owned heads' mLSTM runs where the teacher did, as one rank's
+  pass.doc_on_device = pass.doc.on(local.device);
   pass.x.resize(static_cast<size_t>(L));
   for (int64_t l0 = 0; l0 < L; l0 += per_exchange) {
     const int64_t l1 = std::min(L, l0 + per_exchange);

@@ -102,6 +102,90 @@ __global__ void __launch_bounds__(kKeyTile) target_kernel(TargetArgs a) {
   if (t < a.T) a.log_m[kv * a.T + t] = static_cast<float>(best);
 }
 
+// ---- the target by spans (context parallelism; kernels/kvpop.h future_attention_sums) -------
+// target_kernel's walk with the keys and queries in two spans of one sequence, at global
+// positions (keys [k_start, k_start + Tk), queries [q_start, q_start + Tq)), each (key, head)'s
+// running float64 log-sum-exp read from and written back to mx, sum [Tk, H] (the CPU's layout),
+// so that any number of query spans add up in turn.
+struct SpanTargetArgs {
+  const float* q;    // [Tq, H, hd]
+  const float* lse;  // [Tq, H]
+  const int32_t* q_doc;
+  const float* k;    // [Tk, K, hd]
+  const int32_t* k_doc;
+  double* mx;        // [Tk, H]
+  double* sum;       // [Tk, H]
+  int64_t Tq, Tk, q_start, k_start, H, K, hd, w;
+  float scale;
+};
+
+// Whether the query tile at global q0 can hold a query of the key tile's documents (as
+// query_tile_needed, on the query span's documents).
+__device__ bool span_query_tile_needed(const SpanTargetArgs& a, int64_t q0, int64_t last_key, int32_t last_doc) {
+  if (last_key < 0 || q0 >= a.q_start + a.Tq) return false;
+  return q0 <= last_key || a.q_doc[q0 - a.q_start] == last_doc;
+}
+
+// grid (key tiles of the key span, K), kKeyTile threads, target_shared_bytes(hd).
+__global__ void __launch_bounds__(kKeyTile) span_target_kernel(SpanTargetArgs a) {
+  extern __shared__ float smem[];
+  float* s_k = smem;                          // [hd][kKeyStride]
+  float* s_q = s_k + a.hd * kKeyStride;       // [kQueryTile][hd]
+  float* s_lse = s_q + kQueryTile * a.hd;     // [kQueryTile]
+  int32_t* s_kdoc = reinterpret_cast<int32_t*>(s_lse + kQueryTile);  // [kKeyTile]
+  int32_t* s_qdoc = s_kdoc + kKeyTile;                                // [kQueryTile]
+  const int j = threadIdx.x;
+  const int64_t a0 = static_cast<int64_t>(blockIdx.x) * kKeyTile, kv = blockIdx.y, row = a0 + j;  // rows of k
+  const int64_t t0 = a.k_start + a0, t = t0 + j;  // ... as global tokens
+  const int64_t G = a.H / a.K;
+  for (int64_t idx = j; idx < kKeyTile * a.hd; idx += kKeyTile) {
+    const int64_t jj = idx / a.hd, x = idx % a.hd, rk = a0 + jj;
+    s_k[x * kKeyStride + jj] = rk < a.Tk ? a.k[(rk * a.K + kv) * a.hd + x] : 0.0f;
+  }
+  s_kdoc[j] = token_doc(a.k_doc, a.Tk, row);
+  __syncthreads();
+  const int last = last_real_key(s_kdoc);
+  const int64_t last_key = last < 0 ? -1 : t0 + last;
+  const int32_t last_doc = last < 0 ? kNoDoc : s_kdoc[last];
+  float s[kQueryTile];
+  const int64_t q_first = t0 + a.w > a.q_start ? t0 + a.w : a.q_start;
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t h = kv * G + g;
+    double M = row < a.Tk ? a.mx[row * a.H + h] : -INFINITY, S = row < a.Tk ? a.sum[row * a.H + h] : 0.0;
+    for (int64_t q0 = q_first; span_query_tile_needed(a, q0, last_key, last_doc); q0 += kQueryTile) {
+      __syncthreads();  // every thread is done with the previous query tile
+      for (int64_t idx = j; idx < kQueryTile * a.hd; idx += kKeyTile) {
+        const int64_t dq = q0 - a.q_start + idx / a.hd;  // a row of q
+        s_q[idx] = dq < a.Tq ? a.q[(dq * a.H + h) * a.hd + idx % a.hd] : 0.0f;
+      }
+      const int64_t dq = q0 - a.q_start + j;
+      s_lse[j] = dq < a.Tq ? a.lse[dq * a.H + h] : 0.0f;
+      s_qdoc[j] = token_doc(a.q_doc, a.Tq, dq);
+      __syncthreads();
+      const float mx = key_scores(s_q, s_lse, s_qdoc, q0, s_k + j, a.hd, t, s_kdoc[j], a.w, a.scale, s);
+      lse_add_tile(s, mx, M, S);
+    }
+    if (row < a.Tk) {
+      a.mx[row * a.H + h] = M;
+      a.sum[row * a.H + h] = S;
+    }
+  }
+}
+
+// log_m [K, Tk] = max over the group's heads of lse_value(mx, sum), a thread per (κ, key).
+__global__ void span_target_finish_kernel(const double* mx, const double* sum, int64_t Tk, int64_t H, int64_t K,
+                                          float* log_m) {
+  const int64_t x = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (x >= K * Tk) return;
+  const int64_t kv = x / Tk, t = x % Tk, G = H / K;
+  double best = -INFINITY;
+  for (int64_t g = 0; g < G; ++g) {
+    const double v = lse_value(mx[t * H + kv * G + g], sum[t * H + kv * G + g]);
+    best = v > best ? v : best;
+  }
+  log_m[x] = static_cast<float>(best);
+}
+
 // ==================================== chunkwise mLSTM ====================================
 
 struct MlstmArgs {
@@ -418,6 +502,36 @@ Tensor kvpop_future_attention_target(const Tensor& q, const Tensor& k, const Ten
   const TargetArgs a{ptr<float>(q), ptr<float>(k), ptr<float>(lse), ptr<int32_t>(doc), ptr<float>(log_m), T, H, K, hd,
                      w, scale};
   target_kernel<<<dim3(static_cast<unsigned>(key_tile_count(T)), static_cast<unsigned>(K)), kKeyTile, smem>>>(a);
+  RETAIN_LAUNCH_CHECK();
+  return log_m;
+}
+
+void kvpop_future_attention_sums(const Tensor& q, const Tensor& lse, const Tensor& q_doc, int64_t q_start,
+                                 const Tensor& k, const Tensor& k_doc, int64_t k_start, int64_t w, float scale, Tensor& mx,
+                                 Tensor& sum) {
+  const int64_t Tq = q.dim(0), H = q.dim(1), hd = q.dim(2), Tk = k.dim(0), K = k.dim(1);
+  if (Tq == 0 || Tk == 0) return;
+  const size_t smem = target_shared_bytes(hd);
+  int device = 0, optin = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  if (smem > static_cast<size_t>(optin))
+    fail("kvpop::future_attention_sums: head_dim {} needs {} bytes of shared memory per block, the device allows {}",
+         hd, smem, optin);
+  CUDA_CHECK(
+      cudaFuncSetAttribute(span_target_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  const SpanTargetArgs a{ptr<float>(q), ptr<float>(lse), ptr<int32_t>(q_doc), ptr<float>(k), ptr<int32_t>(k_doc),
+                         ptr<double>(mx), ptr<double>(sum), Tq, Tk, q_start, k_start, H, K, hd, w, scale};
+  span_target_kernel<<<dim3(static_cast<unsigned>(key_tile_count(Tk)), static_cast<unsigned>(K)), kKeyTile, smem>>>(a);
+  RETAIN_LAUNCH_CHECK();
+}
+
+Tensor kvpop_future_attention_finish(const Tensor& mx, const Tensor& sum, int64_t K) {
+  const int64_t Tk = mx.dim(0), H = mx.dim(1);
+  Tensor log_m = Tensor::empty({K, Tk}, DType::F32, Device::CUDA);
+  if (Tk == 0) return log_m;
+  span_target_finish_kernel<<<blocks_for(K * Tk, 256), 256>>>(ptr<double>(mx), ptr<double>(sum), Tk, H, K,
+                                                              ptr<float>(log_m));
   RETAIN_LAUNCH_CHECK();
   return log_m;
 }

@@ -22,6 +22,13 @@ namespace retain::cuda {
 // than the device has (hd ≤ 449 with sm_90's 227 KiB per block).
 Tensor kvpop_future_attention_target(const Tensor& q, const Tensor& k, const Tensor& lse, const Tensor& doc,
                                      int64_t w, float scale);
+// kvpop::future_attention_sums / _finish (the target by spans; context parallelism), the same
+// math as the CPU's: F32 q, k, lse, I32 docs, F64 running mx and sum [Tk, H]; every tensor on the
+// device. Unverified on a GPU (emulated: tests/cuda/test_kvpop_cuda.cpp).
+void kvpop_future_attention_sums(const Tensor& q, const Tensor& lse, const Tensor& q_doc, int64_t q_start,
+                                 const Tensor& k, const Tensor& k_doc, int64_t k_start, int64_t w, float scale, Tensor& mx,
+                                 Tensor& sum);
+Tensor kvpop_future_attention_finish(const Tensor& mx, const Tensor& sum, int64_t K);
 
 // kvpop::mlstm_scores / mlstm_scores_backward: the same shapes (d = 2r ≤ 256), float64
 // throughout as the CPU reference. The backward returns dP and overwrites dw_o [r], db_o [1],

@@ -12,6 +12,7 @@
 #include "tests/cuda/cuda_test.h"
 #include "tests/error_helpers.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <random>
@@ -54,6 +55,46 @@ TEST_P(KvpopCudaTarget, MatchesTheCpuReference) {
   const Vec g = host_vec(got);
   expect_target_close(in, g, want, "CUDA target");
   EXPECT_EQ(host_vec(kvpop::future_attention_target(q_d, k_d, lse_d, doc_d, c.w, in.scale)), g) << "not repeatable";
+}
+
+// The target by spans (context parallelism's query ring): the sequence cut into chunks of odd
+// lengths (documents across the cuts), every key chunk's running sums fed every query chunk
+// (earlier, its own, later: in a shuffled order) on the device, finished there, and put
+// together: the whole CPU target within the same bound.
+TEST_P(KvpopCudaTarget, SpansEqualTheWhole) {
+  SKIP_WITHOUT_GPU();
+  const TargetCase c = GetParam();
+  const uint32_t seed = cuda_test::fresh_seed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  std::mt19937 rng(seed);
+  const TargetInputs in = make_target_inputs(c, rng);
+  const Tensor q = f32(in.q, {c.T, c.H, c.hd}), k = f32(in.k, {c.T, c.K, c.hd}), doc = i32(in.doc);
+  const Vec want = to_vec(kvpop::future_attention_target(q, k, in.lse, doc, c.w, in.scale));
+  std::vector<int64_t> cuts = {0, c.T};
+  for (int64_t at : {c.T / 3, c.T / 3 + 1, (2 * c.T) / 3 + 5})
+    if (at > 0 && at < c.T) cuts.push_back(at);
+  std::sort(cuts.begin(), cuts.end());
+  cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
+  const Tensor q_d = on_gpu(q), k_d = on_gpu(k), lse_d = on_gpu(in.lse), doc_d = on_gpu(doc);
+  Vec got(static_cast<size_t>(c.K * c.T), 0.0);
+  for (size_t ki = 0; ki + 1 < cuts.size(); ++ki) {
+    const int64_t k0 = cuts[ki], k1 = cuts[ki + 1];
+    auto [mx, sum] = kvpop::future_attention_start(k1 - k0, c.H, Device::CUDA);
+    std::vector<size_t> order(cuts.size() - 1);
+    for (size_t x = 0; x < order.size(); ++x) order[x] = x;
+    std::shuffle(order.begin(), order.end(), rng);
+    for (size_t qi : order) {
+      const int64_t q0 = cuts[qi], q1 = cuts[qi + 1];
+      kvpop::future_attention_sums(q_d.rows(q0, q1), lse_d.rows(q0, q1), doc_d.rows(q0, q1), q0, k_d.rows(k0, k1),
+                                   doc_d.rows(k0, k1), k0, c.w, in.scale, mx, sum);
+    }
+    const Tensor part = kvpop::future_attention_finish(mx, sum, c.K);
+    ASSERT_EQ(part.device(), Device::CUDA);
+    const Vec p = host_vec(part);
+    for (int64_t kv = 0; kv < c.K; ++kv)
+      for (int64_t t = k0; t < k1; ++t) got[static_cast<size_t>(kv * c.T + t)] = p[static_cast<size_t>(kv * (k1 - k0) + t - k0)];
+  }
+  expect_target_close(in, got, want, "CUDA target by spans");
 }
 
 const auto kSmallTargets = ::testing::Values(TargetCase{1, 1, 1, 8, 1, 1}, TargetCase{63, 2, 1, 16, 1, 20},

@@ -153,6 +153,36 @@ TEST_P(DumpGradsCuda, ContextParallelEqualsOneRank) {
   expect_close_dumps(cp, one, 1e-2, 1e-2, "--context-parallel 2 (2 ranks sharing the GPU, mpi) vs 1 rank");
 }
 
+// KVPOP under context parallelism on the device: the teacher's attention and the target's query
+// ring on the device (two ranks sharing it over MPI), the heads exchanged to their owners, each
+// owner's scorers on the device; against one rank's GPU dump. The decisions are discrete (a
+// top-k of the targets), so the dumps agree only while no near-tie flips between the two
+// roundings of the targets: the decision counts (logged) must be equal, and the losses and
+// gradients within the micro-batch shapes' 1e-2.
+TEST(KvpopDumpCuda, ContextParallelEqualsOneRank) {
+  SKIP_WITHOUT_GPU();
+  TempDir dir;
+  const GpuModel m = make_gpu_model(dir, "trimkv");  // its gates are not used
+  // The dump's path and the logged decision count.
+  const auto kvpop_dump = [&](const std::string& launch, const std::string& extra, const std::string& name) {
+    const std::string out = dir / (name + ".safetensors");
+    const Result r = run(launch + bin("retain-train") + " --model " + m.model + " --data " + m.data +
+                             " --gate kvpop --window 6 --sinks 2 --topk 3 --global-batch 4 --micro-batch 4 --seed 3"
+                             " --dump-grads " + out + " --device cuda " + extra,
+                         dir);
+    EXPECT_EQ(r.code, 0) << name << ": " << r.err;
+    const std::string log = r.out + r.err;
+    const size_t at = log.find(" over ");
+    return std::make_pair(out, at == std::string::npos ? std::string() : log.substr(at, log.find(" decisions", at) - at));
+  };
+  const auto one = kvpop_dump("", "", "kvpop_one");
+  const auto cp = kvpop_dump(mpirun(2), "--comm mpi --context-parallel 2", "kvpop_cp2");
+  ASSERT_FALSE(one.second.empty()) << "no decision count logged";
+  EXPECT_EQ(cp.second, one.second) << "decisions";
+  expect_close_dumps(cp.first, one.first, 1e-2, 1e-2,
+                     "kvpop --context-parallel 2 (2 ranks sharing the GPU, mpi) vs 1 rank");
+}
+
 // One rank over NCCL: the same computation; only the reductions go through NCCL. Its own test,
 // so that a build without NCCL (the emulator's) skips this part alone, before any work.
 TEST_P(DumpGradsCuda, OneRankOverNcclEqualsOneRank) {
