@@ -6,7 +6,11 @@ cd "$(dirname "$0")/.."
 BUILD_DIR=${BUILD_DIR:-build}
 generator=()
 command -v ninja >/dev/null && generator=(-G Ninja)
+# ccache where installed (launch/install-deps.sh installs it): rebuilds after a branch switch,
+# and launch/test-emu.sh's build-emu/, whose non-CUDA objects are this build's.
+launcher=()
+command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_C_COMPILER_LAUNCHER=ccache)
 if [ ! -f "$BUILD_DIR/CMakeCache.txt" ]; then
-  cmake -S . -B "$BUILD_DIR" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DRETAIN_WERROR=ON
+  cmake -S . -B "$BUILD_DIR" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DRETAIN_WERROR=ON ${launcher[@]+"${launcher[@]}"}
 fi
 cmake --build "$BUILD_DIR" --parallel "$(nproc)" "$@"

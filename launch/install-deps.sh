@@ -5,6 +5,7 @@ set -euo pipefail
 
 PACKAGES=(
   build-essential cmake ninja-build pkg-config
+  ccache                              # compiler cache: build-emu/ reuses build/'s objects
   libopenmpi-dev openmpi-bin          # MPI: multi-rank training and tests
   libhdf5-dev                         # packed datasets
   libboost-program-options-dev        # command lines

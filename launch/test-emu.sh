@@ -36,8 +36,12 @@ fi
 if [ ! -f "$BUILD_DIR/CMakeCache.txt" ]; then
   generator=()
   command -v ninja >/dev/null && generator=(-G Ninja)
+  # ccache (as launch/build.sh): the sources outside kernels/cuda compile exactly as in build/,
+  # so after a main build they come from the cache (kernels/cuda/emu/CMakeLists.txt says why).
+  launcher=()
+  command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
   cmake -S . -B "$BUILD_DIR" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DRETAIN_WERROR=ON \
-        -DRETAIN_CUDA_EMU=ON -DRETAIN_ASAN_TESTS=OFF ${asan[@]+"${asan[@]}"}
+        -DRETAIN_CUDA_EMU=ON -DRETAIN_ASAN_TESTS=OFF ${launcher[@]+"${launcher[@]}"} ${asan[@]+"${asan[@]}"}
 fi
 # The quick set: every kernel family against its CPU reference, the emulator's own tests and
 # the whole GPU training step (TRIM-KV, DBTrimKV, KVPOP) against the CPU step, and the FSDP
