@@ -6,14 +6,12 @@
 
 #include <cmath>
 #include <initializer_list>
-#include <limits>
 #include <tuple>
 #include <unordered_set>
 
 #include <fmt/format.h>
 
 #include "kernels/cpu/kvpop_cpu.h"
-#include "kernels/ops.h"
 #include "kernels/require_cpu.h"
 #ifdef RETAIN_CUDA_KERNELS
 #include "kernels/cuda/kvpop_cuda.h"
@@ -212,13 +210,9 @@ Tensor future_attention_target(const Tensor& q, const Tensor& k, const Tensor& l
 
 std::pair<Tensor, Tensor> future_attention_start(int64_t T_k, int64_t H, Device device) {
   if (T_k < 0 || H < 1) fail("kvpop::future_attention_start: {} keys, {} heads", T_k, H);
-  if (device != Device::CPU) {
-    std::pair<Tensor, Tensor> acc{Tensor::empty({T_k, H}, DType::F64, device), Tensor::empty({T_k, H}, DType::F64, device)};
-    ops::fill(acc.first, -std::numeric_limits<double>::infinity());
-    ops::fill(acc.second, 0.0);
-    return acc;
-  }
-  return cpu::kvpop::future_attention_start(T_k, H);
+  std::pair<Tensor, Tensor> acc = cpu::kvpop::future_attention_start(T_k, H);
+  if (device != Device::CPU) acc = {acc.first.to(device), acc.second.to(device)};  // (O(T_k·H) once per span)
+  return acc;
 }
 
 void future_attention_sums(const Tensor& q, const Tensor& lse, const Tensor& q_doc, int64_t q_start, const Tensor& k,

@@ -484,6 +484,30 @@ struct Plan {
     a.k_docs = a.docs;
     return a;
   }
+  // The grads kernel's arguments for these keys, the rows being the same tokens (a rectangle's
+  // caller sets the rows' side).
+  GradArgs grad_args(const Tensor& log_beta, const Tensor& doc) {
+    GradArgs b{};
+    b.lb = ptr<float>(log_beta);
+    b.doc = ptr<int32_t>(doc);
+    b.T = T;
+    b.nb = nb;
+    b.K = K;
+    b.W = W;
+    b.tile_max = ptr<float>(tile_max);
+    b.docs = tile_docs();
+    b.spans = tile_spans();
+    b.skip = skip;
+    b.qdoc = b.doc;
+    b.Tq = T;
+    b.nqb = nb;
+    b.q_docs = b.docs;
+    return b;
+  }
+  void launch_grads(const GradArgs& b) const {
+    grads_kernel<<<dim3(static_cast<unsigned>(nb), static_cast<unsigned>(L), static_cast<unsigned>(Z)), 32 * W>>>(b);
+    RETAIN_LAUNCH_CHECK();
+  }
   void launch_sums(const SumsArgs& a) const {
     sums_kernel<<<dim3(static_cast<unsigned>(nb), static_cast<unsigned>(L), static_cast<unsigned>(Z)), 32 * W>>>(a);
     RETAIN_LAUNCH_CHECK();
@@ -572,29 +596,13 @@ void capacity_loss_backward(const Tensor& log_beta, const Tensor& doc, const Ten
   } else {
     global_totals(plan, log_beta, doc, positions, memory, nullptr, nullptr, ptr<float>(g), ptr<uint8_t>(g_any));
   }
-  GradArgs b{};
-  b.lb = ptr<float>(log_beta);
-  b.doc = ptr<int32_t>(doc);
-  b.T = plan.T;
-  b.nb = plan.nb;
-  b.K = plan.K;
-  b.W = plan.W;
-  b.tile_max = ptr<float>(plan.tile_max);
-  b.docs = plan.tile_docs();
-  b.spans = plan.tile_spans();
-  b.skip = plan.skip;
+  GradArgs b = plan.grad_args(log_beta, doc);
   b.g = ptr<float>(g);
   b.g_any = ptr<uint8_t>(g_any);
   b.per_head = local;
   b.scale = scale;
   b.dlb = ptr<float>(dlog_beta);
-  b.qdoc = b.doc;
-  b.Tq = plan.T;
-  b.nqb = plan.nb;
-  b.q_docs = b.docs;
-  grads_kernel<<<dim3(static_cast<unsigned>(plan.nb), static_cast<unsigned>(plan.L), static_cast<unsigned>(plan.Z)),
-                 32 * plan.W>>>(b);
-  RETAIN_LAUNCH_CHECK();
+  plan.launch_grads(b);
 }
 
 // ---- span pairs (context parallelism; kernels/retention_spans.h) -------------------------
@@ -737,31 +745,21 @@ void capacity_grad_span(const Tensor& log_beta, const Tensor& k_doc, int64_t k_s
       ptr<double>(g), Tq, keys.K, nqb, ptr<float>(g32), ptr<uint8_t>(g_any));
   RETAIN_LAUNCH_CHECK();
   Tensor q_docs = kind == SpanPair::earlier ? row_tile_docs(q_doc) : Tensor();
-  GradArgs b{};
-  b.lb = ptr<float>(log_beta);
-  b.doc = ptr<int32_t>(k_doc);
-  b.T = keys.T;
-  b.nb = keys.nb;
-  b.K = keys.K;
-  b.W = keys.W;
-  b.tile_max = ptr<float>(keys.tile_max);
-  b.docs = keys.tile_docs();
-  b.spans = keys.tile_spans();
-  b.skip = keys.skip;
+  GradArgs b = keys.grad_args(log_beta, k_doc);
   b.g = ptr<float>(g32);
   b.g_any = ptr<uint8_t>(g_any);
   b.per_head = true;
   b.scale = 1.0;
-  b.qdoc = ptr<int32_t>(q_doc);
-  b.Tq = Tq;
-  b.nqb = nqb;
-  b.q_docs = kind == SpanPair::earlier ? reinterpret_cast<const TileDocs*>(q_docs.raw()) : b.docs;
-  b.gap = kind == SpanPair::earlier ? q_start - k_start : 0;
-  b.rect = kind == SpanPair::earlier;
+  if (kind == SpanPair::earlier) {
+    b.qdoc = ptr<int32_t>(q_doc);
+    b.Tq = Tq;
+    b.nqb = nqb;
+    b.q_docs = reinterpret_cast<const TileDocs*>(q_docs.raw());
+    b.gap = q_start - k_start;
+    b.rect = true;
+  }
   b.dlb64 = ptr<double>(dlog_beta);
-  grads_kernel<<<dim3(static_cast<unsigned>(keys.nb), static_cast<unsigned>(keys.L), static_cast<unsigned>(keys.Z)),
-                 32 * keys.W>>>(b);
-  RETAIN_LAUNCH_CHECK();
+  keys.launch_grads(b);
 }
 
 }  // namespace retain::cuda

@@ -59,24 +59,45 @@ struct TargetArgs {
 
 static_assert(kQueryTile == kKeyTile, "thread j stages query j of a tile");
 
+// The target kernels' dynamic shared memory (target_shared_bytes(hd) bytes).
+struct TargetSmem {
+  float* k;        // [hd][kKeyStride]
+  float* q;        // [kQueryTile][hd]
+  float* lse;      // [kQueryTile]
+  int32_t* kdoc;   // [kKeyTile]
+  int32_t* qdoc;   // [kQueryTile]
+  __device__ TargetSmem(float* smem, int64_t hd)
+      : k(smem),
+        q(k + hd * kKeyStride),
+        lse(q + kQueryTile * hd),
+        kdoc(reinterpret_cast<int32_t*>(lse + kQueryTile)),
+        qdoc(kdoc + kKeyTile) {}
+};
+
+// Stages rows [a0, a0 + kKeyTile) of KV head kv of k [Tk, K, hd] (zeros past Tk) and their
+// documents; returns the tile's last real key (index in the tile, −1: none), after a barrier.
+__device__ int stage_key_tile(const TargetSmem& sm, const float* k, const int32_t* doc, int64_t Tk, int64_t K,
+                              int64_t hd, int64_t kv, int64_t a0) {
+  const int j = threadIdx.x;
+  for (int64_t idx = j; idx < kKeyTile * hd; idx += kKeyTile) {  // coalesced over x
+    const int64_t jj = idx / hd, x = idx % hd, row = a0 + jj;
+    sm.k[x * kKeyStride + jj] = row < Tk ? k[(row * K + kv) * hd + x] : 0.0f;
+  }
+  sm.kdoc[j] = token_doc(doc, Tk, a0 + j);
+  __syncthreads();
+  return last_real_key(sm.kdoc);
+}
+
 // grid (key tiles, K), kKeyTile threads, target_shared_bytes(hd) of dynamic shared memory.
 __global__ void __launch_bounds__(kKeyTile) target_kernel(TargetArgs a) {
   extern __shared__ float smem[];
-  float* s_k = smem;                          // [hd][kKeyStride]
-  float* s_q = s_k + a.hd * kKeyStride;       // [kQueryTile][hd]
-  float* s_lse = s_q + kQueryTile * a.hd;     // [kQueryTile]
-  int32_t* s_kdoc = reinterpret_cast<int32_t*>(s_lse + kQueryTile);  // [kKeyTile]
-  int32_t* s_qdoc = s_kdoc + kKeyTile;                                // [kQueryTile]
+  const TargetSmem sm(smem, a.hd);
+  float *s_k = sm.k, *s_q = sm.q, *s_lse = sm.lse;
+  int32_t *s_kdoc = sm.kdoc, *s_qdoc = sm.qdoc;
   const int j = threadIdx.x;
   const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kKeyTile, kv = blockIdx.y, t = t0 + j;
   const int64_t G = a.H / a.K;
-  for (int64_t idx = j; idx < kKeyTile * a.hd; idx += kKeyTile) {  // coalesced over x
-    const int64_t jj = idx / a.hd, x = idx % a.hd, tk = t0 + jj;
-    s_k[x * kKeyStride + jj] = tk < a.T ? a.k[(tk * a.K + kv) * a.hd + x] : 0.0f;
-  }
-  s_kdoc[j] = token_doc(a.doc, a.T, t);
-  __syncthreads();
-  const int last = last_real_key(s_kdoc);
+  const int last = stage_key_tile(sm, a.k, a.doc, a.T, a.K, a.hd, kv, t0);
   const int64_t last_key = last < 0 ? -1 : t0 + last;
   const int32_t last_doc = last < 0 ? kNoDoc : s_kdoc[last];
   float s[kQueryTile];  // this key's scores against the current query tile
@@ -129,22 +150,14 @@ __device__ bool span_query_tile_needed(const SpanTargetArgs& a, int64_t q0, int6
 // grid (key tiles of the key span, K), kKeyTile threads, target_shared_bytes(hd).
 __global__ void __launch_bounds__(kKeyTile) span_target_kernel(SpanTargetArgs a) {
   extern __shared__ float smem[];
-  float* s_k = smem;                          // [hd][kKeyStride]
-  float* s_q = s_k + a.hd * kKeyStride;       // [kQueryTile][hd]
-  float* s_lse = s_q + kQueryTile * a.hd;     // [kQueryTile]
-  int32_t* s_kdoc = reinterpret_cast<int32_t*>(s_lse + kQueryTile);  // [kKeyTile]
-  int32_t* s_qdoc = s_kdoc + kKeyTile;                                // [kQueryTile]
+  const TargetSmem sm(smem, a.hd);
+  float *s_k = sm.k, *s_q = sm.q, *s_lse = sm.lse;
+  int32_t *s_kdoc = sm.kdoc, *s_qdoc = sm.qdoc;
   const int j = threadIdx.x;
   const int64_t a0 = static_cast<int64_t>(blockIdx.x) * kKeyTile, kv = blockIdx.y, row = a0 + j;  // rows of k
   const int64_t t0 = a.k_start + a0, t = t0 + j;  // ... as global tokens
   const int64_t G = a.H / a.K;
-  for (int64_t idx = j; idx < kKeyTile * a.hd; idx += kKeyTile) {
-    const int64_t jj = idx / a.hd, x = idx % a.hd, rk = a0 + jj;
-    s_k[x * kKeyStride + jj] = rk < a.Tk ? a.k[(rk * a.K + kv) * a.hd + x] : 0.0f;
-  }
-  s_kdoc[j] = token_doc(a.k_doc, a.Tk, row);
-  __syncthreads();
-  const int last = last_real_key(s_kdoc);
+  const int last = stage_key_tile(sm, a.k, a.k_doc, a.Tk, a.K, a.hd, kv, a0);
   const int64_t last_key = last < 0 ? -1 : t0 + last;
   const int32_t last_doc = last < 0 ? kNoDoc : s_kdoc[last];
   float s[kQueryTile];

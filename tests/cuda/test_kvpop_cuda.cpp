@@ -37,18 +37,38 @@ kvpop::Projected on_gpu(const kvpop::Projected& P) {
 // Fails without a device: run_sanitizer.sh uses it to skip (exit 77) on machines without one.
 TEST(KvpopCuda, DISABLED_DevicePresent) { ASSERT_GT(cuda_device_count(), 0); }
 
+// A case's inputs on both devices and the CPU reference target (seed printed by the caller's
+// trace through `seed`).
+struct TargetProblem {
+  uint32_t seed;
+  std::mt19937 rng;
+  TargetInputs in;
+  Tensor q, k, doc, q_d, k_d, lse_d, doc_d;
+  Vec want;
+  explicit TargetProblem(const TargetCase& c)
+      : seed(cuda_test::fresh_seed()),
+        rng(seed),
+        in(make_target_inputs(c, rng)),
+        q(f32(in.q, {c.T, c.H, c.hd})),
+        k(f32(in.k, {c.T, c.K, c.hd})),
+        doc(i32(in.doc)),
+        q_d(on_gpu(q)),
+        k_d(on_gpu(k)),
+        lse_d(on_gpu(in.lse)),
+        doc_d(on_gpu(doc)),
+        want(to_vec(kvpop::future_attention_target(q, k, in.lse, doc, c.w, in.scale))) {}
+};
+
 class KvpopCudaTarget : public ::testing::TestWithParam<TargetCase> {};
 
 TEST_P(KvpopCudaTarget, MatchesTheCpuReference) {
   SKIP_WITHOUT_GPU();
   const TargetCase c = GetParam();
-  const uint32_t seed = cuda_test::fresh_seed();
-  SCOPED_TRACE(::testing::Message() << "seed " << seed);
-  std::mt19937 rng(seed);
-  const TargetInputs in = make_target_inputs(c, rng);
-  const Tensor q = f32(in.q, {c.T, c.H, c.hd}), k = f32(in.k, {c.T, c.K, c.hd}), doc = i32(in.doc);
-  const Vec want = to_vec(kvpop::future_attention_target(q, k, in.lse, doc, c.w, in.scale));
-  const Tensor q_d = on_gpu(q), k_d = on_gpu(k), lse_d = on_gpu(in.lse), doc_d = on_gpu(doc);
+  TargetProblem p(c);
+  SCOPED_TRACE(::testing::Message() << "seed " << p.seed);
+  const TargetInputs& in = p.in;
+  const Tensor &q_d = p.q_d, &k_d = p.k_d, &lse_d = p.lse_d, &doc_d = p.doc_d;
+  const Vec& want = p.want;
   const Tensor got = kvpop::future_attention_target(q_d, k_d, lse_d, doc_d, c.w, in.scale);
   ASSERT_EQ(got.device(), Device::CUDA);
   ASSERT_EQ(got.shape(), (Shape{c.K, c.T}));
@@ -64,25 +84,22 @@ TEST_P(KvpopCudaTarget, MatchesTheCpuReference) {
 TEST_P(KvpopCudaTarget, SpansEqualTheWhole) {
   SKIP_WITHOUT_GPU();
   const TargetCase c = GetParam();
-  const uint32_t seed = cuda_test::fresh_seed();
-  SCOPED_TRACE(::testing::Message() << "seed " << seed);
-  std::mt19937 rng(seed);
-  const TargetInputs in = make_target_inputs(c, rng);
-  const Tensor q = f32(in.q, {c.T, c.H, c.hd}), k = f32(in.k, {c.T, c.K, c.hd}), doc = i32(in.doc);
-  const Vec want = to_vec(kvpop::future_attention_target(q, k, in.lse, doc, c.w, in.scale));
+  TargetProblem p(c);
+  SCOPED_TRACE(::testing::Message() << "seed " << p.seed);
+  const TargetInputs& in = p.in;
+  const Tensor &q_d = p.q_d, &k_d = p.k_d, &lse_d = p.lse_d, &doc_d = p.doc_d;
   std::vector<int64_t> cuts = {0, c.T};
   for (int64_t at : {c.T / 3, c.T / 3 + 1, (2 * c.T) / 3 + 5})
     if (at > 0 && at < c.T) cuts.push_back(at);
   std::sort(cuts.begin(), cuts.end());
   cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
-  const Tensor q_d = on_gpu(q), k_d = on_gpu(k), lse_d = on_gpu(in.lse), doc_d = on_gpu(doc);
   Vec got(static_cast<size_t>(c.K * c.T), 0.0);
   for (size_t ki = 0; ki + 1 < cuts.size(); ++ki) {
     const int64_t k0 = cuts[ki], k1 = cuts[ki + 1];
     auto [mx, sum] = kvpop::future_attention_start(k1 - k0, c.H, Device::CUDA);
     std::vector<size_t> order(cuts.size() - 1);
     for (size_t x = 0; x < order.size(); ++x) order[x] = x;
-    std::shuffle(order.begin(), order.end(), rng);
+    std::shuffle(order.begin(), order.end(), p.rng);
     for (size_t qi : order) {
       const int64_t q0 = cuts[qi], q1 = cuts[qi + 1];
       kvpop::future_attention_sums(q_d.rows(q0, q1), lse_d.rows(q0, q1), doc_d.rows(q0, q1), q0, k_d.rows(k0, k1),
@@ -94,7 +111,7 @@ TEST_P(KvpopCudaTarget, SpansEqualTheWhole) {
     for (int64_t kv = 0; kv < c.K; ++kv)
       for (int64_t t = k0; t < k1; ++t) got[static_cast<size_t>(kv * c.T + t)] = p[static_cast<size_t>(kv * (k1 - k0) + t - k0)];
   }
-  expect_target_close(in, got, want, "CUDA target by spans");
+  expect_target_close(in, got, p.want, "CUDA target by spans");
 }
 
 const auto kSmallTargets = ::testing::Values(TargetCase{1, 1, 1, 8, 1, 1}, TargetCase{63, 2, 1, 16, 1, 20},
