@@ -90,7 +90,8 @@ struct PhaseTimes {
 // the micro-batch's m·S tokens) through the teacher, the student, the losses and the backward;
 // attention and the capacity sums pass the other chunks around the group. The rank's gradients
 // are then its part of the group's, and the reduction over `comm` sums them as it sums the
-// data-parallel ranks'. CPU only for now.
+// data-parallel ranks'. On either device (CUDA: trainer/context_parallel.h's rings on device
+// buffers; unverified on a GPU).
 StepLosses compute_gradients(WeightProvider& weights, gates::RetentionGates& gates,
                              const std::vector<MicroBatch>& micro_batches, const LossConfig& cfg,
                              dist::Comm& comm, RetentionStats* stats = nullptr, PhaseTimes* times = nullptr,
