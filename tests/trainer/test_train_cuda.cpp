@@ -151,6 +151,16 @@ TEST_P(DumpGradsCuda, ContextParallelEqualsOneRank) {
       dump(m, kind, "cuda", mpirun(2), "--comm mpi --context-parallel 2 --micro-batch 4", dir, "cp2", &why);
   ASSERT_FALSE(cp.empty()) << why;
   expect_close_dumps(cp, one, 1e-2, 1e-2, "--context-parallel 2 (2 ranks sharing the GPU, mpi) vs 1 rank");
+  // With data parallelism: two groups of two, each group two of the four sequences, against two
+  // data-parallel ranks of the same micro-batch shape. The chunks are 20 tokens here, and the
+  // ring's F32 partials and the one rank's bf16 tiles round apart by up to 8.0e-3 in the gate
+  // gradients (emulated): the GPU-vs-CPU tolerance, 2e-2, not the 1e-2 of the shapes above.
+  const std::string cp2x2 =
+      dump(m, kind, "cuda", mpirun(4), "--comm mpi --context-parallel 2 --micro-batch 2", dir, "cp2x2", &why);
+  ASSERT_FALSE(cp2x2.empty()) << why;
+  const std::string dp2 = dump(m, kind, "cuda", mpirun(2), "--comm mpi --micro-batch 2", dir, "dp2", &why);
+  ASSERT_FALSE(dp2.empty()) << why;
+  expect_close_dumps(cp2x2, dp2, 1e-2, 2e-2, "2 groups of --context-parallel 2 (4 ranks, mpi) vs 2 ranks");
 }
 
 // KVPOP under context parallelism on the device: the teacher's attention and the target's query
