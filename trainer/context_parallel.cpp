@@ -85,7 +85,7 @@ void copy_range(const Tensor& src, int64_t from, Tensor& dst, int64_t to, int64_
 }
 
 // The exchange of KVPOP's heads runs on the host (the scorers' step is host work under context
-// parallelism: kernels/kvpop_train.cpp).
+// parallelism: trainer/kvpop_train.cpp).
 void check_on_cpu(const char* op, const Tensor& t) {
   if (t.device() != Device::CPU) fail("{}: the items must be host tensors", op);
 }

@@ -110,16 +110,21 @@ __global__ void __launch_bounds__(kTile) tile_docs_kernel(const int32_t* __restr
 }
 
 // ---- sums --------------------------------------------------------------------------------
-struct SumsArgs {
+// What both kernels read of one log_beta [L, T, K] and its documents (Plan::tiles fills it):
+// the sums kernel's rows, the grads kernel's keys.
+struct TileArgs {
   const float* lb;       // [L, T, K]
   const int32_t* doc;    // [T]
-  const int32_t* pos;    // [T], needed by the hinge outputs only
   int64_t T, nb;
   int K, W;              // heads, heads per block (= blockDim.x / 32)
   const float* tile_max;  // [L, nb, K]
   const TileDocs* docs;  // [nb]
   const spans::BlockSpan* spans;  // [nb]
   double skip;                    // the skip exponent E
+};
+
+struct SumsArgs : TileArgs {
+  const int32_t* pos;    // [T], needed by the hinge outputs only
   double M;
   float* S;                       // [L, T, K] or null
   double* part_sum;               // local hinge partials, one per block, or null
@@ -305,15 +310,7 @@ __global__ void __launch_bounds__(kTile) totals_kernel(const double* __restrict_
 }
 
 // ---- grads -------------------------------------------------------------------------------
-struct GradArgs {
-  const float* lb;
-  const int32_t* doc;
-  int64_t T, nb;
-  int K, W;
-  const float* tile_max;
-  const TileDocs* docs;
-  const spans::BlockSpan* spans;  // [nb]
-  double skip;                    // the skip exponent E
+struct GradArgs : TileArgs {
   const float* g;        // local: [L, T, K]; global: [T]
   const uint8_t* g_any;  // local: [L, nb, K]; global: [nb]
   bool per_head;         // local (true) or global (false) slopes
@@ -464,18 +461,12 @@ struct Plan {
   TileDocs* tile_docs() { return reinterpret_cast<TileDocs*>(docs.raw()); }
   spans::BlockSpan* tile_spans() { return reinterpret_cast<spans::BlockSpan*>(span_table.raw()); }
 
+  TileArgs tiles(const Tensor& log_beta, const Tensor& doc) {
+    return {ptr<float>(log_beta), ptr<int32_t>(doc), T, nb, K, W, ptr<float>(tile_max), tile_docs(), tile_spans(), skip};
+  }
   SumsArgs sums_args(const Tensor& log_beta, const Tensor& doc) {
     SumsArgs a{};
-    a.lb = ptr<float>(log_beta);
-    a.doc = ptr<int32_t>(doc);
-    a.T = T;
-    a.nb = nb;
-    a.K = K;
-    a.W = W;
-    a.tile_max = ptr<float>(tile_max);
-    a.docs = tile_docs();
-    a.spans = tile_spans();
-    a.skip = skip;
+    static_cast<TileArgs&>(a) = tiles(log_beta, doc);
     a.klb = a.lb;
     a.kdoc = a.doc;
     a.Tk = T;
@@ -488,16 +479,7 @@ struct Plan {
   // caller sets the rows' side).
   GradArgs grad_args(const Tensor& log_beta, const Tensor& doc) {
     GradArgs b{};
-    b.lb = ptr<float>(log_beta);
-    b.doc = ptr<int32_t>(doc);
-    b.T = T;
-    b.nb = nb;
-    b.K = K;
-    b.W = W;
-    b.tile_max = ptr<float>(tile_max);
-    b.docs = tile_docs();
-    b.spans = tile_spans();
-    b.skip = skip;
+    static_cast<TileArgs&>(b) = tiles(log_beta, doc);
     b.qdoc = b.doc;
     b.Tq = T;
     b.nqb = nb;
