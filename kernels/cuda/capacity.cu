@@ -399,18 +399,11 @@ __global__ void __launch_bounds__(32 * kHeadsPerBlock) grads_kernel(GradArgs a) 
 }
 
 // ---- reduce ------------------------------------------------------------------------------
-// One block: the partials in a fixed order (thread x takes x, x + 256, ...; then a fixed tree).
-__global__ void __launch_bounds__(kReduceThreads) reduce_kernel(const double* sum, const unsigned long long* count,
-                                                                int64_t n, double* out_sum,
-                                                                unsigned long long* out_count) {
+// Each thread's (sum, count) added over the kReduceThreads threads of a block in a fixed tree;
+// thread 0 writes the totals. Every thread of the block calls it.
+__device__ void block_sum_pairs(double s, unsigned long long c, double* out_sum, unsigned long long* out_count) {
   __shared__ double s_sum[kReduceThreads];
   __shared__ unsigned long long s_count[kReduceThreads];
-  double s = 0;
-  unsigned long long c = 0;
-  for (int64_t x = threadIdx.x; x < n; x += kReduceThreads) {
-    s += sum[x];
-    c += count[x];
-  }
   s_sum[threadIdx.x] = s;
   s_count[threadIdx.x] = c;
   __syncthreads();
@@ -425,6 +418,19 @@ __global__ void __launch_bounds__(kReduceThreads) reduce_kernel(const double* su
     *out_sum = s_sum[0];
     *out_count = s_count[0];
   }
+}
+
+// One block: the partials in a fixed order (thread x takes x, x + 256, ...; then the tree).
+__global__ void __launch_bounds__(kReduceThreads) reduce_kernel(const double* sum, const unsigned long long* count,
+                                                                int64_t n, double* out_sum,
+                                                                unsigned long long* out_count) {
+  double s = 0;
+  unsigned long long c = 0;
+  for (int64_t x = threadIdx.x; x < n; x += kReduceThreads) {
+    s += sum[x];
+    c += count[x];
+  }
+  block_sum_pairs(s, c, out_sum, out_count);
 }
 
 // ---- host side ---------------------------------------------------------------------------
@@ -628,22 +634,7 @@ __global__ void __launch_bounds__(kReduceThreads) hinge_kernel(const double* __r
       for (int64_t l = 0; l < L; ++l)
         for (int64_t k = 0; k < K; ++k) g[(l * T + t) * K + k] = slope;
   }
-  __shared__ double s_sum[kReduceThreads];
-  __shared__ unsigned long long s_count[kReduceThreads];
-  s_sum[threadIdx.x] = ell;
-  s_count[threadIdx.x] = ell > 0 ? 1 : 0;
-  __syncthreads();
-  for (int half = kReduceThreads / 2; half > 0; half /= 2) {
-    if (static_cast<int>(threadIdx.x) < half) {
-      s_sum[threadIdx.x] += s_sum[threadIdx.x + half];
-      s_count[threadIdx.x] += s_count[threadIdx.x + half];
-    }
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) {
-    part_sum[blockIdx.x] = s_sum[0];
-    part_count[blockIdx.x] = s_count[0];
-  }
+  block_sum_pairs(ell, ell > 0 ? 1 : 0, part_sum + blockIdx.x, part_count + blockIdx.x);
 }
 
 // grid (nqb, L), kTile threads: g F64 [L, T, K] → the grads kernel's F32 per-head slopes and
