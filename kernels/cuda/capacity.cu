@@ -132,14 +132,10 @@ struct SumsArgs : TileArgs {
   float* g;                       // local slopes [L, T, K] or null
   uint8_t* g_any;                 // [L, nb, K]: some slope of the (layer, query tile, head) ≠ 0
   double* head_totals;            // [L·Z, T]: Σ_κ S over the block's heads, or null
-  // The keys: the rows' own tokens (one sequence, and a span with itself: klb = lb, ...), or in
-  // a rectangle (rect; capacity_sums_span) a wholly earlier span of Tk tokens whose positions
-  // are `gap` before the rows' (a row's position is its index + gap, a key's its index).
-  const float* klb;               // [L, Tk, K]
-  const int32_t* kdoc;            // [Tk]
-  int64_t Tk, nkb;
-  const float* k_tile_max;        // [L, nkb, K]
-  const TileDocs* k_docs;         // [nkb]
+  // The keys: the rows' own tokens (one sequence, and a span with itself: the same TileArgs), or
+  // in a rectangle (rect; capacity_sums_span) a wholly earlier span whose positions are `gap`
+  // before the rows' (a row's position is its index + gap, a key's its index).
+  TileArgs keys;
   int64_t gap;
   bool rect;
   double* S64;                    // [L, T, K]: S added to (a span's sums), or null
@@ -166,13 +162,13 @@ __global__ void __launch_bounds__(32 * kHeadsPerBlock) sums_kernel(SumsArgs a) {
   for (int r = 0; r < kRun; ++r) rdoc[r] = row0 + r < T ? row_doc(a.doc[row0 + r]) : kPadRow;
   double acc[kRun] = {0, 0, 0, 0};
   const TileDocs qd = a.docs[qb];
-  const float* head_max = a.k_tile_max + l * a.nkb * K;
-  const int64_t Tk = a.Tk;
+  const float* head_max = a.keys.tile_max + l * a.keys.nb * K;
+  const int64_t Tk = a.keys.T;
 
   // Key tiles from the first that may share a document up to the diagonal (a rectangle: all).
-  const int64_t kb_end = a.rect ? a.nkb : qb + 1;
+  const int64_t kb_end = a.rect ? a.keys.nb : qb + 1;
   for (int64_t kb = a.rect ? 0 : a.spans[qb].key_begin; kb < kb_end; ++kb) {
-    const TileDocs kd = a.k_docs[kb];
+    const TileDocs kd = a.keys.docs[kb];
     const float key_max = active ? head_max[kb * K + kappa] : -INFINITY;
     const bool negligible =
         a.rect ? rect_tile_negligible(a.gap, qb, kb, key_max, a.skip) : tile_negligible(qb, kb, key_max, a.skip);
@@ -184,11 +180,11 @@ __global__ void __launch_bounds__(32 * kHeadsPerBlock) sums_kernel(SumsArgs a) {
       const int j = x / W, w = x % W;  // neighbouring threads read neighbouring heads of a key
       const int64_t i = i0 + j;
       const int k = z * W + w;
-      const float v = i < Tk && k < K ? a.klb[(l * Tk + i) * K + k] : -INFINITY;
+      const float v = i < Tk && k < K ? a.keys.lb[(l * Tk + i) * K + k] : -INFINITY;
       s_lb[w][j] = staged_lb2(v);
       s_beta[w][j] = expf(v);
     }
-    for (int j = threadIdx.x; j < kTile; j += blockDim.x) s_doc[j] = i0 + j < Tk ? key_doc(a.kdoc[i0 + j]) : kPadKey;
+    for (int j = threadIdx.x; j < kTile; j += blockDim.x) s_doc[j] = i0 + j < Tk ? key_doc(a.keys.doc[i0 + j]) : kPadKey;
     __syncthreads();
     if (mine) {
       if (!a.rect && kb == qb)
@@ -316,12 +312,10 @@ struct GradArgs : TileArgs {
   bool per_head;         // local (true) or global (false) slopes
   double scale;
   float* dlb;  // [L, T, K]
-  // The queries (g's rows): the keys' own tokens (one sequence, a span with itself: qdoc = doc,
-  // ...), or in a rectangle (rect; capacity_grad_span) a wholly later span of Tq tokens whose
-  // positions are `gap` past the keys'. dlb64: the gradient added to (a span's), or null.
-  const int32_t* qdoc;     // [Tq]
-  int64_t Tq, nqb;
-  const TileDocs* q_docs;  // [nqb]
+  // The queries (g's rows; their doc, T, nb, docs): the keys' own tokens (one sequence, a span
+  // with itself: the same TileArgs), or in a rectangle (rect; capacity_grad_span) a wholly later
+  // span whose positions are `gap` past the keys'. dlb64: the gradient added to (a span's), or null.
+  TileArgs rows;
   int64_t gap;
   bool rect;
   double* dlb64;  // [L, T, K]
@@ -354,7 +348,7 @@ __global__ void __launch_bounds__(32 * kHeadsPerBlock) grads_kernel(GradArgs a) 
   const TileDocs kd = a.docs[kb];
   const float key_max = active ? a.tile_max[(l * nb + kb) * K + kappa] : -INFINITY;
 
-  const int64_t Tq = a.Tq, nqb = a.nqb;
+  const int64_t Tq = a.rows.T, nqb = a.rows.nb;
   // Query tiles from the diagonal to the last that may share a document (a rectangle: all).
   const int64_t qb_end = a.rect ? nqb : a.spans[kb].query_end;
   for (int64_t qb = a.rect ? 0 : kb; qb < qb_end; ++qb) {
@@ -363,7 +357,7 @@ __global__ void __launch_bounds__(32 * kHeadsPerBlock) grads_kernel(GradArgs a) 
     const bool live = active && !negligible;
     // Negligibility is monotone in qb: once no head of the block is live, none will be.
     if (!__syncthreads_or(live)) break;
-    const TileDocs qd = a.q_docs[qb];
+    const TileDocs qd = a.rows.docs[qb];
     const uint8_t any = a.per_head ? (live ? a.g_any[(l * nqb + qb) * K + kappa] : 0) : a.g_any[qb];
     const bool mine = live && any != 0 && tiles_may_meet(qd, kd);
     if (!__syncthreads_or(mine)) continue;
@@ -376,7 +370,7 @@ __global__ void __launch_bounds__(32 * kHeadsPerBlock) grads_kernel(GradArgs a) 
       if (t < Tq && k < K) gv = a.per_head ? a.g[(l * Tq + t) * K + k] : a.g[t];
       s_g[w][j] = gv;
     }
-    for (int j = threadIdx.x; j < kTile; j += blockDim.x) s_doc[j] = r0 + j < Tq ? row_doc(a.qdoc[r0 + j]) : kPadRow;
+    for (int j = threadIdx.x; j < kTile; j += blockDim.x) s_doc[j] = r0 + j < Tq ? row_doc(a.rows.doc[r0 + j]) : kPadRow;
     __syncthreads();
     if (mine) {
       const int64_t t0 = r0 + a.gap;
@@ -473,23 +467,21 @@ struct Plan {
   SumsArgs sums_args(const Tensor& log_beta, const Tensor& doc) {
     SumsArgs a{};
     static_cast<TileArgs&>(a) = tiles(log_beta, doc);
-    a.klb = a.lb;
-    a.kdoc = a.doc;
-    a.Tk = T;
-    a.nkb = nb;
-    a.k_tile_max = a.tile_max;
-    a.k_docs = a.docs;
+    a.keys = tiles(log_beta, doc);
     return a;
+  }
+  // A rectangle's rows (their documents q_doc and row_tile_docs q_docs) beside these keys: no
+  // spans table, no logβ or tile maxima of their own (the kernels read the keys' for those).
+  TileArgs rect_rows(const Tensor& q_doc, const Tensor& q_docs) const {
+    return {nullptr, ptr<int32_t>(q_doc), q_doc.dim(0), tile_count(q_doc.dim(0)), K, W, nullptr,
+            reinterpret_cast<const TileDocs*>(q_docs.raw()), nullptr, skip};
   }
   // The grads kernel's arguments for these keys, the rows being the same tokens (a rectangle's
   // caller sets the rows' side).
   GradArgs grad_args(const Tensor& log_beta, const Tensor& doc) {
     GradArgs b{};
     static_cast<TileArgs&>(b) = tiles(log_beta, doc);
-    b.qdoc = b.doc;
-    b.Tq = T;
-    b.nqb = nb;
-    b.q_docs = b.docs;
+    b.rows = tiles(log_beta, doc);
     return b;
   }
   void launch_grads(const GradArgs& b) const {
@@ -675,13 +667,8 @@ void capacity_sums_span(const Tensor& log_beta, const Tensor& k_doc, int64_t k_s
   }
   Plan keys(log_beta, k_doc, skip_exponent);  // the key tiles' maxima and documents
   Tensor q_docs = row_tile_docs(q_doc);
-  SumsArgs a = keys.sums_args(log_beta, k_doc);  // klb, kdoc, Tk, nkb, k_tile_max, k_docs: the keys
-  a.doc = ptr<int32_t>(q_doc);
-  a.T = q_doc.dim(0);
-  a.nb = tile_count(a.T);
-  a.docs = reinterpret_cast<const TileDocs*>(q_docs.raw());
-  a.spans = nullptr;
-  a.tile_max = nullptr;
+  SumsArgs a = keys.sums_args(log_beta, k_doc);  // a.keys: these keys
+  static_cast<TileArgs&>(a) = keys.rect_rows(q_doc, q_docs);
   a.gap = q_start - k_start;
   a.rect = true;
   a.S64 = ptr<double>(S);
@@ -724,10 +711,7 @@ void capacity_grad_span(const Tensor& log_beta, const Tensor& k_doc, int64_t k_s
   b.per_head = true;
   b.scale = 1.0;
   if (kind == SpanPair::earlier) {
-    b.qdoc = ptr<int32_t>(q_doc);
-    b.Tq = Tq;
-    b.nqb = nqb;
-    b.q_docs = reinterpret_cast<const TileDocs*>(q_docs.raw());
+    b.rows = keys.rect_rows(q_doc, q_docs);
     b.gap = q_start - k_start;
     b.rect = true;
   }

@@ -48,8 +48,8 @@
 #include "kernels/cuda/attention_tiles.h"
 #include "kernels/cuda/block_spans_cuda.h"
 #include "kernels/cuda/check.h"
-#include "kernels/cuda/memory.h"
 #include "kernels/cuda/mma.cuh"
+#include "kernels/ops.h"
 #include "kernels/cuda/retention_cuda.h"
 #include "kernels/cuda/span_pair.h"
 #include "kernels/cuda/wgmma.cuh"
@@ -252,44 +252,38 @@ __device__ __forceinline__ double quad_sum(double x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
-// Writes a warp's 16 × D fp32 fragment rows (times `mul`) as bf16 to rows `row[x]` of a
-// [rows, stride] matrix starting at `base` (x = 0: this lane's first row, 1: row + 8), for rows
-// whose `ok[x]` holds.
-template <int D>
-__device__ __forceinline__ void store_rows(bf16* base, int64_t stride, const int64_t (&row)[2], const bool (&ok)[2],
+// Two adjacent output values: rounded to bf16 (the one-sequence outputs), or F32 stored or, with
+// kAdd, added to what the pair holds (a span pair's partial outputs and gradient sums).
+template <bool kAdd>
+__device__ __forceinline__ void put_pair(bf16* at, float a, float b) {
+  static_assert(!kAdd, "bf16 outputs are stored, never summed");
+  *reinterpret_cast<__nv_bfloat162*>(at) = __floats2bfloat162_rn(a, b);
+}
+template <bool kAdd>
+__device__ __forceinline__ void put_pair(float* at, float a, float b) {
+  float2* p = reinterpret_cast<float2*>(at);
+  if (kAdd) {
+    const float2 old = *p;
+    a += old.x;
+    b += old.y;
+  }
+  *p = make_float2(a, b);
+}
+
+// Writes a warp's 16 × D fp32 fragment rows (times `mul`) to rows `row[x]` of a [rows, stride]
+// matrix starting at `base` (x = 0: this lane's first row, 1: row + 8), for rows whose `ok[x]`
+// holds: as bf16, or as F32 (added to with kAdd: each row belongs to one CTA, so no other
+// thread touches it meanwhile).
+template <int D, bool kAdd = false, typename Out>
+__device__ __forceinline__ void store_rows(Out* base, int64_t stride, const int64_t (&row)[2], const bool (&ok)[2],
                                            const float (&acc)[D / 8][4], const float (&mul)[2], int lane) {
 #pragma unroll
   for (int x = 0; x < 2; ++x) {
     if (!ok[x]) continue;
-    bf16* dst = base + row[x] * stride + c_col(lane, 0);
+    Out* dst = base + row[x] * stride + c_col(lane, 0);
 #pragma unroll
-    for (int nt = 0; nt < D / 8; ++nt) {
-      const __nv_bfloat162 val = __floats2bfloat162_rn(acc[nt][2 * x] * mul[x], acc[nt][2 * x + 1] * mul[x]);
-      *reinterpret_cast<__nv_bfloat162*>(dst + 8 * nt) = val;
-    }
-  }
-}
-
-// store_rows in F32, stored (kAdd false) or added to what the rows hold (kAdd true: the span
-// backward's sums; each row belongs to one CTA, so no other thread touches it meanwhile).
-template <int D, bool kAdd>
-__device__ __forceinline__ void store_rows_f32(float* base, int64_t stride, const int64_t (&row)[2], const bool (&ok)[2],
-                                               const float (&acc)[D / 8][4], const float (&mul)[2], int lane) {
-#pragma unroll
-  for (int x = 0; x < 2; ++x) {
-    if (!ok[x]) continue;
-    float* dst = base + row[x] * stride + c_col(lane, 0);
-#pragma unroll
-    for (int nt = 0; nt < D / 8; ++nt) {
-      float2 val = make_float2(acc[nt][2 * x] * mul[x], acc[nt][2 * x + 1] * mul[x]);
-      float2* at = reinterpret_cast<float2*>(dst + 8 * nt);
-      if (kAdd) {
-        const float2 old = *at;
-        val.x += old.x;
-        val.y += old.y;
-      }
-      *at = val;
-    }
+    for (int nt = 0; nt < D / 8; ++nt)
+      put_pair<kAdd>(dst + 8 * nt, acc[nt][2 * x] * mul[x], acc[nt][2 * x + 1] * mul[x]);
   }
 }
 
@@ -391,6 +385,14 @@ __global__ void doc_ranges_kernel(const int32_t* doc, int64_t T, int64_t nb, Doc
   if (b < nb) ranges[b] = block_doc_range(doc, T, b);
 }
 
+// ranges[b] = block_doc_range of doc I32 [T]'s nb blocks.
+void doc_ranges(const Tensor& doc, int64_t nb, DocRange* ranges) {
+  const int threads = 128;
+  doc_ranges_kernel<<<static_cast<unsigned>((nb + threads - 1) / threads), threads>>>(doc.data<int32_t>(), doc.dim(0),
+                                                                                      nb, ranges);
+  CUDA_CHECK(cudaGetLastError());
+}
+
 // lbmax[b, kv] = block_max_log_beta (the optional weight skip), one thread per entry.
 __global__ void lbmax_kernel(const float* log_beta, const int32_t* doc, int64_t T, int64_t K, int64_t nb,
                              float* lbmax) {
@@ -457,7 +459,7 @@ __device__ __forceinline__ void finish_forward(const Params& p, const ForwardRow
     if (q.in_t[x] && lane % 4 == 0) p.lse[row[x]] = lse;
   }
   if (p.out32)
-    store_rows_f32<D, false>(p.out32, D, row, q.in_t, o_acc, inv, lane);
+    store_rows<D>(p.out32, D, row, q.in_t, o_acc, inv, lane);
   else
     store_rows<D>(p.out, D, row, q.in_t, o_acc, inv, lane);
 }
@@ -844,7 +846,7 @@ __device__ __forceinline__ void finish_dq(const Params& p, const DqRows& q, int 
 #pragma unroll
   for (int x = 0; x < 2; ++x) row[x] = q.t[x] * p.H + h;
   if (p.dq32)
-    store_rows_f32<D, true>(p.dq32, D, row, q.in_t, dq_acc, mul, lane);
+    store_rows<D, true>(p.dq32, D, row, q.in_t, dq_acc, mul, lane);
   else
     store_rows<D>(p.dq, D, row, q.in_t, dq_acc, mul, lane);
 }
@@ -1058,8 +1060,8 @@ __device__ __forceinline__ void finish_dkdv(const Params& p, const KeyRows& k, i
       p.dlog_beta[row[x]] = static_cast<float>(dlb[x]) + (p.dk32 ? p.dlog_beta[row[x]] : 0.0f);
   }
   if (p.dk32) {
-    store_rows_f32<D, true>(p.dk32, D, row, k.in_i, dk_acc, mul_k, lane);
-    store_rows_f32<D, true>(p.dv32, D, row, k.in_i, dv_acc, mul_v, lane);
+    store_rows<D, true>(p.dk32, D, row, k.in_i, dk_acc, mul_k, lane);
+    store_rows<D, true>(p.dv32, D, row, k.in_i, dv_acc, mul_v, lane);
     return;
   }
   store_rows<D>(p.dk, D, row, k.in_i, dk_acc, mul_k, lane);
@@ -1270,14 +1272,12 @@ class TileTables {
         lbmax_(skip_ ? sizeof(float) * static_cast<size_t>(nb_ * K_) : 0) {
     if (!(skip_weight_below >= 0.0f && skip_weight_below < 1.0f))
       fail("{}: skip_weight_below = {} is not in [0, 1) (0 = exact)", op, skip_weight_below);
-    const int threads = 128;
-    doc_ranges_kernel<<<static_cast<unsigned>((nb_ + threads - 1) / threads), threads>>>(doc.data<int32_t>(), T_, nb_,
-                                                                                       ranges_.as<DocRange>());
-    CUDA_CHECK(cudaGetLastError());
+    doc_ranges(doc, nb_, ranges_.as<DocRange>());
     const DocRange* r = ranges_.as<DocRange>();
     spans::device_block_spans(&r->lo, &r->hi, sizeof(DocRange) / sizeof(int32_t), static_cast<int32_t>(nb_),
                               spans_.as<spans::BlockSpan>());
     if (skip_) {
+      const int threads = 128;
       log_eps_ = std::log(skip_weight_below);
       lbmax_kernel<<<static_cast<unsigned>((nb_ * K_ + threads - 1) / threads), threads>>>(
           log_beta.data<float>(), doc.data<int32_t>(), T_, K_, nb_, lbmax_.as<float>());
@@ -1313,13 +1313,8 @@ class SpanTables {
       self_.emplace(op, log_beta, q_doc, 0.0f);
       return;
     }
-    const int threads = 128;
-    doc_ranges_kernel<<<static_cast<unsigned>((nqb_ + threads - 1) / threads), threads>>>(
-        q_doc.data<int32_t>(), q_doc.dim(0), nqb_, q_ranges_.as<DocRange>());
-    CUDA_CHECK(cudaGetLastError());
-    doc_ranges_kernel<<<static_cast<unsigned>((nkb_ + threads - 1) / threads), threads>>>(
-        k_doc.data<int32_t>(), k_doc.dim(0), nkb_, k_ranges_.as<DocRange>());
-    CUDA_CHECK(cudaGetLastError());
+    doc_ranges(q_doc, nqb_, q_ranges_.as<DocRange>());
+    doc_ranges(k_doc, nkb_, k_ranges_.as<DocRange>());
   }
   void fill(Params& p) const {
     if (!rect_) return self_->fill(p);
@@ -1404,6 +1399,9 @@ void forward(const Params& p) {
            p);
 }
 
+// The head_dim's instance (head_dim() allows 64 and 128 only).
+void run_forward(int d, const Params& p) { d == 64 ? forward<64>(p) : forward<128>(p); }
+
 template <int D>
 void backward(const Params& p) {
   const bool wgmma = use_wgmma(kBackward, "RETAIN_ATTENTION_BACKWARD");
@@ -1425,6 +1423,7 @@ void backward(const Params& p) {
   launch(dq_kernel<D>, nb, static_cast<unsigned>(p.H), smem, p);
   launch(dkdv_kernel<D>, nkb, static_cast<unsigned>(p.K), smem, p);
 }
+void run_backward(int d, const Params& p) { d == 64 ? backward<64>(p) : backward<128>(p); }
 
 }  // namespace
 
@@ -1496,10 +1495,7 @@ void gated_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Te
   tables.fill(p);
   p.out = static_cast<bf16*>(out.raw());
   p.lse = lse.data<float>();
-  if (d == 64)
-    forward<64>(p);
-  else
-    forward<128>(p);
+  run_forward(d, p);
 }
 
 void gated_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& log_beta,
@@ -1524,10 +1520,7 @@ void gated_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
   p.dk = static_cast<bf16*>(dk.raw());
   p.dv = static_cast<bf16*>(dv.raw());
   p.dlog_beta = dlog_beta.data<float>();
-  if (d == 64)
-    backward<64>(p);
-  else
-    backward<128>(p);
+  run_backward(d, p);
 }
 
 // ---- span pairs (context parallelism; kernels/retention_spans.h) -------------------------
@@ -1536,19 +1529,6 @@ namespace {
 
 const char* kSpanForward = "gated_attention_span";
 const char* kSpanBackward = "gated_attention_span_backward";
-
-__global__ void fill_f32_kernel(float* x, int64_t n, float value) {
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < n) x[i] = value;
-}
-
-void fill_f32(Tensor& t, float value) {
-  const int64_t n = t.numel();
-  if (n == 0) return;
-  const int threads = 256;
-  fill_f32_kernel<<<static_cast<unsigned>((n + threads - 1) / threads), threads>>>(t.data<float>(), n, value);
-  CUDA_CHECK(cudaGetLastError());
-}
 
 // The pair's Params: base_params over the queries, then the keys' side and the position gap.
 Params span_params(const char* op, SpanPair kind, const Tensor& q, const Tensor& q_doc, int64_t q_start,
@@ -1571,18 +1551,15 @@ void gated_attention_span(const Tensor& q, const Tensor& q_doc, int64_t q_start,
   check_aligned(op, "out", out);
   const SpanPair kind = span_pair(op, q_start, q.dim(0), k_start, k.dim(0));
   if (kind == SpanPair::none) {  // no allowed key for any row: out 0, lse −inf
-    if (out.nbytes() > 0) memset_device(out.raw(), 0, out.nbytes());
-    fill_f32(lse, kNegInf);
+    ops::fill(out, 0.0);
+    ops::fill(lse, kNegInf);
     return;
   }
   const SpanTables tables(op, kind == SpanPair::earlier, log_beta, q_doc, k_doc);
   Params p = span_params(op, kind, q, q_doc, q_start, k, v, log_beta, k_doc, k_start, scale, tables);
   p.out32 = out.data<float>();
   p.lse = lse.data<float>();
-  if (d == 64)
-    forward<64>(p);
-  else
-    forward<128>(p);
+  run_forward(d, p);
 }
 
 void gated_attention_span_backward(const Tensor& q, const Tensor& q_doc, int64_t q_start, const Tensor& k,
@@ -1607,10 +1584,7 @@ void gated_attention_span_backward(const Tensor& q, const Tensor& q_doc, int64_t
   p.dk32 = dk.data<float>();
   p.dv32 = dv.data<float>();
   p.dlog_beta = dlog_beta.data<float>();
-  if (d == 64)
-    backward<64>(p);
-  else
-    backward<128>(p);
+  run_backward(d, p);
 }
 
 }  // namespace retain::cuda

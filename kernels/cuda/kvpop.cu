@@ -88,33 +88,40 @@ __device__ int stage_key_tile(const TargetSmem& sm, const float* k, const int32_
   return last_real_key(sm.kdoc);
 }
 
+// Stages the query tile of rows [r0, r0 + kQueryTile) of head h (q [Tq, H, hd], lse [Tq, H],
+// documents; zeros and no document past Tq), between two barriers: the previous tile's readers
+// are done before, this tile is complete for every thread after.
+__device__ void stage_query_tile(const TargetSmem& sm, const float* q, const float* lse, const int32_t* doc, int64_t Tq,
+                                 int64_t H, int64_t hd, int64_t h, int64_t r0) {
+  const int j = threadIdx.x;
+  __syncthreads();
+  for (int64_t idx = j; idx < kQueryTile * hd; idx += kKeyTile) {
+    const int64_t row = r0 + idx / hd;
+    sm.q[idx] = row < Tq ? q[(row * H + h) * hd + idx % hd] : 0.0f;
+  }
+  sm.lse[j] = r0 + j < Tq ? lse[(r0 + j) * H + h] : 0.0f;
+  sm.qdoc[j] = token_doc(doc, Tq, r0 + j);
+  __syncthreads();
+}
+
 // grid (key tiles, K), kKeyTile threads, target_shared_bytes(hd) of dynamic shared memory.
 __global__ void __launch_bounds__(kKeyTile) target_kernel(TargetArgs a) {
   extern __shared__ float smem[];
   const TargetSmem sm(smem, a.hd);
-  float *s_k = sm.k, *s_q = sm.q, *s_lse = sm.lse;
-  int32_t *s_kdoc = sm.kdoc, *s_qdoc = sm.qdoc;
   const int j = threadIdx.x;
   const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kKeyTile, kv = blockIdx.y, t = t0 + j;
   const int64_t G = a.H / a.K;
   const int last = stage_key_tile(sm, a.k, a.doc, a.T, a.K, a.hd, kv, t0);
   const int64_t last_key = last < 0 ? -1 : t0 + last;
-  const int32_t last_doc = last < 0 ? kNoDoc : s_kdoc[last];
+  const int32_t last_doc = last < 0 ? kNoDoc : sm.kdoc[last];
   float s[kQueryTile];  // this key's scores against the current query tile
   double best = -INFINITY;
   for (int64_t g = 0; g < G; ++g) {
     const int64_t h = kv * G + g;
     double M = -INFINITY, S = 0.0;
     for (int64_t q0 = t0 + a.w; query_tile_needed(a.doc, a.T, q0, last_key, last_doc); q0 += kQueryTile) {
-      __syncthreads();  // every thread is done with the previous query tile
-      for (int64_t idx = j; idx < kQueryTile * a.hd; idx += kKeyTile) {
-        const int64_t dq = q0 + idx / a.hd;
-        s_q[idx] = dq < a.T ? a.q[(dq * a.H + h) * a.hd + idx % a.hd] : 0.0f;
-      }
-      s_lse[j] = q0 + j < a.T ? a.lse[(q0 + j) * a.H + h] : 0.0f;
-      s_qdoc[j] = token_doc(a.doc, a.T, q0 + j);
-      __syncthreads();
-      const float mx = key_scores(s_q, s_lse, s_qdoc, q0, s_k + j, a.hd, t, s_kdoc[j], a.w, a.scale, s);
+      stage_query_tile(sm, a.q, a.lse, a.doc, a.T, a.H, a.hd, h, q0);
+      const float mx = key_scores(sm.q, sm.lse, sm.qdoc, q0, sm.k + j, a.hd, t, sm.kdoc[j], a.w, a.scale, s);
       lse_add_tile(s, mx, M, S);
     }
     const double v = lse_value(M, S);
@@ -151,31 +158,21 @@ __device__ bool span_query_tile_needed(const SpanTargetArgs& a, int64_t q0, int6
 __global__ void __launch_bounds__(kKeyTile) span_target_kernel(SpanTargetArgs a) {
   extern __shared__ float smem[];
   const TargetSmem sm(smem, a.hd);
-  float *s_k = sm.k, *s_q = sm.q, *s_lse = sm.lse;
-  int32_t *s_kdoc = sm.kdoc, *s_qdoc = sm.qdoc;
   const int j = threadIdx.x;
   const int64_t a0 = static_cast<int64_t>(blockIdx.x) * kKeyTile, kv = blockIdx.y, row = a0 + j;  // rows of k
   const int64_t t0 = a.k_start + a0, t = t0 + j;  // ... as global tokens
   const int64_t G = a.H / a.K;
   const int last = stage_key_tile(sm, a.k, a.k_doc, a.Tk, a.K, a.hd, kv, a0);
   const int64_t last_key = last < 0 ? -1 : t0 + last;
-  const int32_t last_doc = last < 0 ? kNoDoc : s_kdoc[last];
+  const int32_t last_doc = last < 0 ? kNoDoc : sm.kdoc[last];
   float s[kQueryTile];
   const int64_t q_first = t0 + a.w > a.q_start ? t0 + a.w : a.q_start;
   for (int64_t g = 0; g < G; ++g) {
     const int64_t h = kv * G + g;
     double M = row < a.Tk ? a.mx[row * a.H + h] : -INFINITY, S = row < a.Tk ? a.sum[row * a.H + h] : 0.0;
     for (int64_t q0 = q_first; span_query_tile_needed(a, q0, last_key, last_doc); q0 += kQueryTile) {
-      __syncthreads();  // every thread is done with the previous query tile
-      for (int64_t idx = j; idx < kQueryTile * a.hd; idx += kKeyTile) {
-        const int64_t dq = q0 - a.q_start + idx / a.hd;  // a row of q
-        s_q[idx] = dq < a.Tq ? a.q[(dq * a.H + h) * a.hd + idx % a.hd] : 0.0f;
-      }
-      const int64_t dq = q0 - a.q_start + j;
-      s_lse[j] = dq < a.Tq ? a.lse[dq * a.H + h] : 0.0f;
-      s_qdoc[j] = token_doc(a.q_doc, a.Tq, dq);
-      __syncthreads();
-      const float mx = key_scores(s_q, s_lse, s_qdoc, q0, s_k + j, a.hd, t, s_kdoc[j], a.w, a.scale, s);
+      stage_query_tile(sm, a.q, a.lse, a.q_doc, a.Tq, a.H, a.hd, h, q0 - a.q_start);  // rows of q from q0's
+      const float mx = key_scores(sm.q, sm.lse, sm.qdoc, q0, sm.k + j, a.hd, t, sm.kdoc[j], a.w, a.scale, s);
       lse_add_tile(s, mx, M, S);
     }
     if (row < a.Tk) {
@@ -498,20 +495,26 @@ struct MlstmPlan {
 
 }  // namespace
 
-Tensor kvpop_future_attention_target(const Tensor& q, const Tensor& k, const Tensor& lse, const Tensor& doc, int64_t w,
-                                     float scale) {
-  const int64_t T = q.dim(0), H = q.dim(1), hd = q.dim(2), K = k.dim(1);
-  Tensor log_m = Tensor::empty({K, T}, DType::F32, Device::CUDA);
-  if (T == 0) return log_m;
+// The target kernels' dynamic shared memory for head_dim hd, the kernel opted in to it (above the
+// 48 KiB default, hd ≥ 94); fails when the device allows less per block.
+template <typename Kernel>
+size_t target_smem(const char* op, Kernel kernel, int64_t hd) {
   const size_t smem = target_shared_bytes(hd);
   int device = 0, optin = 0;
   CUDA_CHECK(cudaGetDevice(&device));
   CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   if (smem > static_cast<size_t>(optin))
-    fail("kvpop::future_attention_target: head_dim {} needs {} bytes of shared memory per block, the device allows {}",
-         hd, smem, optin);
-  // Above the 48 KiB default (hd ≥ 94) the kernel must opt in to the larger dynamic size.
-  CUDA_CHECK(cudaFuncSetAttribute(target_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    fail("{}: head_dim {} needs {} bytes of shared memory per block, the device allows {}", op, hd, smem, optin);
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  return smem;
+}
+
+Tensor kvpop_future_attention_target(const Tensor& q, const Tensor& k, const Tensor& lse, const Tensor& doc, int64_t w,
+                                     float scale) {
+  const int64_t T = q.dim(0), H = q.dim(1), hd = q.dim(2), K = k.dim(1);
+  Tensor log_m = Tensor::empty({K, T}, DType::F32, Device::CUDA);
+  if (T == 0) return log_m;
+  const size_t smem = target_smem("kvpop::future_attention_target", target_kernel, hd);
   const TargetArgs a{ptr<float>(q), ptr<float>(k), ptr<float>(lse), ptr<int32_t>(doc), ptr<float>(log_m), T, H, K, hd,
                      w, scale};
   target_kernel<<<dim3(static_cast<unsigned>(key_tile_count(T)), static_cast<unsigned>(K)), kKeyTile, smem>>>(a);
@@ -524,15 +527,7 @@ void kvpop_future_attention_sums(const Tensor& q, const Tensor& lse, const Tenso
                                  Tensor& sum) {
   const int64_t Tq = q.dim(0), H = q.dim(1), hd = q.dim(2), Tk = k.dim(0), K = k.dim(1);
   if (Tq == 0 || Tk == 0) return;
-  const size_t smem = target_shared_bytes(hd);
-  int device = 0, optin = 0;
-  CUDA_CHECK(cudaGetDevice(&device));
-  CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  if (smem > static_cast<size_t>(optin))
-    fail("kvpop::future_attention_sums: head_dim {} needs {} bytes of shared memory per block, the device allows {}",
-         hd, smem, optin);
-  CUDA_CHECK(
-      cudaFuncSetAttribute(span_target_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  const size_t smem = target_smem("kvpop::future_attention_sums", span_target_kernel, hd);
   const SpanTargetArgs a{ptr<float>(q), ptr<float>(lse), ptr<int32_t>(q_doc), ptr<float>(k), ptr<int32_t>(k_doc),
                          ptr<double>(mx), ptr<double>(sum), Tq, Tk, q_start, k_start, H, K, hd, w, scale};
   span_target_kernel<<<dim3(static_cast<unsigned>(key_tile_count(Tk)), static_cast<unsigned>(K)), kKeyTile, smem>>>(a);
