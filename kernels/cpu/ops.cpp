@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <memory>
+#include <type_traits>
 
 #include "kernels/base/half.h"
 #include "kernels/cpu/ops_cpu.h"
@@ -49,6 +50,35 @@ void widen_bf16(const Tensor& w, int64_t r0, int64_t r1, int64_t c0, int64_t c1,
     for (int64_t c = c0; c < c1; ++c) dst[(r - r0) * width + (c - c0)] = bf16_to_f32(src[r * cols + c]);
 }
 
+namespace {
+
+// y[o] (+)= x · w[o, :] for one row x: a decoding step. sgemm would first pack all of w, a copy as
+// long as the product (half the time of a small model's step), and OpenBLAS's sgemv runs on
+// threads of its own that fight OpenMP's (a 4× slower retain-eval, whose units run on OpenMP's
+// threads). Eight float partial sums per row, read the weight's dtype directly (BF16 widens
+// exactly), combined pairwise: the same values for F32 and BF16 weights, on any thread count.
+template <class Weight>
+void linear_row(const float* x, const Weight* w, float* y, int64_t in, int64_t out, bool accumulate) {
+  const auto widen = [](Weight v) {
+    if constexpr (std::is_same_v<Weight, uint16_t>) return bf16_to_f32(v);
+    else return v;
+  };
+  const int64_t body = in - in % 8;
+#pragma omp parallel for schedule(static) if (out * in >= (int64_t{1} << 20))
+  for (int64_t o = 0; o < out; ++o) {
+    const Weight* row = w + o * in;
+    float acc[8] = {};
+    for (int64_t e = 0; e < body; e += 8)
+      for (int l = 0; l < 8; ++l) acc[l] += x[e + l] * widen(row[e + l]);
+    float tail = 0.f;
+    for (int64_t e = body; e < in; ++e) tail += x[e] * widen(row[e]);
+    const float sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])) + tail;
+    y[o] = accumulate ? y[o] + sum : sum;
+  }
+}
+
+}  // namespace
+
 void linear(const Tensor& x_any, const Tensor& w, Tensor& y, bool accumulate) {
   const int64_t N = x_any.dim(0), in = x_any.dim(1), out = w.dim(0);
   if (N == 0 || out == 0) return;
@@ -59,6 +89,11 @@ void linear(const Tensor& x_any, const Tensor& w, Tensor& y, bool accumulate) {
   }
   if (in == 0) {  // an empty sum: y = 0, or y unchanged
     if (!accumulate) std::memset(y.raw(), 0, y.nbytes());
+    return;
+  }
+  if (N == 1) {
+    if (w.dtype() == DType::F32) linear_row(x.data<float>(), w.data<float>(), y.data<float>(), in, out, accumulate);
+    else linear_row(x.data<float>(), static_cast<const uint16_t*>(w.raw()), y.data<float>(), in, out, accumulate);
     return;
   }
   // y[N, o0:o1] (+)= x[N,in] · w[o0:o1, in]ᵀ, all row-major (ldc = out).
