@@ -135,6 +135,22 @@ class Books:
         self.fresh, self.width, self.total = 0, list(self.base), self.total - self.S
         return (None if uniform else self.rows), ds, top
 
+    def fill_step(self, t, slots, scores, top):
+        """A decoding step that drops one entry of every row, written straight in (no append):
+        row r's new token t takes slots[r] with score scores[r] (None: +inf, protected) — or is
+        itself the entry dropped when slots[r] is `top` (or top[r]: per row), the slot it would have
+        been appended to. Leaves the table as append + drop_and_fill do, in a few scalar writes (a
+        handful of rows: each numpy call costs more than these)."""
+        pos, score = self.pos, self.score
+        tops = [top] * len(slots) if isinstance(top, int) else top
+        for r, (s, tr) in enumerate(zip(slots, tops)):
+            if s != tr:
+                pos[r, s] = t
+                score[r, s] = scores[r] if scores is not None else math.inf
+        if self.placed:
+            self.placed = {}
+        self.last = None
+
     def starts(self):
         """Each row's slot 0 as a flat index [S] (cached while the capacity stays)."""
         if self._starts[0] != self.pos.shape[1]:

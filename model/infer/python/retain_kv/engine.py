@@ -30,6 +30,7 @@ from .policy import as_policy
 from .kvpop_step import KvpopStep
 from .scoring import GateStep, KvpopState, gate_log_beta
 from .select import global_drops, per_head_drops, trim_scores
+from .step_choice import RankHeaps, TrimChoice
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 
@@ -38,6 +39,7 @@ class Retention:
     """A policy, its budget and one sequence's state on one model."""
 
     fast_steps = True  # False: a decoding step runs the general code (per layer, any T; for the tests)
+    fast_choice = True  # False: a decoding step chooses by select.py over the whole table (for the tests)
 
     def __init__(self, policy, budget=None, buffer=1, compression_ratio=None):
         self.policy = as_policy(policy)
@@ -109,6 +111,11 @@ class Retention:
         self.decay_lg = (self.kvpop.log_gamma.reshape(-1, 1).float().cpu().numpy()
                          if self.kvpop is not None and self.policy.decay_every > 1 else None)
         self.kvpop_step = KvpopStep(self.kvpop) if self.kvpop is not None and self.kvpop.host else None
+        # A decoding step's choice from a few candidates carried between steps (step_choice.py); KVPOP's
+        # rank keys must stay put for it (decay_every 1).
+        S = self.L * self.K
+        self.choice = (TrimChoice(S, per_row=self.policy.kind == "trimkv") if self.kvpop is None else
+                       RankHeaps(S) if self.kvpop_step is not None and self.policy.decay_every == 1 else None)
         # Whether this forward is a decoding step scored for all layers at once after the last
         # (GateStep's gate MLP, KvpopStep's mLSTM step on the host); otherwise the general code.
         self.step = False
@@ -211,33 +218,41 @@ class Retention:
     def _end_forward(self, cache, T):
         seen = self.seen + T
         t0 = time.perf_counter()
+        score = left = None  # the gates' logβ [L·K, T] of the new tokens; KVPOP: the token that left the window
         if self.kvpop is None and self.step:
-            t1 = time.perf_counter()
             score = self.gates.run()
-            t0 += time.perf_counter() - t1  # scoring, not eviction
-            self._spent("score", T, time.perf_counter() - t1)
+            t1 = time.perf_counter()
+            self._spent("score", T, t1 - t0)  # scoring, not eviction
+            t0 = t1
         elif self.kvpop is None:
             score = torch.cat(self.pending, 0).numpy(force=True)  # (force: detached, on the host)
-        else:
-            score = None  # protected (+inf) until scored
-        self.books.append(self.seen, score, T)
-        if self.kvpop is not None:
+        elif self.step:  # KVPOP's step of every layer: the new token sits above each row's entries
+            self._step_input(cache, self.books.width[0])
+            left = self.kvpop_step()
             t1 = time.perf_counter()
-            self._book_ranks(cache)
-            t0 += time.perf_counter() - t1  # scoring, not eviction
-            self._spent("score", T, time.perf_counter() - t1)
+            self._spent("score", T, t1 - t0)
+            t0 = t1
+        booking = self._fast_step(cache, seen, score, left) if self.step and self.fast_choice else None
+        if booking is not None:
+            t0 += booking  # booking KVPOP's rank keys: scoring, not eviction
+            self._spent("score", T, booking)
+        else:
+            self.books.append(self.seen, score, T)  # (KVPOP: protected, +inf until scored)
+            if self.kvpop is not None:
+                t1 = time.perf_counter()
+                self._book_ranks(left)
+                t0 += time.perf_counter() - t1  # scoring, not eviction
+                self._spent("score", T, time.perf_counter() - t1)
+            self._evict(cache, seen, score)
         self.pending = [None] * self.L
-        self._evict(cache, seen)
         self._spent("evict", T, time.perf_counter() - t0)
         self.seen = seen
         self.forwards += 1
 
-    def _book_ranks(self, cache):
+    def _book_ranks(self, left):
         """KVPOP: the tokens that left the window in this forward (the same in every layer) get
-        their rank keys in place of +inf."""
+        their rank keys in place of +inf (a decoding step: `left`, KvpopStep's result)."""
         if self.step:
-            self._step_input(cache)
-            left = self.kvpop_step()
             if left is not None:
                 self.books.book_ranks(left[0], left[1][None, :], self.policy.sinks)
             return
@@ -246,13 +261,92 @@ class Retention:
             ranks = torch.cat([keys for _, keys in self.pending], 1).numpy(force=True)  # [U, L·K]
             self.books.book_ranks(u0, ranks, self.policy.sinks)
 
-    def _step_input(self, cache):
+    def _step_input(self, cache, slot):
         """A decoding step's new [k; v] into KvpopStep's input: from RetainCache's store in one read
-        (the token sits in slot width − 1 of every row: kvpop evicts per head, the widths are
-        equal), else already there (the hooks wrote it layer by layer)."""
+        (the token sits in `slot` of every row: kvpop evicts per head, the widths are equal), else
+        already there (the hooks wrote it layer by layer)."""
         store = getattr(cache, "store", None)
         if store is not None and store.np is not None:
-            self.kvpop_step.read(store.np[:, :, self.books.width[0] - 1].view(np.float32))  # [2, L·K, d] as floats
+            self.kvpop_step.read(store.np[:, :, slot].view(np.float32))  # [2, L·K, d] as floats
+
+    def _fast_step(self, cache, seen, score, left):
+        """A decoding step that drops as many entries as it adds (buffer 1, the cache full), chosen by
+        step_choice.py. When every row drops one entry (always for trimkv and kvpop) it is written
+        straight into the table: each row's new token takes the dropped entry's slot (it never
+        enters the top slot of the table), and its key and value move there from the top slot of
+        the store. Returns the seconds spent booking KVPOP's rank keys, or None: this step needs
+        the general code (which redoes anything done here)."""
+        books, choice, S = self.books, self.choice, self.L * self.K
+        if choice is None or self.buffer != 1 or books.fresh:
+            return None
+        t, spent, W = seen - 1, 0.0, max(books.width)
+        pos, table = books.pos[:, :W], books.score[:, :W]
+        if self.policy.kind == "dbtrimkv":
+            if books.total != S * self.budget:
+                return None
+            tops = [w for w in books.width for _ in range(self.K)]  # where each row's new token is
+            lam = score[:, 0].tolist()
+            got = choice.global_step(table, pos, seen + 1, t, lam, tops, S)
+            if got is None:
+                choice.invalidate()
+                return None
+            dr, ds = got
+            if len(set(dr)) < S:  # some row loses two or more: the general layout (books.drop_decoding)
+                books.append(t, score, 1)
+                moves = books.drop_decoding(np.array(dr, np.int64), np.array(ds, np.int64))
+                choice.moved(dr, ds, *moves)
+                self._apply(cache, moves, tight=False)
+                return spent
+            drops = [0] * S
+            for r, s in zip(dr, ds):
+                drops[r] = s
+            choice.moved(dr, ds, None, drops, tops)
+            top = tops
+        else:
+            top = W
+            if top != self.budget or books.width.count(top) != self.L:
+                return None
+            if self.kvpop is None:
+                lam = score[:, 0].tolist()
+                drops = choice.per_row_step(table, pos, seen + 1, t, lam, top)
+            else:
+                t1 = time.perf_counter()
+                booked = self._book_step(left, t, top)
+                spent = time.perf_counter() - t1
+                drops = choice.step(table, pos, booked) if booked is not False else None
+                lam = None  # the new token is protected: +inf
+            if drops is None:
+                choice.invalidate()
+                return None
+            if self.kvpop is not None:
+                choice.where[t] = drops
+        books.fill_step(t, drops, lam, top)
+        tops = top if isinstance(top, int) else np.array(top, np.int64)
+        self._apply(cache, (None if isinstance(top, int) else books.rows, np.array(drops, np.int64), tops),
+                    tight=self.policy.kind != "dbtrimkv")
+        return spent
+
+    def _book_step(self, left, t, top):
+        """KVPOP in _fast_step: books the rank keys of the token u that left the window at its
+        slots (remembered from its own step, else found); returns (u, keys, slots), None when no
+        token is booked, False when the general code must book it."""
+        if left is None:
+            return None
+        u, keys = left
+        slots = self.choice.where.pop(u, None)
+        if u < self.policy.sinks:
+            return None
+        if u >= t:  # (a window of 1: the new token itself)
+            return False
+        pos, score = self.books.pos, self.books.score
+        if slots is None or any(pos[r, s] != u for r, s in enumerate(slots)):
+            slots = (pos[:, :top] == u).argmax(1).tolist()
+            if any(pos[r, s] != u for r, s in enumerate(slots)):
+                return False
+        keys = keys.tolist()
+        for r, (s, k) in enumerate(zip(slots, keys)):
+            score[r, s] = k
+        return u, keys, slots
 
     def _spent(self, what, T, seconds):
         if what == "score":
@@ -263,15 +357,17 @@ class Retention:
             self.decode_evict_s += seconds if T == 1 else 0.0
 
     # ---- eviction ------------------------------------------------------------------------------
-    def _evict(self, cache, seen):
+    def _evict(self, cache, seen, score):
         books, S, B = self.books, self.L * self.K, self.budget
         moves = None
+        if self.choice is not None:
+            self.choice.invalidate()  # (the general code moves entries: _fast_step's choice starts afresh)
         if self.policy.kind == "dbtrimkv":
             if books.total >= S * (B + self.buffer):
                 W = max(books.width)
                 pos = books.pos[:, :W]
-                dr, ds, self.bound = global_drops(self._scores(books.score[:, :W], pos, seen), pos,
-                                                  books.total - S * B, self.bound, exact_only=books.nan)
+                dr, ds, self.bound = global_drops(self._scores(books.score[:, :W], pos, seen), pos, books.total - S * B,
+                                                  self.bound, exact_only=books.nan)
                 if books.fresh == 1 and dr.size == S and len(set(dr.tolist())) == S:  # one per row
                     by_row = np.empty(S, np.int64)
                     by_row[dr] = ds
@@ -289,14 +385,18 @@ class Retention:
                     moves = books.drop_and_fill(ds[:, 0])
                 else:
                     moves = books.compact(np.repeat(np.arange(S), ds.shape[1]), ds.reshape(-1))
+        self._apply(cache, moves, tight=self.T > 1 or moves is not None and self.policy.kind != "dbtrimkv")
+
+    def _apply(self, cache, moves, tight):
+        """The table's moves (or None) on the keys and values, then each layer's view of its width."""
         if moves is not None:
             self.evicted = True
         store = getattr(cache, "store", None)
         if store is not None:  # RetainCache: one tensor for every layer
             if moves is not None:
                 store.move(*moves)
-            store.fit(books.width, self.buffer, self.T > 1 or moves is not None and self.policy.kind != "dbtrimkv")
-            for l, (layer, width) in enumerate(zip(cache.layers, books.width)):
+            store.fit(self.books.width, self.buffer, tight)
+            for l, (layer, width) in enumerate(zip(cache.layers, self.books.width)):
                 layer.keys, layer.values = store.view(l, width)
         elif moves is not None:
             self._move_layers(cache, moves)

@@ -1,0 +1,271 @@
+"""A decoding step's choice made in Python from a few candidates carried from step to step, not by
+numpy passes over the whole eviction table: inside a decoding step each numpy call costs 5–10 µs
+(the model's forward pushed its code and data out of the caches, docs/inference.md), and a step
+that drops one entry per row needs only the handful of entries that can be the lowest in the
+next few steps. The choices are select.py's (lowest score first, ties toward the older entry,
+then across rows toward the later row), the same bits: the tests compare both on every step.
+
+TRIM-KV (`TrimChoice`: trimkv per row, dbtrimkv over all rows). The float32 score
+(q − i)·logβ_i only falls as q grows (logβ ≤ 0; rounding to float32 is monotone). A refresh at q0
+for a window of k steps takes τ, the k-th lowest score at q0 of each row (dbtrimkv: the
+(k·m)-th lowest of all, m entries dropped a step), and keeps as candidates the entries whose score
+at q0 + k − 1 is ≤ τ. While the window lasts (q ≤ q0 + k − 1, and at most k·m drops globally),
+an entry that a step drops, or that ties with one, scores at most τ then (it is among the lowest
+D + m of the refresh's entries, D the drops since, all of which score ≤ their order statistic at
+q0), so it is a candidate or a token that arrived since — which are all candidates. A step then
+scores its candidates as exact doubles: a float32 logβ times an integer distance below 2^24 is
+exact in a double, and rounding that product to float32 is what numpy's float32 product gives;
+the order is the double's, except where two values round to the same float32 — there the
+positions decide, and only the values near the choice are rounded to find out.
+
+KVPOP (`RankHeaps`): a rank key never changes once booked. Per row, a heap of the lowest
+(key, position) pairs below a bound θ (every booked entry not in the heap is ≥ θ); a step
+pushes the token that left the window if it is below θ and pops the lowest. A heap that runs
+empty is refilled from the table (one partition).
+
+Anything the shortcut cannot vouch for — a NaN score, a +inf rank key, a distance past 2^24, a
+table changed by a chunk or a compaction — makes the caller use select.py's choice instead."""
+import heapq
+import math
+import struct
+
+import numpy as np
+
+from .select import EXACT_DIST, score_key, trim_scores
+
+_F32 = struct.Struct("<f")
+_FLT_MAX = 3.4028234663852886e38
+
+
+def f32(x):
+    """The double x rounded to float32 (to nearest, ties to even), as a Python float."""
+    try:
+        return _F32.unpack(_F32.pack(x))[0]
+    except OverflowError:  # (pack refuses a finite x that rounds past the float32 range)
+        return math.copysign(math.inf, x)
+
+
+def _upper(v):
+    """A bound at or above every double that rounds to the float32 v."""
+    if v == -math.inf:
+        return -_FLT_MAX
+    return v + abs(v) * 2.0 ** -23 + 2.0 ** -149  # one ulp of v (at least the smallest subnormal)
+
+
+class TrimChoice:
+    """TRIM-KV's choice for decoding steps: per row (trimkv, one drop per row a step) or over all
+    rows (dbtrimkv, m drops a step). A refresh keeps the candidates of the table (index i: slot
+    cs[i], position cp[i], row cr[i]) and, per step of the window, their order by score at that
+    step (float32 values, as trim_scores computes them); a step takes the first of them not yet
+    dropped and compares the tokens that arrived since (`fresh`), whose scores it computes."""
+
+    WINDOW = 8  # steps per refresh: more candidates to order, fewer refreshes
+
+    def __init__(self, S, per_row):
+        self.S, self.per_row = S, per_row
+        self.order = None
+        self.disabled = False  # a NaN was seen: only select.py's integer keys order it
+
+    def invalidate(self):
+        self.order = None
+
+    def _refresh(self, score, pos, q, m):
+        """Candidates from the table (score = logβ, pos [S, W] views) for score times q … q + k − 1;
+        False when the table is too small for a window, or holds a NaN."""
+        S, W = score.shape
+        k = self.WINDOW
+        low = k if self.per_row else k * m
+        if q + k >= EXACT_DIST or W <= k or low >= S * W:
+            return False
+        s0 = trim_scores(score, pos, q)
+        if np.isnan(s0).any():
+            self.disabled = True
+            return False
+        if self.per_row:
+            tau = np.partition(s0, k - 1, axis=1)[:, k - 1:k]
+        else:
+            tau = np.partition(s0.reshape(-1), low - 1)[low - 1]
+        rows, slots = np.nonzero((trim_scores(score, pos, q + k - 1) <= tau) & (pos >= 0))
+        p = pos[rows, slots]
+        # Their scores at each step of the window [k, C], and per step their order: by score and
+        # position (score_key's integers: −0.0 = +0.0), within each row or, across rows, then the later row.
+        val = score[rows, slots][None, :] * np.subtract((q + np.arange(k))[:, None], p[None, :], dtype=np.float32)
+        key = score_key(val) | p[None, :]
+        order = np.lexsort((key, np.broadcast_to(rows, key.shape))) if self.per_row else \
+            np.lexsort((np.broadcast_to(-rows, key.shape), key))
+        self.order, self.val = order.tolist(), val.tolist()
+        self.cp, self.cs, self.cr = p.tolist(), slots.tolist(), rows.tolist()
+        ends = np.cumsum(np.bincount(rows, minlength=S)).tolist()
+        self.segments = list(zip([0] + ends[:-1], ends))  # per row: its candidates' span of each order
+        self.dropped = set()
+        self.fresh = [[] for _ in range(S)] if self.per_row else []  # [position, logβ, slot(, row)]
+        # dbtrimkv: (row, slot) → a candidate's index or a fresh entry, for the moves
+        self.at = {} if self.per_row else {(r, s): i for i, (r, s) in enumerate(zip(self.cr, self.cs))}
+        self.q0, self.left = q, low
+        return True
+
+    def _ready(self, score, pos, q, m, lam):
+        """0: the window goes on; 1: refreshed; None: the shortcut cannot choose this step."""
+        if self.disabled or any(x != x for x in lam):
+            self.disabled = True
+            return None
+        if self.order is None or q - self.q0 >= self.WINDOW or self.left < m:
+            return 1 if self._refresh(score, pos, q, m) else None
+        return 0
+
+    def per_row_step(self, score, pos, q, t, lam, top):
+        """trimkv: the slot each row drops at score time q, after row r's new token t (logβ lam[r],
+        in slot `top`, not in the table `score`/`pos` [S, top]) joins; None: use select.py.
+        The state then holds the table as it is after the drop with t moved into that slot."""
+        if self._ready(score, pos, q, 1, lam) is None:
+            return None
+        j = q - self.q0
+        order, val, dropped, cp, cs = self.order[j], self.val[j], self.dropped, self.cp, self.cs
+        drops = []
+        for (a, b), fresh, lb in zip(self.segments, self.fresh, lam):
+            for i in order[a:b]:  # the row's lowest candidate not dropped (there are k > j of them)
+                if i not in dropped:
+                    break
+            v, p0, best = val[i], cp[i], None
+            hi = v + abs(v) * 2.0 ** -22 + 2.0 ** -148  # above it a value rounds above v
+            x = (q - t) * lb
+            if x <= hi:
+                fv = f32(x)
+                if (fv, t) < (v, p0):
+                    v, p0, best, hi = fv, t, True, fv + abs(fv) * 2.0 ** -22 + 2.0 ** -148
+            for e in fresh:
+                x = (q - e[0]) * e[1]
+                if x <= hi or hi != hi:
+                    fv = f32(x)
+                    if (fv, e[0]) < (v, p0):
+                        v, p0, best, hi = fv, e[0], e, fv + abs(fv) * 2.0 ** -22 + 2.0 ** -148
+            if best is None:  # a candidate of the table
+                dropped.add(i)
+                s = cs[i]
+            elif best is True:  # the new token itself
+                drops.append(top)
+                continue
+            else:
+                fresh.remove(best)
+                s = best[2]
+            fresh.append([t, lb, s])
+            drops.append(s)
+        self.left -= 1
+        return drops
+
+    def global_step(self, score, pos, q, t, lam, tops, m):
+        """dbtrimkv: (rows, slots) of the m entries dropped at score time q over all rows, after
+        every row's new token t (logβ lam[r], in slot tops[r], not in the table `score`/`pos`);
+        None: use select.py. The caller reports the drops and moves that follow (moved)."""
+        if self._ready(score, pos, q, m, lam) is None:
+            return None
+        for r, (lb, s) in enumerate(zip(lam, tops)):
+            e = [t, lb, s, r]
+            self.fresh.append(e)
+            self.at[r, s] = e
+        j = q - self.q0
+        val, dropped, cp, cr = self.val[j], self.dropped, self.cp, self.cr
+        low = []  # the m lowest candidates not dropped: (score, position, −row, index)
+        for i in self.order[j]:
+            if i not in dropped:
+                low.append((val[i], cp[i], -cr[i], i))
+                if len(low) == m:
+                    break
+        if len(low) < m:
+            return None
+        v = low[-1][0]
+        hi = v + abs(v) * 2.0 ** -22 + 2.0 ** -148
+        more = [(f32(x), e[0], -e[3], e) for e in self.fresh for x in ((q - e[0]) * e[1],) if x <= hi or hi != hi]
+        if more:
+            low = sorted(low + more)[:m]
+        self.left -= m
+        rows, slots = [], []
+        for *_, i in low:
+            if isinstance(i, int):
+                rows.append(cr[i])
+                slots.append(self.cs[i])
+            else:
+                rows.append(i[3])
+                slots.append(i[2])
+        return rows, slots
+
+    def moved(self, dr, ds, rows, dst, src):
+        """dbtrimkv: the table's changes after global_step's drops (dr, ds): the entries dropped,
+        then the moves (row, src slot → dst slot) books.py made; rows None: every row, src one slot."""
+        at = self.at
+        for r, s in zip(dr, ds):
+            e = at.pop((r, s))
+            if isinstance(e, int):
+                self.dropped.add(e)
+            else:
+                self.fresh.remove(e)
+        rows = range(self.S) if rows is None else rows.tolist() if isinstance(rows, np.ndarray) else rows
+        if isinstance(dst, np.ndarray):
+            dst = dst.tolist()
+        src = [src] * len(dst) if isinstance(src, (int, np.integer)) else src.tolist() if isinstance(src, np.ndarray) else src
+        moving = [(r, d, at.pop((r, s))) for r, d, s in zip(rows, dst, src) if (r, s) in at]
+        for r, d, e in moving:
+            at[r, d] = e
+            if isinstance(e, int):
+                self.cs[e] = d
+            else:
+                e[2] = d
+
+
+class RankHeaps:
+    """KVPOP's choice for decoding steps (one drop per row): per row a heap of the lowest booked
+    (rank key, position, slot) below the bound theta[r]. `where` remembers the slots each
+    decoding step's token went to, for booking its key when it leaves the window."""
+
+    SIZE = 32  # entries a refill keeps per row
+
+    def __init__(self, S):
+        self.S = S
+        self.heaps = None
+        self.where = {}
+        self.disabled = False  # a NaN rank key: only select.py's integer keys order it
+
+    def invalidate(self):
+        self.heaps, self.where = None, {}
+
+    def _refill(self, score, pos):
+        """Heaps from the table (score = rank keys, +inf protected; pos [S, W] views)."""
+        S, W = score.shape
+        M = self.SIZE
+        if np.isnan(score).any():
+            self.disabled = True
+            return False
+        key = np.where(pos >= 0, score_key(score) | pos, np.iinfo(np.int64).max)
+        slots = np.argpartition(key, M, axis=1)[:, :M + 1] if W > M + 1 else np.broadcast_to(np.arange(W), (S, W))
+        sc = np.take_along_axis(score, slots, 1).tolist()
+        ps = np.take_along_axis(pos, slots, 1).tolist()
+        self.heaps, self.theta = [], []
+        for srow, prow, slrow in zip(sc, ps, slots.tolist()):
+            e = sorted((s, p, sl) for s, p, sl in zip(srow, prow, slrow) if p >= 0 and s < math.inf)
+            self.heaps.append(e[:M])  # (a sorted list is a heap)
+            self.theta.append(e[M][:2] if len(e) > M else (math.inf, math.inf))
+        return all(self.heaps)
+
+    def step(self, score, pos, booked):
+        """The slot each row drops, after `booked` = (u, keys, slots) — the token u that left the
+        window, booked in the table with its keys at its slots — or None; score/pos [S, W]: the
+        table without this step's (protected) token. None: use select.py."""
+        if self.disabled:
+            return None
+        if booked is not None and any(k != k for k in booked[1]):
+            self.disabled = True
+            return None
+        if self.heaps is None or not all(self.heaps):
+            return list(map(self._pop, self.heaps)) if self._refill(score, pos) else None
+        if booked is None:
+            return list(map(self._pop, self.heaps))
+        u, keys, slots = booked
+        drops = []
+        for h, th, k, s in zip(self.heaps, self.theta, keys, slots):
+            e = (k, u, s)
+            drops.append(heapq.heappushpop(h, e)[2] if k < math.inf and e < th else heapq.heappop(h)[2])
+        return drops
+
+    @staticmethod
+    def _pop(h):
+        return heapq.heappop(h)[2]
