@@ -76,7 +76,7 @@ def check_rows(lb, pos, new_log_betas):
 @pytest.mark.parametrize("seed", range(6))
 def test_trimkv_rows_choose_as_per_head_drops(seed, steady):
     rng = np.random.default_rng(seed)
-    S, B = int(rng.integers(1, 5)), int(rng.integers(9, 40))
+    S, B = int(rng.integers(1, 5)), int(rng.integers(TrimChoice.WINDOW + 1, TrimChoice.WINDOW + 30))
     pos = np.stack([rng.permutation(Q0 - 2)[:B] for _ in range(S)]).astype(np.int64)
     lb = (tie_prone_log_beta(rng, (S, B), pos, Q0) if not steady else
           (-0.1 * (1 + 0.01 * rng.standard_normal((S, B)))).astype(np.float32))
@@ -98,7 +98,7 @@ def meeting(S, B, V=-5000.0, at=5, steps=12):
 
 
 def test_trimkv_new_tokens_that_round_alike_go_oldest_first():
-    lb, pos, new = meeting(3, 12)
+    lb, pos, new = meeting(3, TrimChoice.WINDOW + 4)
     assert len({(5 + 2 - i) * float(n[0]) for i, n in enumerate(new[:6])}) > 1  # different products …
     assert len({f32((5 + 2 - i) * float(n[0])) for i, n in enumerate(new[:6])}) == 1  # … one float32
     check_rows(lb, pos, new)
@@ -137,18 +137,19 @@ def check_global(books, new_log_betas):
         tops = [w for w in books.width for _ in range(K)]
         W = max(books.width)
         got = choice.global_step(books.score[:, :W], books.pos[:, :W], q, t, new[:, 0].tolist(), tops, S)
-        assert sorted(zip(*got)) == sorted(zip(dr.tolist(), ds.tolist())), f"step {step}"
-        if len(set(got[0])) == S:
+        got_r, got_s, one_per_row = got
+        assert sorted(zip(got_r, got_s)) == sorted(zip(dr.tolist(), ds.tolist())), f"step {step}"
+        assert one_per_row == (len(set(got_r)) == S)
+        if one_per_row:
             drops = [0] * S
-            for r, s in zip(*got):
+            for r, s in zip(got_r, got_s):
                 drops[r] = s
-            choice.moved(*got, None, drops, tops)
             books.fill_step(t, drops, new[:, 0].tolist(), tops)
             ref.drop_and_fill(np.array(drops))
         else:
             general += 1
             books.append(t, new, 1)
-            choice.moved(*got, *books.drop_decoding(np.array(got[0]), np.array(got[1])))
+            choice.moved(got_r, got_s, *books.drop_decoding(np.array(got_r), np.array(got_s)))
             ref.drop_decoding(dr, ds)
         n = max(books.width)  # (the capacities may differ: append doubles its arrays when full)
         assert books.width == ref.width and books.count == ref.count and books.total == ref.total
@@ -161,14 +162,14 @@ def check_global(books, new_log_betas):
 @pytest.mark.parametrize("seed", range(6))
 def test_dbtrimkv_chooses_as_global_drops(seed, steady):
     rng = np.random.default_rng(100 + seed)
-    L, K, B = int(rng.integers(1, 4)), int(rng.integers(1, 4)), int(rng.integers(10, 30))
+    L, K, B = int(rng.integers(1, 4)), int(rng.integers(1, 4)), int(rng.integers(TrimChoice.WINDOW + 1, 40))
     books = layout(rng, L, K, B, steady)
     general = check_global(books, [new_log_beta(rng, books.S, Q0 + i - 2, Q0 + i, steady) for i in range(120)])
     assert general > 0 or steady  # some steps dropped two entries of one row
 
 
 def test_dbtrimkv_new_tokens_that_round_alike_go_oldest_then_later_row_first():
-    lb, pos, new = meeting(3, 12)
+    lb, pos, new = meeting(3, TrimChoice.WINDOW + 4)
     books = Books(1, 3)
     books.append(100, lb)
     books.compact(np.zeros(0, np.int64), np.zeros(0, np.int64))  # (the layout after an eviction)

@@ -54,6 +54,7 @@ class _Store:
         self.np = kv.view(bits).numpy().reshape(2, -1, capacity, kv.shape[-1]) if host else None
         self.layers = [(kv[0, l], kv[1, l]) for l in range(self.L)]
         self.views = [{} for _ in range(self.L)]  # per layer: width → (keys, values) views
+        self._slot = (None, None)  # slot_floats' last view
         self.rows = np.arange(self.L * kv.shape[2])
         rows = self.rows * capacity
         self.offsets = np.stack([rows, rows + rows.size * capacity])  # [2, S] flat row of slot 0: keys, values
@@ -73,6 +74,26 @@ class _Store:
         if v is None:
             v = self.views[l][width] = (self.kv[0:1, l, :, :width], self.kv[1:2, l, :, :width])
         return v
+
+    def slot_floats(self, slot):
+        """Every row's key and value in `slot`, as floats [2, L·K, d] (a view; the same object
+        while the capacity stays, as a decoding step reads the same slot each time)."""
+        if self._slot[0] != slot:
+            self._slot = slot, self.np[:, :, slot].view(np.float32)
+        return self._slot[1]
+
+    def fill(self, slots, top):
+        """A decoding step that dropped one entry of every row: row r's new token moves from slot
+        top (or top[r]) to slots[r] (lists; nothing when they are equal). On the CPU a few basic
+        slices, one row at a time: inside a decoding step they cost half of one gather."""
+        if self.np is None or len(slots) > 16:
+            tops = top if isinstance(top, int) else np.array(top, np.int64)
+            return self.move(None if isinstance(top, int) else self.rows, np.array(slots, np.int64), tops)
+        a = self.np
+        tops = [top] * len(slots) if isinstance(top, int) else top
+        for r, (s, t) in enumerate(zip(slots, tops)):
+            if s != t:
+                a[:, r, s] = a[:, r, t]
 
     def move(self, rows, dst, src):
         """Moves entries within their rows (row r: slot src → slot dst), keys and values alike;

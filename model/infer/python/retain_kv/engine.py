@@ -267,7 +267,7 @@ class Retention:
         already there (the hooks wrote it layer by layer)."""
         store = getattr(cache, "store", None)
         if store is not None and store.np is not None:
-            self.kvpop_step.read(store.np[:, :, slot].view(np.float32))  # [2, L·K, d] as floats
+            self.kvpop_step.read(store.slot_floats(slot))
 
     def _fast_step(self, cache, seen, score, left):
         """A decoding step that drops as many entries as it adds (buffer 1, the cache full), chosen by
@@ -285,13 +285,13 @@ class Retention:
             if books.total != S * self.budget:
                 return None
             tops = [w for w in books.width for _ in range(self.K)]  # where each row's new token is
-            lam = score[:, 0].tolist()
+            lam = score.reshape(-1).tolist()
             got = choice.global_step(table, pos, seen + 1, t, lam, tops, S)
             if got is None:
                 choice.invalidate()
                 return None
-            dr, ds = got
-            if len(set(dr)) < S:  # some row loses two or more: the general layout (books.drop_decoding)
+            dr, ds, one_per_row = got
+            if not one_per_row:  # some row loses two or more: the general layout (books.drop_decoding)
                 books.append(t, score, 1)
                 moves = books.drop_decoding(np.array(dr, np.int64), np.array(ds, np.int64))
                 choice.moved(dr, ds, *moves)
@@ -300,14 +300,13 @@ class Retention:
             drops = [0] * S
             for r, s in zip(dr, ds):
                 drops[r] = s
-            choice.moved(dr, ds, None, drops, tops)
             top = tops
         else:
             top = W
             if top != self.budget or books.width.count(top) != self.L:
                 return None
             if self.kvpop is None:
-                lam = score[:, 0].tolist()
+                lam = score.reshape(-1).tolist()
                 drops = choice.per_row_step(table, pos, seen + 1, t, lam, top)
             else:
                 t1 = time.perf_counter()
@@ -321,9 +320,16 @@ class Retention:
             if self.kvpop is not None:
                 choice.where[t] = drops
         books.fill_step(t, drops, lam, top)
-        tops = top if isinstance(top, int) else np.array(top, np.int64)
-        self._apply(cache, (None if isinstance(top, int) else books.rows, np.array(drops, np.int64), tops),
-                    tight=self.policy.kind != "dbtrimkv")
+        self.evicted = True
+        store = getattr(cache, "store", None)
+        if store is not None:  # RetainCache
+            store.fill(drops, top)
+            store.fit(books.width, self.buffer, self.policy.kind != "dbtrimkv")
+            for l, (layer, width) in enumerate(zip(cache.layers, books.width)):
+                layer.keys, layer.values = store.view(l, width)
+        else:
+            tops = top if isinstance(top, int) else np.array(top, np.int64)
+            self._move_layers(cache, (None if isinstance(top, int) else books.rows, np.array(drops, np.int64), tops))
         return spent
 
     def _book_step(self, left, t, top):
@@ -339,7 +345,8 @@ class Retention:
         if u >= t:  # (a window of 1: the new token itself)
             return False
         pos, score = self.books.pos, self.books.score
-        if slots is None or any(pos[r, s] != u for r, s in enumerate(slots)):
+        if slots is None:  # (placed before the choice's last refill: searched; else it is still there,
+            # since only decoding steps that drop other entries ran since, and the window protects u)
             slots = (pos[:, :top] == u).argmax(1).tolist()
             if any(pos[r, s] != u for r, s in enumerate(slots)):
                 return False

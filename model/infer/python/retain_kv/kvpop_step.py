@@ -9,7 +9,7 @@ the model's forward). The chunk closed form that prefill uses costs ~60 torch ca
 So the step is laid out for the fewest calls, each on one dtype (a call that mixes float32 and
 float64 goes through numpy's buffered casting, several times the cost of a plain loop):
 
-- one matmul gives every row's [W_q x; W_k x; W_v x; 1; w_i·x + b_i; w_f·x + b_f; 0] from
+- one matmul gives every row's [W_q x; W_k x; W_v x; 1; w_i·x + b_i; −(w_f·x + b_f); 0] from
   x = [k; v; 1] (float64, as the C++ sums; the biases ride on x's 1), one negation −W_q x, −W_k x
   before them;
 - φ = [softmax(z); softmax(−z)] of q and k in place (5 calls: ufunc reduces, not np.max and
@@ -41,7 +41,7 @@ class KvpopStep:
         rows = lambda t: t.numpy().reshape(S, *t.shape[2:])  # noqa: E731  (views: the state's memory)
         self.Cn, self.m, self.ring = rows(state.Cn), rows(state.m), state.ring.numpy().reshape(w, S, d)
         self.ring2 = self.ring.reshape(w, S, 2, r)
-        # One matmul for every projection, into z[:, 2r:]: rows [W_q; W_k; W_v; (1); [w_i, b_i]; [w_f, b_f];
+        # One matmul for every projection, into z[:, 2r:]: rows [W_q; W_k; W_v; (1); [w_i, b_i]; −[w_f, b_f];
         # (0)] of x = [k; v; 1] (float64: the C++ sums in double; read once a step, cold after the
         # model's forward). (1) gives ṽ's 1 (n's update rides on C's), (0) the 0 of e^{0 − m}.
         # z[:, :2r] takes −W_q x, −W_k x by one negation: φ's groups are then −q, −k, q, k.
@@ -50,11 +50,12 @@ class KvpopStep:
         W[:, :, :3 * r, :x] = torch.cat([state.Wq, state.Wk, state.Wv], 2).cpu()
         W[:, :, 3 * r, x] = 1.0
         W[:, :, 3 * r + 1, :x], W[:, :, 3 * r + 1, x] = state.wi.cpu(), state.bi.cpu()
-        W[:, :, 3 * r + 2, :x], W[:, :, 3 * r + 2, x] = state.wf.cpu(), state.bf.cpu()
+        W[:, :, 3 * r + 2, :x], W[:, :, 3 * r + 2, x] = -state.wf.cpu(), -state.bf.cpu()  # −f̃: negated exactly
         self.W = W.reshape(S, 3 * r + 4, x + 1).numpy()
         self.xa = np.ones((S, x + 1))                  # [k; v; 1] per row
         self.x = self.xa.reshape(L, K, x + 1)          # per layer, for hooks that write it layer by layer
         self.kv = self.xa[:, :x].reshape(S, 2, d)      # k and v, for a read from [2, S, d]
+        self._read = (None, None)
         self.xa3 = self.xa[:, :, None]
         self.z = np.empty((S, 5 * r + 4))
         self.z3, self.z32 = self.z[:, 2 * r:, None], np.empty((S, 5 * r + 4), np.float32)
@@ -63,10 +64,9 @@ class KvpopStep:
         self.top = np.empty((S, 4, 1))                 # their max, then their sum
         # q̃ = [softmax(q); softmax(−q)], k̃ likewise (the C++'s order), as views [S, 2, r]
         self.q, self.k, self.v1 = phi[:, 2::-2], phi[:, 3::-2], self.z[:, 4 * r:5 * r + 1]
-        self.g = self.z[:, 5 * r + 1:]                 # ĩ, f̃, 0 → ĩ, −log f, 0 → ĩ, log f + m₋₁, 0
+        self.g = self.z[:, 5 * r + 1:]                 # ĩ, −f̃, 0 → ĩ, −log f, 0 → ĩ, log f + m₋₁, 0
         self.nlf = self.g[:, 1]
         self.ig = self.g[:, 0]
-        self.gate_scale = np.array([GATE_CAP, -GATE_CAP, 1.0])  # c·tanh(·/c) → ĩ, −f̃, 0
         self.e = np.empty((S, 3))                      # b, a, e^{−m}
         self.b, self.a = self.e[:, 0, None, None], self.e[:, 1, None, None]
         self.m1 = self.m[:, None]
@@ -89,7 +89,9 @@ class KvpopStep:
 
     def read(self, kv):
         """The new token's k, v of every row from kv [2, S, d] (any float dtype, any strides)."""
-        np.copyto(self.kv, kv.transpose(1, 0, 2))
+        if kv is not self._read[0]:  # (the transposed view, made once for the same source)
+            self._read = kv, kv.transpose(1, 0, 2)
+        np.copyto(self.kv, self._read[1])
 
     def __call__(self, x=None):
         """x F32 [S, 2d]: the new token's [k; v] per row (None: already in place, by read() or
@@ -109,7 +111,7 @@ class KvpopStep:
         np.divide(phi, top, out=phi)                             # φ(z) = [softmax(z); softmax(−z)]
         g /= GATE_CAP
         np.tanh(g, out=g)
-        g *= self.gate_scale                                     # ĩ = c·tanh(·/c), −f̃ (and 0)
+        g *= GATE_CAP                                            # ĩ = c·tanh(·/c), −f̃ (tanh is odd), 0
         np.logaddexp(0.0, self.nlf, out=self.nlf)                # −log f = −logsigmoid(f̃) = log(1 + e^{−f̃})
         np.copyto(self.z32, z)                                   # q̃, k̃, ṽ, ĩ, log f as the C++ stores them
         np.copyto(z, self.z32)

@@ -34,6 +34,7 @@ import numpy as np
 from .select import EXACT_DIST, score_key, trim_scores
 
 _F32 = struct.Struct("<f")
+POS_BITS, ROW_BITS = 26, 6  # a refresh's sort keys: 32 bits of score, the position, the row (at most 64 rows)
 _FLT_MAX = 3.4028234663852886e38
 
 
@@ -59,7 +60,7 @@ class TrimChoice:
     step (float32 values, as trim_scores computes them); a step takes the first of them not yet
     dropped and compares the tokens that arrived since (`fresh`), whose scores it computes."""
 
-    WINDOW = 8  # steps per refresh: more candidates to order, fewer refreshes
+    WINDOW = 16  # steps per refresh: more candidates to order, fewer refreshes
 
     def __init__(self, S, per_row):
         self.S, self.per_row = S, per_row
@@ -75,28 +76,34 @@ class TrimChoice:
         S, W = score.shape
         k = self.WINDOW
         low = k if self.per_row else k * m
-        if q + k >= EXACT_DIST or W <= k or low >= S * W:
+        if q + k >= EXACT_DIST or W <= k or low >= S * W or S > 1 << ROW_BITS or q >= 1 << POS_BITS:
             return False
         s0 = trim_scores(score, pos, q)
-        if np.isnan(s0).any():
-            self.disabled = True
+        if math.isnan(np.minimum.reduce(s0, None)):
+            self.disabled = True  # (the minimum is NaN when any score is)
             return False
         if self.per_row:
             tau = np.partition(s0, k - 1, axis=1)[:, k - 1:k]
         else:
             tau = np.partition(s0.reshape(-1), low - 1)[low - 1]
         rows, slots = np.nonzero((trim_scores(score, pos, q + k - 1) <= tau) & (pos >= 0))
-        p = pos[rows, slots]
-        # Their scores at each step of the window [k, C], and per step their order: by score and
-        # position (score_key's integers: −0.0 = +0.0), within each row or, across rows, then the later row.
-        val = score[rows, slots][None, :] * np.subtract((q + np.arange(k))[:, None], p[None, :], dtype=np.float32)
-        key = score_key(val) | p[None, :]
-        order = np.lexsort((key, np.broadcast_to(rows, key.shape))) if self.per_row else \
-            np.lexsort((np.broadcast_to(-rows, key.shape), key))
-        self.order, self.val = order.tolist(), val.tolist()
-        self.cp, self.cs, self.cr = p.tolist(), slots.tolist(), rows.tolist()
-        ends = np.cumsum(np.bincount(rows, minlength=S)).tolist()
-        self.segments = list(zip([0] + ends[:-1], ends))  # per row: its candidates' span of each order
+        p, lb = pos[rows, slots], score[rows, slots]
+        # Their order at each step of the window [k, C]: by score (float32 as trim_scores computes it,
+        # −0.0 = +0.0) and position, within each row (per_row) or, across rows, then the later row:
+        # one sort of integer keys (the row, the score's order-preserving bits, the position).
+        bits = (lb * np.subtract((q + np.arange(k))[:, None], p, dtype=np.float32) + np.float32(0.0)).view(np.int32)
+        key = ((bits ^ ((bits >> 31) & 0x7FFFFFFF)).astype(np.int64) + (1 << 31)).view(np.uint64)  # 32 bits
+        u = np.uint64
+        if self.per_row:  # row | score | position
+            key = (rows.astype(u) << u(32 + POS_BITS)) | (key << u(POS_BITS)) | p.astype(u)
+        else:  # score | position | later row first
+            key = (key << u(POS_BITS + ROW_BITS)) | (p.astype(u) << u(ROW_BITS)) | (S - 1 - rows).astype(u)
+        self.order = key.argsort(1).tolist()
+        self.cp, self.cs, self.cr, self.cl = p.tolist(), slots.tolist(), rows.tolist(), lb.tolist()
+        self.segments, a = [], 0  # per row: its candidates' span of each order
+        for n in np.bincount(rows, minlength=S).tolist():
+            self.segments.append((a, a + n))
+            a += n
         self.dropped = set()
         self.fresh = [[] for _ in range(S)] if self.per_row else []  # [position, logβ, slot(, row)]
         # dbtrimkv: (row, slot) → a candidate's index or a fresh entry, for the moves
@@ -120,13 +127,14 @@ class TrimChoice:
         if self._ready(score, pos, q, 1, lam) is None:
             return None
         j = q - self.q0
-        order, val, dropped, cp, cs = self.order[j], self.val[j], self.dropped, self.cp, self.cs
+        order, dropped, cp, cs, cl = self.order[j], self.dropped, self.cp, self.cs, self.cl
         drops = []
         for (a, b), fresh, lb in zip(self.segments, self.fresh, lam):
             for i in order[a:b]:  # the row's lowest candidate not dropped (there are k > j of them)
                 if i not in dropped:
                     break
-            v, p0, best = val[i], cp[i], None
+            p0, best = cp[i], None
+            v = f32((q - p0) * cl[i])
             hi = v + abs(v) * 2.0 ** -22 + 2.0 ** -148  # above it a value rounds above v
             x = (q - t) * lb
             if x <= hi:
@@ -155,8 +163,10 @@ class TrimChoice:
 
     def global_step(self, score, pos, q, t, lam, tops, m):
         """dbtrimkv: (rows, slots) of the m entries dropped at score time q over all rows, after
-        every row's new token t (logβ lam[r], in slot tops[r], not in the table `score`/`pos`);
-        None: use select.py. The caller reports the drops and moves that follow (moved)."""
+        every row's new token t (logβ lam[r], in slot tops[r], not in the table `score`/`pos`), and
+        whether each row drops one (then the state already holds each new token in its row's dropped
+        slot, as fill_step puts it); None: use select.py. Otherwise the caller reports the drops and
+        the moves that follow (moved)."""
         if self._ready(score, pos, q, m, lam) is None:
             return None
         for r, (lb, s) in enumerate(zip(lam, tops)):
@@ -164,11 +174,11 @@ class TrimChoice:
             self.fresh.append(e)
             self.at[r, s] = e
         j = q - self.q0
-        val, dropped, cp, cr = self.val[j], self.dropped, self.cp, self.cr
+        dropped, cp, cr, cl = self.dropped, self.cp, self.cr, self.cl
         low = []  # the m lowest candidates not dropped: (score, position, −row, index)
         for i in self.order[j]:
             if i not in dropped:
-                low.append((val[i], cp[i], -cr[i], i))
+                low.append((f32((q - cp[i]) * cl[i]), cp[i], -cr[i], i))
                 if len(low) == m:
                     break
         if len(low) < m:
@@ -187,7 +197,22 @@ class TrimChoice:
             else:
                 rows.append(i[3])
                 slots.append(i[2])
-        return rows, slots
+        if m != self.S or len(set(rows)) < m:
+            return rows, slots, False
+        # One drop per row: the caller fills each dropped slot with its row's new token (fill_step);
+        # the state follows here, not through moved().
+        at, fresh = self.at, self.fresh
+        for r, s in zip(rows, slots):
+            e = at.pop((r, s))
+            if isinstance(e, int):
+                dropped.add(e)
+            else:
+                fresh.remove(e)
+            if s != tops[r]:  # the new token into the dropped slot
+                e = at.pop((r, tops[r]))
+                e[2] = s
+                at[r, s] = e
+        return rows, slots, True
 
     def moved(self, dr, ds, rows, dst, src):
         """dbtrimkv: the table's changes after global_step's drops (dr, ds): the entries dropped,
