@@ -229,3 +229,14 @@ def test_decoding_keeps_the_tables_of_the_general_choice(recall_model, monkeypat
     assert fast_kept == slow_kept and torch.equal(fast_logits, slow_logits)
     for (pf, sf), (ps, ss) in zip(fast, slow):
         assert np.array_equal(pf, ps) and np.array_equal(sf.view(np.int32), ss.view(np.int32))
+
+
+def test_many_rows():
+    """A model's worth of rows (the sort keys then give the row more bits, the position fewer)."""
+    rng = np.random.default_rng(9)
+    S, B = 300, TrimChoice.WINDOW + 5
+    pos = np.stack([rng.permutation(Q0 - 2)[:B] for _ in range(S)]).astype(np.int64)
+    check_rows(tie_prone_log_beta(rng, (S, B), pos, Q0), pos, [new_log_beta(rng, S, Q0 + i - 2, Q0 + i, False)
+                                                              for i in range(25)])
+    books = layout(rng, 10, 10, TrimChoice.WINDOW + 5, False)
+    check_global(books, [new_log_beta(rng, books.S, Q0 + i - 2, Q0 + i, False) for i in range(25)])

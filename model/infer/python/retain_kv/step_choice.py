@@ -34,7 +34,6 @@ import numpy as np
 from .select import EXACT_DIST, score_key, trim_scores
 
 _F32 = struct.Struct("<f")
-POS_BITS, ROW_BITS = 26, 6  # a refresh's sort keys: 32 bits of score, the position, the row (at most 64 rows)
 _FLT_MAX = 3.4028234663852886e38
 
 
@@ -76,7 +75,9 @@ class TrimChoice:
         S, W = score.shape
         k = self.WINDOW
         low = k if self.per_row else k * m
-        if q + k >= EXACT_DIST or W <= k or low >= S * W or S > 1 << ROW_BITS or q >= 1 << POS_BITS:
+        row_bits = max(1, (S - 1).bit_length())  # a refresh's sort keys: 32 bits of score, the position, the row
+        pos_bits = 32 - row_bits
+        if q + k >= min(EXACT_DIST, 1 << pos_bits) or W <= k or low >= S * W:
             return False
         s0 = trim_scores(score, pos, q)
         if math.isnan(np.minimum.reduce(s0, None)):
@@ -95,9 +96,9 @@ class TrimChoice:
         key = ((bits ^ ((bits >> 31) & 0x7FFFFFFF)).astype(np.int64) + (1 << 31)).view(np.uint64)  # 32 bits
         u = np.uint64
         if self.per_row:  # row | score | position
-            key = (rows.astype(u) << u(32 + POS_BITS)) | (key << u(POS_BITS)) | p.astype(u)
+            key = (rows.astype(u) << u(32 + pos_bits)) | (key << u(pos_bits)) | p.astype(u)
         else:  # score | position | later row first
-            key = (key << u(POS_BITS + ROW_BITS)) | (p.astype(u) << u(ROW_BITS)) | (S - 1 - rows).astype(u)
+            key = (key << u(32)) | (p.astype(u) << u(row_bits)) | (S - 1 - rows).astype(u)
         self.order = key.argsort(1).tolist()
         self.cp, self.cs, self.cr, self.cl = p.tolist(), slots.tolist(), rows.tolist(), lb.tolist()
         self.segments, a = [], 0  # per row: its candidates' span of each order
