@@ -65,7 +65,7 @@ def check_rows(lb, pos, new_log_betas):
         q, t = Q0 + step, Q0 + step - 2  # (a decoding step: q = seen + 1, the new token at seen − 1)
         full_lb, full_pos = np.concatenate([lb, new[:, None]], 1), np.concatenate([pos, np.full((S, 1), t)], 1)
         want = per_head_drops(trim_scores(full_lb, full_pos, q), full_pos, 1)[:, 0].tolist()
-        got = choice.per_row_step(lb, pos, q, t, new.tolist(), B)
+        got = choice.per_row_step(lambda: (lb, pos), q, t, new.tolist(), B)
         assert got == want, f"step {step}"
         for r, s in enumerate(got):
             if s != B:
@@ -136,7 +136,7 @@ def check_global(books, new_log_betas):
         dr, ds, _ = global_drops(trim_scores(ref.score[:, :W], ref.pos[:, :W], q), ref.pos[:, :W], S)
         tops = [w for w in books.width for _ in range(K)]
         W = max(books.width)
-        got = choice.global_step(books.score[:, :W], books.pos[:, :W], q, t, new[:, 0].tolist(), tops, S)
+        got = choice.global_step(lambda: (books.score[:, :W], books.pos[:, :W]), q, t, new[:, 0].tolist(), tops, S)
         got_r, got_s, one_per_row = got
         assert sorted(zip(got_r, got_s)) == sorted(zip(dr.tolist(), ds.tolist())), f"step {step}"
         assert one_per_row == (len(set(got_r)) == S)
@@ -196,7 +196,7 @@ def test_kvpop_heaps_choose_as_per_head_drops(seed):
         for r, s in enumerate(slots):
             score[r, s] = k[r]
         want = per_head_drops(score, pos, 1)[:, 0].tolist()
-        assert heaps.step(score, pos, (u, k.tolist(), slots)) == want, f"step {step}"
+        assert heaps.step(lambda: (score, pos), (u, k.tolist(), slots)) == want, f"step {step}"
         for r, s in enumerate(want):  # the new token (protected) into the dropped slot
             pos[r, s], score[r, s] = t, np.inf
         t += 1

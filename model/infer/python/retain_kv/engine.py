@@ -280,13 +280,13 @@ class Retention:
         if choice is None or self.buffer != 1 or books.fresh:
             return None
         t, spent, W = seen - 1, 0.0, max(books.width)
-        pos, table = books.pos[:, :W], books.score[:, :W]
+        table = lambda: (books.score[:, :W], books.pos[:, :W])  # noqa: E731  (views made only to refresh)
         if self.policy.kind == "dbtrimkv":
             if books.total != S * self.budget:
                 return None
             tops = [w for w in books.width for _ in range(self.K)]  # where each row's new token is
             lam = score.reshape(-1).tolist()
-            got = choice.global_step(table, pos, seen + 1, t, lam, tops, S)
+            got = choice.global_step(table, seen + 1, t, lam, tops, S)
             if got is None:
                 choice.invalidate()
                 return None
@@ -307,12 +307,12 @@ class Retention:
                 return None
             if self.kvpop is None:
                 lam = score.reshape(-1).tolist()
-                drops = choice.per_row_step(table, pos, seen + 1, t, lam, top)
+                drops = choice.per_row_step(table, seen + 1, t, lam, top)
             else:
                 t1 = time.perf_counter()
                 booked = self._book_step(left, t, top)
                 spent = time.perf_counter() - t1
-                drops = choice.step(table, pos, booked) if booked is not False else None
+                drops = choice.step(table, booked) if booked is not False else None
                 lam = None  # the new token is protected: +inf
             if drops is None:
                 choice.invalidate()

@@ -69,9 +69,10 @@ class TrimChoice:
     def invalidate(self):
         self.order = None
 
-    def _refresh(self, score, pos, q, m):
-        """Candidates from the table (score = logβ, pos [S, W] views) for score times q … q + k − 1;
-        False when the table is too small for a window, or holds a NaN."""
+    def _refresh(self, table, q, m):
+        """Candidates from the table (table() → score = logβ, pos [S, W] views) for score times
+        q … q + k − 1; False when the table is too small for a window, or holds a NaN."""
+        score, pos = table()
         S, W = score.shape
         k = self.WINDOW
         low = k if self.per_row else k * m
@@ -112,20 +113,21 @@ class TrimChoice:
         self.q0, self.left = q, low
         return True
 
-    def _ready(self, score, pos, q, m, lam):
+    def _ready(self, table, q, m, lam):
         """0: the window goes on; 1: refreshed; None: the shortcut cannot choose this step."""
         if self.disabled or any(x != x for x in lam):
             self.disabled = True
             return None
         if self.order is None or q - self.q0 >= self.WINDOW or self.left < m:
-            return 1 if self._refresh(score, pos, q, m) else None
+            return 1 if self._refresh(table, q, m) else None
         return 0
 
-    def per_row_step(self, score, pos, q, t, lam, top):
+    def per_row_step(self, table, q, t, lam, top):
         """trimkv: the slot each row drops at score time q, after row r's new token t (logβ lam[r],
-        in slot `top`, not in the table `score`/`pos` [S, top]) joins; None: use select.py.
+        in slot `top`, not in the table: table() → its logβ, positions [S, top]) joins; None: use
+        select.py.
         The state then holds the table as it is after the drop with t moved into that slot."""
-        if self._ready(score, pos, q, 1, lam) is None:
+        if self._ready(table, q, 1, lam) is None:
             return None
         j = q - self.q0
         order, dropped, cp, cs, cl = self.order[j], self.dropped, self.cp, self.cs, self.cl
@@ -162,13 +164,14 @@ class TrimChoice:
         self.left -= 1
         return drops
 
-    def global_step(self, score, pos, q, t, lam, tops, m):
+    def global_step(self, table, q, t, lam, tops, m):
         """dbtrimkv: (rows, slots) of the m entries dropped at score time q over all rows, after
-        every row's new token t (logβ lam[r], in slot tops[r], not in the table `score`/`pos`), and
+        every row's new token t (logβ lam[r], in slot tops[r], not in the table: table() → its logβ and
+        positions), and
         whether each row drops one (then the state already holds each new token in its row's dropped
         slot, as fill_step puts it); None: use select.py. Otherwise the caller reports the drops and
         the moves that follow (moved)."""
-        if self._ready(score, pos, q, m, lam) is None:
+        if self._ready(table, q, m, lam) is None:
             return None
         for r, (lb, s) in enumerate(zip(lam, tops)):
             e = [t, lb, s, r]
@@ -254,8 +257,9 @@ class RankHeaps:
     def invalidate(self):
         self.heaps, self.where = None, {}
 
-    def _refill(self, score, pos):
-        """Heaps from the table (score = rank keys, +inf protected; pos [S, W] views)."""
+    def _refill(self, table):
+        """Heaps from the table (table() → score = rank keys, +inf protected; pos [S, W] views)."""
+        score, pos = table()
         S, W = score.shape
         M = self.SIZE
         if np.isnan(score).any():
@@ -272,17 +276,18 @@ class RankHeaps:
             self.theta.append(e[M][:2] if len(e) > M else (math.inf, math.inf))
         return all(self.heaps)
 
-    def step(self, score, pos, booked):
+    def step(self, table, booked):
         """The slot each row drops, after `booked` = (u, keys, slots) — the token u that left the
-        window, booked in the table with its keys at its slots — or None; score/pos [S, W]: the
-        table without this step's (protected) token. None: use select.py."""
+        window, booked in the table with its keys at its slots — or None; table() → the rank keys
+        and positions [S, W] without this step's (protected) token, read only to refill. None: use
+        select.py."""
         if self.disabled:
             return None
         if booked is not None and any(k != k for k in booked[1]):
             self.disabled = True
             return None
         if self.heaps is None or not all(self.heaps):
-            return list(map(self._pop, self.heaps)) if self._refill(score, pos) else None
+            return list(map(self._pop, self.heaps)) if self._refill(table) else None
         if booked is None:
             return list(map(self._pop, self.heaps))
         u, keys, slots = booked
