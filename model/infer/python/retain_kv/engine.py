@@ -13,7 +13,10 @@ are booked with their positions and scores and the policy evicts — per (layer,
 trimkv and kvpop, over all layers and heads for dbtrimkv — for all layers at once (a layer's
 cache is not read again in the forward):
 the bookkeeping is one host-side table (books.py), and the key/value tensors get only the moves
-that close their holes (O(evicted·d)) and a trim to the layer's largest head. K/V memory stays
+that close their holes (O(evicted·d)) and a trim to the layer's largest head. A decoding step that
+drops as many entries as it adds (buffer 1) chooses from a few candidates carried between steps
+(step_choice.py) instead of passes over the whole table, and when every row drops one, writes
+each row's new token straight into the dropped slot (_fast_step). K/V memory stays
 bounded: B + buffer slots per head under per-head policies; under dbtrimkv every layer has the
 widest layer's slots + buffer (cache.py: _Store).
 
