@@ -122,8 +122,9 @@ def layout(rng, L, K, B, steady):
 
 def check_global(books, new_log_betas):
     """Every step: the same (row, slot) pairs as global_drops over the table with the new tokens,
-    then the table changed as the engine changes it (one per row: fill_step; else append +
-    drop_decoding), the choice told of the moves. Returns the steps that took drop_decoding."""
+    then the table changed as the engine changes it (one per row: fill_step; else drop_step, the
+    choice told of the moves), as the general code changes it (append, then drop_and_fill or
+    drop_decoding: the same table and moves). Returns the steps that took drop_step."""
     S, K = books.S, books.K
     choice, general = TrimChoice(S, per_row=False), 0
     assert books.total == S * (books.total // S)
@@ -148,9 +149,10 @@ def check_global(books, new_log_betas):
             ref.drop_and_fill(np.array(drops))
         else:
             general += 1
-            books.append(t, new, 1)
-            choice.moved(got_r, got_s, *books.drop_decoding(np.array(got_r), np.array(got_s)))
-            ref.drop_decoding(dr, ds)
+            rows, dst, src = books.drop_step(t, new[:, 0].tolist(), got_r, got_s, tops)
+            choice.moved(got_r, got_s, rows, dst, src)
+            moves = ref.drop_decoding(dr, ds)
+            assert sorted(zip(rows, dst, src)) == sorted(zip(*(m.tolist() for m in moves)))
         n = max(books.width)  # (the capacities may differ: append doubles its arrays when full)
         assert books.width == ref.width and books.count == ref.count and books.total == ref.total
         assert np.array_equal(books.pos[:, :n], ref.pos[:, :n])

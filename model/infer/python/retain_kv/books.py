@@ -188,15 +188,16 @@ class Books:
         self.width, self.count = list(self.base), new.tolist()
         return hr, hs, ms
 
-    def drop_decoding(self, dr, ds):
-        """compact() for a decoding step (one fresh token per row, in its layer's top slot), in
-        Python over the rows that lost an entry or have an empty slot below the top: the same
-        moves and layout without compact()'s passes over the whole table. Returns the moves."""
+    def _plan_decoding(self, dr, ds):
+        """drop_decoding's layout, in Python over the rows that lost an entry or have an empty slot
+        below the top (each row's fresh token counts as its slot count[r], wherever it sits):
+        updates the counts, widths and layers' gaps, and returns the moves (rows, dst, src) and the
+        slots emptied (clear_r, clear_s) as lists."""
         self.placed = {}
         K = self.K
         count = self.count = [c + 1 for c in self.count]  # a row that loses nothing keeps its fresh token
         lost = {}
-        for r, s in zip(dr.tolist(), ds.tolist()):
+        for r, s in zip(dr, ds):
             lost.setdefault(r, []).append(s)
         rows, dst, src, clear_r, clear_s = [], [], [], [], []
         for r in sorted(set(lost).union(*(range(l * K, (l + 1) * K) for l in range(self.L) if not self.gapless[l]))):
@@ -213,14 +214,48 @@ class Books:
                 vacated = [top if s == c else s for s in range(new, c + 1)]
                 clear_r.extend([r] * len(vacated)), clear_s.extend(vacated)
             count[r] = new
+        self.base = [max(count[l * K:(l + 1) * K]) for l in range(self.L)]
+        self.gapless = [min(count[l * K:(l + 1) * K]) == self.base[l] for l in range(self.L)]
+        self.fresh, self.width, self.total = 0, list(self.base), self.total - len(dr)
+        return rows, dst, src, clear_r, clear_s
+
+    def drop_decoding(self, dr, ds):
+        """compact() for a decoding step (one fresh token per row, in its layer's top slot), in
+        Python over the rows that lost an entry or have an empty slot below the top: the same
+        moves and layout without compact()'s passes over the whole table. Returns the moves."""
+        rows, dst, src, clear_r, clear_s = self._plan_decoding(dr.tolist(), ds.tolist())
         cap = self.pos.shape[1]  # flat indices in Python: a handful, where each numpy call costs µs
         self._move(np.array([r * cap + s for r, s in zip(rows, dst)], np.int64),
                    np.array([r * cap + s for r, s in zip(rows, src)], np.int64),
                    np.array([r * cap + s for r, s in zip(clear_r, clear_s)], np.int64))
-        rows, dst, src = np.array(rows, np.int64), np.array(dst, np.int64), np.array(src, np.int64)
-        self.base = [max(count[l * K:(l + 1) * K]) for l in range(self.L)]
-        self.gapless = [min(count[l * K:(l + 1) * K]) == self.base[l] for l in range(self.L)]
-        self.fresh, self.width, self.total = 0, list(self.base), self.total - len(dr)
+        return np.array(rows, np.int64), np.array(dst, np.int64), np.array(src, np.int64)
+
+    def drop_step(self, t, scores, dr, ds, tops):
+        """drop_decoding for a decoding step whose new tokens were never appended: row r's token t
+        (score scores[r]) counts as sitting in slot tops[r] (its layer's width), and goes where
+        drop_decoding would move it, in a few scalar writes (lists in, lists out; a handful of rows).
+        Returns the moves (rows, dst, src) for the keys and values, whose new tokens are in tops."""
+        need = max(tops) + 1
+        if need > self.pos.shape[1]:  # room for the top slots (written below when a token stays there)
+            pad = max(need, 2 * self.pos.shape[1]) - self.pos.shape[1]
+            self.pos = np.concatenate([self.pos, np.full((self.S, pad), -1, np.int64)], 1)
+            self.score = np.concatenate([self.score, np.full((self.S, pad), np.inf, np.float32)], 1)
+        before, lost = self.count, set(dr)
+        self.total += self.S  # (what append counts)
+        rows, dst, src, clear_r, clear_s = self._plan_decoding(dr, ds)
+        pos, score = self.pos, self.score
+        for r, d, s in zip(rows, dst, src):
+            if s == tops[r]:
+                pos[r, d], score[r, d] = t, scores[r]
+            else:
+                pos[r, d], score[r, d] = pos[r, s], score[r, s]
+        for r, s in zip(clear_r, clear_s):
+            if s != tops[r]:  # (a top slot was never written)
+                pos[r, s], score[r, s] = -1, math.inf
+        for r, (c, top) in enumerate(zip(before, tops)):
+            if c == top and r not in lost:  # the token stays in the top slot
+                pos[r, top], score[r, top] = t, scores[r]
+        self.last = None
         return rows, dst, src
 
     def kept_positions(self):

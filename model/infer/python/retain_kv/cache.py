@@ -82,18 +82,16 @@ class _Store:
             self._slot = slot, self.np[:, :, slot].view(np.float32)
         return self._slot[1]
 
-    def fill(self, slots, top):
-        """A decoding step that dropped one entry of every row: row r's new token moves from slot
-        top (or top[r]) to slots[r] (lists; nothing when they are equal). On the CPU a few basic
-        slices, one row at a time: inside a decoding step they cost half of one gather."""
-        if self.np is None or len(slots) > 16:
-            tops = top if isinstance(top, int) else np.array(top, np.int64)
-            return self.move(None if isinstance(top, int) else self.rows, np.array(slots, np.int64), tops)
+    def moves(self, rows, dst, src):
+        """move() for a decoding step's few moves (lists: row r, slot src → slot dst, none of them
+        a source of another; nothing where they are equal). On the CPU basic slices, one move at a
+        time: inside a decoding step a handful of them cost half of one gather."""
+        if self.np is None or len(rows) > 16:
+            return self.move(np.array(rows, np.int64), np.array(dst, np.int64), np.array(src, np.int64))
         a = self.np
-        tops = [top] * len(slots) if isinstance(top, int) else top
-        for r, (s, t) in enumerate(zip(slots, tops)):
-            if s != t:
-                a[:, r, s] = a[:, r, t]
+        for r, d, s in zip(rows, dst, src):
+            if d != s:
+                a[:, r, d] = a[:, r, s]
 
     def move(self, rows, dst, src):
         """Moves entries within their rows (row r: slot src → slot dst), keys and values alike;

@@ -274,10 +274,10 @@ class Retention:
 
     def _fast_step(self, cache, seen, score, left):
         """A decoding step that drops as many entries as it adds (buffer 1, the cache full), chosen by
-        step_choice.py. When every row drops one entry (always for trimkv and kvpop) it is written
-        straight into the table: each row's new token takes the dropped entry's slot (it never
-        enters the top slot of the table), and its key and value move there from the top slot of
-        the store. Returns the seconds spent booking KVPOP's rank keys, or None: this step needs
+        step_choice.py, and written straight into the table without appending the new tokens: when
+        every row drops one entry (always for trimkv and kvpop) each row's new token takes the
+        dropped entry's slot, else they go where drop_decoding's layout puts them; their keys and
+        values move there from the store's top slots. Returns the seconds spent booking KVPOP's rank keys, or None: this step needs
         the general code (which redoes anything done here)."""
         books, choice, S = self.books, self.choice, self.L * self.K
         if choice is None or self.buffer != 1 or books.fresh:
@@ -294,45 +294,45 @@ class Retention:
                 choice.invalidate()
                 return None
             dr, ds, one_per_row = got
-            if not one_per_row:  # some row loses two or more: the general layout (books.drop_decoding)
-                books.append(t, score, 1)
-                moves = books.drop_decoding(np.array(dr, np.int64), np.array(ds, np.int64))
-                choice.moved(dr, ds, *moves)
-                self._apply(cache, moves, tight=False)
-                return spent
-            drops = [0] * S
-            for r, s in zip(dr, ds):
-                drops[r] = s
-            top = tops
+            if one_per_row:  # each row's new token into its row's dropped slot
+                rows = range(S)
+                dst = [0] * S
+                for r, s in zip(dr, ds):
+                    dst[r] = s
+                books.fill_step(t, dst, lam, tops)
+                src = tops
+            else:  # some row loses two or more: drop_decoding's layout, the new tokens never appended
+                rows, dst, src = books.drop_step(t, lam, dr, ds, tops)
+                choice.moved(dr, ds, rows, dst, src)
         else:
             top = W
             if top != self.budget or books.width.count(top) != self.L:
                 return None
             if self.kvpop is None:
                 lam = score.reshape(-1).tolist()
-                drops = choice.per_row_step(table, seen + 1, t, lam, top)
+                dst = choice.per_row_step(table, seen + 1, t, lam, top)
             else:
                 t1 = time.perf_counter()
                 booked = self._book_step(left, t, top)
                 spent = time.perf_counter() - t1
-                drops = choice.step(table, booked) if booked is not False else None
+                dst = choice.step(table, booked) if booked is not False else None
                 lam = None  # the new token is protected: +inf
-            if drops is None:
+            if dst is None:
                 choice.invalidate()
                 return None
             if self.kvpop is not None:
-                choice.where[t] = drops
-        books.fill_step(t, drops, lam, top)
-        self.evicted = True
+                choice.where[t] = dst
+            books.fill_step(t, dst, lam, top)
+            rows, src = range(S), [top] * S
+        self.evicted = True  # the keys and values: row rows[i]'s entry from slot src[i] to dst[i]
         store = getattr(cache, "store", None)
         if store is not None:  # RetainCache
-            store.fill(drops, top)
+            store.moves(rows, dst, src)
             store.fit(books.width, self.buffer, self.policy.kind != "dbtrimkv")
             for l, (layer, width) in enumerate(zip(cache.layers, books.width)):
                 layer.keys, layer.values = store.view(l, width)
         else:
-            tops = top if isinstance(top, int) else np.array(top, np.int64)
-            self._move_layers(cache, (None if isinstance(top, int) else books.rows, np.array(drops, np.int64), tops))
+            self._move_layers(cache, (np.array(list(rows), np.int64), np.array(dst, np.int64), np.array(src, np.int64)))
         return spent
 
     def _book_step(self, left, t, top):
