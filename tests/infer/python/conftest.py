@@ -98,3 +98,27 @@ def hf_generate(model, cache, prompt, new, **kw):
         out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, do_sample=False,
                              max_new_tokens=new, min_new_tokens=new, pad_token_id=0, eos_token_id=None, **kw)
     return out[0, len(prompt):].tolist()
+
+
+def decoded_tables(model, policy_path, budget, press, decode):
+    """Prefill 90 tokens in chunks of 37, then `decode` one-token forwards, under RetainCache or
+    (press) RetainPress on kvpress's DynamicCache; returns the table (positions, scores) after each
+    forward, each forward's last logits, the kept positions and the Retention."""
+    from transformers import DynamicCache
+
+    from retain_kv import RetainCache, RetainPress
+
+    ids = torch.tensor([[16 + (7 * i) % 200 for i in range(90 + decode)]])
+    if press:
+        p = RetainPress(policy_path, budget)
+        ctx, cache, retention = p(model), DynamicCache(), p._retention
+    else:
+        cache = RetainCache(model, policy_path, budget)
+        ctx, retention = torch.no_grad(), cache.retention
+    tables, logits = [], []
+    with ctx, torch.no_grad():
+        for a, b in ((0, 37), (37, 74), (74, 90)) + tuple((t, t + 1) for t in range(90, 90 + decode)):
+            logits.append(model(ids[:, a:b], past_key_values=cache, cache_position=torch.arange(a, b)).logits[0, -1])
+            n = max(retention.books.width)
+            tables.append((retention.books.pos[:, :n].copy(), retention.books.score[:, :n].copy()))
+    return tables, torch.stack(logits), retention.kept_positions(), retention

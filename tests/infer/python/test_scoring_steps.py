@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import POLICIES, RECALL
+from conftest import POLICIES, decoded_tables
 from test_eviction_paths import random_books
 from transformers import DynamicCache
 
@@ -237,21 +237,9 @@ def test_book_one_books_where_the_token_was_put(monkeypatch):
 def booked_run(model, policy, budget, press, monkeypatch, fast):
     """Prefill 90 tokens in chunks of 37, then 40 one-token forwards; the table after each."""
     monkeypatch.setattr(Retention, "fast_steps", fast)
-    ids = torch.tensor([[16 + (7 * i) % 200 for i in range(130)]])
-    tables = []
-    if press:
-        p = RetainPress(POLICIES[policy], budget)
-        ctx, cache, retention = p(model), DynamicCache(), p._retention
-    else:
-        cache = RetainCache(model, POLICIES[policy], budget)
-        ctx, retention = torch.no_grad(), cache.retention
-    with ctx, torch.no_grad():
-        for a, b in ((0, 37), (37, 74), (74, 90)) + tuple((t, t + 1) for t in range(90, 130)):
-            model(ids[:, a:b], past_key_values=cache, cache_position=torch.arange(a, b))
-            n = max(retention.books.width)
-            tables.append((retention.books.pos[:, :n].copy(), retention.books.score[:, :n].copy()))
+    tables, _, kept, retention = decoded_tables(model, POLICIES[policy], budget, press, 40)
     assert retention.step == fast  # the last forward (one token) took the path asked for
-    return tables, retention.kept_positions()
+    return tables, kept
 
 
 @pytest.mark.parametrize("policy,budget,press", [("trimkv", 24, False), ("dbtrimkv", 30, False),

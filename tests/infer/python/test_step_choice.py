@@ -7,10 +7,8 @@ import copy
 import numpy as np
 import pytest
 import torch
-from conftest import POLICIES
-from transformers import DynamicCache
+from conftest import POLICIES, decoded_tables
 
-from retain_kv import RetainCache, RetainPress
 from retain_kv.books import Books
 from retain_kv.engine import Retention
 from retain_kv.select import global_drops, per_head_drops, trim_scores
@@ -207,20 +205,7 @@ def test_kvpop_heaps_choose_as_per_head_drops(seed):
 def tables(model, policy, budget, press, monkeypatch, fast):
     """Prefill 90 tokens in chunks of 37, then 60 one-token forwards; the table after each."""
     monkeypatch.setattr(Retention, "fast_choice", fast)
-    ids = torch.tensor([[16 + (7 * i) % 200 for i in range(150)]])
-    if press:
-        p = RetainPress(POLICIES[policy], budget)
-        ctx, cache, retention = p(model), DynamicCache(), p._retention
-    else:
-        cache = RetainCache(model, POLICIES[policy], budget)
-        ctx, retention = torch.no_grad(), cache.retention
-    out, logits = [], []
-    with ctx, torch.no_grad():
-        for a, b in ((0, 37), (37, 74), (74, 90)) + tuple((t, t + 1) for t in range(90, 150)):
-            logits.append(model(ids[:, a:b], past_key_values=cache, cache_position=torch.arange(a, b)).logits[0, -1])
-            n = max(retention.books.width)
-            out.append((retention.books.pos[:, :n].copy(), retention.books.score[:, :n].copy()))
-    return out, torch.stack(logits), retention.kept_positions()
+    return decoded_tables(model, POLICIES[policy], budget, press, 60)[:3]
 
 
 @pytest.mark.parametrize("policy,budget,press", [("trimkv", 24, False), ("dbtrimkv", 30, False), ("kvpop", 24, False),
