@@ -47,12 +47,7 @@ class Books:
         """Books the T = score.shape[1] tokens at positions q0… with `score` [S, T] at the top of every
         row; score None: T protected tokens (+inf, which every free slot already holds)."""
         T = score.shape[1] if score is not None else T
-        top = max(self.width) + T
-        if top > self.pos.shape[1]:  # room for the next tokens: double, so that appends are in place
-            pad = max(top, 2 * self.pos.shape[1]) - self.pos.shape[1]
-            self.pos = np.concatenate([self.pos, np.full((self.S, pad), -1, np.int64)], 1)
-            self.score = np.concatenate([self.score, np.full((self.S, pad), np.inf, np.float32)], 1)
-            self.placed = {}
+        self._room(max(self.width) + T)
         self.last = q0 if T == 1 and self.track else None
         if self.width.count(self.width[0]) == self.L:
             w = self.width[0]
@@ -76,6 +71,14 @@ class Books:
         self.total += self.S * T
         if score is not None:
             self._watch(score)
+
+    def _room(self, top):
+        """At least `top` slots per row: double, so that appends are in place."""
+        if top > self.pos.shape[1]:
+            pad = max(top, 2 * self.pos.shape[1]) - self.pos.shape[1]
+            self.pos = np.concatenate([self.pos, np.full((self.S, pad), -1, np.int64)], 1)
+            self.score = np.concatenate([self.score, np.full((self.S, pad), np.inf, np.float32)], 1)
+            self.placed = {}
 
     def book_ranks(self, u0, ranks, sinks):
         """KVPOP: the tokens u0 … u0 + U − 1 left the window; `ranks` [U, S] are their rank keys
@@ -235,11 +238,7 @@ class Books:
         (score scores[r]) counts as sitting in slot tops[r] (its layer's width), and goes where
         drop_decoding would move it, in a few scalar writes (lists in, lists out; a handful of rows).
         Returns the moves (rows, dst, src) for the keys and values, whose new tokens are in tops."""
-        need = max(tops) + 1
-        if need > self.pos.shape[1]:  # room for the top slots (written below when a token stays there)
-            pad = max(need, 2 * self.pos.shape[1]) - self.pos.shape[1]
-            self.pos = np.concatenate([self.pos, np.full((self.S, pad), -1, np.int64)], 1)
-            self.score = np.concatenate([self.score, np.full((self.S, pad), np.inf, np.float32)], 1)
+        self._room(max(tops) + 1)  # (a token that stays in its top slot is written there)
         before, lost = self.count, set(dr)
         self.total += self.S  # (what append counts)
         rows, dst, src, clear_r, clear_s = self._plan_decoding(dr, ds)

@@ -246,7 +246,7 @@ class Retention:
                 self._book_ranks(left)
                 t0 += time.perf_counter() - t1  # scoring, not eviction
                 self._spent("score", T, time.perf_counter() - t1)
-            self._evict(cache, seen, score)
+            self._evict(cache, seen)
         self.pending = [None] * self.L
         self._spent("evict", T, time.perf_counter() - t0)
         self.seen = seen
@@ -277,8 +277,8 @@ class Retention:
         step_choice.py, and written straight into the table without appending the new tokens: when
         every row drops one entry (always for trimkv and kvpop) each row's new token takes the
         dropped entry's slot, else they go where drop_decoding's layout puts them; their keys and
-        values move there from the store's top slots. Returns the seconds spent booking KVPOP's rank keys, or None: this step needs
-        the general code (which redoes anything done here)."""
+        values move there from the store's top slots. Returns the seconds spent booking KVPOP's
+        rank keys, or None: this step needs the general code (which redoes anything done here)."""
         books, choice, S = self.books, self.choice, self.L * self.K
         if choice is None or self.buffer != 1 or books.fresh:
             return None
@@ -324,13 +324,11 @@ class Retention:
                 choice.where[t] = dst
             books.fill_step(t, dst, lam, top)
             rows, src = range(S), [top] * S
-        self.evicted = True  # the keys and values: row rows[i]'s entry from slot src[i] to dst[i]
+        self.evicted = True
         store = getattr(cache, "store", None)
-        if store is not None:  # RetainCache
+        if store is not None:  # RetainCache: row rows[i]'s key and value from slot src[i] to dst[i]
             store.moves(rows, dst, src)
-            store.fit(books.width, self.buffer, self.policy.kind != "dbtrimkv")
-            for l, (layer, width) in enumerate(zip(cache.layers, books.width)):
-                layer.keys, layer.values = store.view(l, width)
+            self._fit(cache, store, self.policy.kind != "dbtrimkv")
         else:
             self._move_layers(cache, (np.array(list(rows), np.int64), np.array(dst, np.int64), np.array(src, np.int64)))
         return spent
@@ -367,7 +365,7 @@ class Retention:
             self.decode_evict_s += seconds if T == 1 else 0.0
 
     # ---- eviction ------------------------------------------------------------------------------
-    def _evict(self, cache, seen, score):
+    def _evict(self, cache, seen):
         books, S, B = self.books, self.L * self.K, self.budget
         moves = None
         if self.choice is not None:
@@ -376,8 +374,8 @@ class Retention:
             if books.total >= S * (B + self.buffer):
                 W = max(books.width)
                 pos = books.pos[:, :W]
-                dr, ds, self.bound = global_drops(self._scores(books.score[:, :W], pos, seen), pos, books.total - S * B,
-                                                  self.bound, exact_only=books.nan)
+                dr, ds, self.bound = global_drops(self._scores(books.score[:, :W], pos, seen), pos,
+                                                  books.total - S * B, self.bound, exact_only=books.nan)
                 if books.fresh == 1 and dr.size == S and len(set(dr.tolist())) == S:  # one per row
                     by_row = np.empty(S, np.int64)
                     by_row[dr] = ds
@@ -395,21 +393,21 @@ class Retention:
                     moves = books.drop_and_fill(ds[:, 0])
                 else:
                     moves = books.compact(np.repeat(np.arange(S), ds.shape[1]), ds.reshape(-1))
-        self._apply(cache, moves, tight=self.T > 1 or moves is not None and self.policy.kind != "dbtrimkv")
-
-    def _apply(self, cache, moves, tight):
-        """The table's moves (or None) on the keys and values, then each layer's view of its width."""
         if moves is not None:
             self.evicted = True
         store = getattr(cache, "store", None)
         if store is not None:  # RetainCache: one tensor for every layer
             if moves is not None:
                 store.move(*moves)
-            store.fit(self.books.width, self.buffer, tight)
-            for l, (layer, width) in enumerate(zip(cache.layers, self.books.width)):
-                layer.keys, layer.values = store.view(l, width)
+            self._fit(cache, store, self.T > 1 or moves is not None and self.policy.kind != "dbtrimkv")
         elif moves is not None:
             self._move_layers(cache, moves)
+
+    def _fit(self, cache, store, tight):
+        """RetainCache after the moves: the store's capacity (_Store.fit), each layer's view of its width."""
+        store.fit(self.books.width, self.buffer, tight)
+        for l, (layer, width) in enumerate(zip(cache.layers, self.books.width)):
+            layer.keys, layer.values = store.view(l, width)
 
     def _scores(self, score, pos, seen):
         """What the policy ranks entries by, after `seen` tokens (lower is evicted first): KVPOP's

@@ -1,6 +1,7 @@
 """A decoding step's choice made in Python from a few candidates carried from step to step, not by
-numpy passes over the whole eviction table: inside a decoding step each numpy call costs 5–10 µs
-(the model's forward pushed its code and data out of the caches, docs/inference.md), and a step
+numpy passes over the whole eviction table: inside a decoding step each numpy call costs several
+µs, the first ones tens (the model's forward pushed their code and data out of the caches,
+docs/inference.md), and a step
 that drops one entry per row needs only the handful of entries that can be the lowest in the
 next few steps. The choices are select.py's (lowest score first, ties toward the older entry,
 then across rows toward the later row), the same bits: the tests compare both on every step.
@@ -12,11 +13,12 @@ for a window of k steps takes τ, the k-th lowest score at q0 of each row (dbtri
 at q0 + k − 1 is ≤ τ. While the window lasts (q ≤ q0 + k − 1, and at most k·m drops globally),
 an entry that a step drops, or that ties with one, scores at most τ then (it is among the lowest
 D + m of the refresh's entries, D the drops since, all of which score ≤ their order statistic at
-q0), so it is a candidate or a token that arrived since — which are all candidates. A step then
-scores its candidates as exact doubles: a float32 logβ times an integer distance below 2^24 is
-exact in a double, and rounding that product to float32 is what numpy's float32 product gives;
-the order is the double's, except where two values round to the same float32 — there the
-positions decide, and only the values near the choice are rounded to find out.
+q0), so it is a candidate or a token that arrived since. The refresh sorts the candidates once
+for each score time of the window (one argsort of integer keys); a step takes the first not yet
+dropped and compares the tokens that arrived since, scored as exact doubles: a float32 logβ times
+an integer distance below 2^24 is exact in a double, and rounding that product to float32 is what
+numpy's float32 product gives, so the order is the double's except where two values round to the
+same float32 — there the positions decide, and only the values near the choice are rounded.
 
 KVPOP (`RankHeaps`): a rank key never changes once booked. Per row, a heap of the lowest
 (key, position) pairs below a bound θ (every booked entry not in the heap is ≥ θ); a step
@@ -34,7 +36,6 @@ import numpy as np
 from .select import EXACT_DIST, score_key, trim_scores
 
 _F32 = struct.Struct("<f")
-_FLT_MAX = 3.4028234663852886e38
 
 
 def f32(x):
@@ -43,13 +44,6 @@ def f32(x):
         return _F32.unpack(_F32.pack(x))[0]
     except OverflowError:  # (pack refuses a finite x that rounds past the float32 range)
         return math.copysign(math.inf, x)
-
-
-def _upper(v):
-    """A bound at or above every double that rounds to the float32 v."""
-    if v == -math.inf:
-        return -_FLT_MAX
-    return v + abs(v) * 2.0 ** -23 + 2.0 ** -149  # one ulp of v (at least the smallest subnormal)
 
 
 class TrimChoice:
@@ -136,6 +130,8 @@ class TrimChoice:
             for i in order[a:b]:  # the row's lowest candidate not dropped (there are k > j of them)
                 if i not in dropped:
                     break
+            else:  # (cannot happen; were it to, the caller's general choice, which forgets this state)
+                return None
             p0, best = cp[i], None
             v = f32((q - p0) * cl[i])
             hi = v + abs(v) * 2.0 ** -22 + 2.0 ** -148  # above it a value rounds above v
