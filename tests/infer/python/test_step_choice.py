@@ -136,13 +136,11 @@ def check_global(books, new_log_betas):
         tops = [w for w in books.width for _ in range(K)]
         W = max(books.width)
         got = choice.global_step(lambda: (books.score[:, :W], books.pos[:, :W]), q, t, new[:, 0].tolist(), tops, S)
-        got_r, got_s, one_per_row = got
+        got_r, got_s, drops = got
         assert sorted(zip(got_r, got_s)) == sorted(zip(dr.tolist(), ds.tolist())), f"step {step}"
-        assert one_per_row == (len(set(got_r)) == S)
-        if one_per_row:
-            drops = [0] * S
-            for r, s in zip(got_r, got_s):
-                drops[r] = s
+        assert (drops is not None) == (len(set(got_r)) == S)
+        if drops is not None:
+            assert sorted(zip(got_r, got_s)) == sorted(enumerate(drops))
             books.fill_step(t, drops, new[:, 0].tolist(), tops)
             ref.drop_and_fill(np.array(drops))
         else:

@@ -293,12 +293,9 @@ class Retention:
             if got is None:
                 choice.invalidate()
                 return None
-            dr, ds, one_per_row = got
-            if one_per_row:  # each row's new token into its row's dropped slot
+            dr, ds, dst = got
+            if dst is not None:  # one per row: each row's new token into its row's dropped slot
                 rows = range(S)
-                dst = [0] * S
-                for r, s in zip(dr, ds):
-                    dst[r] = s
                 books.fill_step(t, dst, lam, tops)
                 src = tops
             else:  # some row loses two or more: drop_decoding's layout, the new tokens never appended

@@ -38,6 +38,11 @@ from .select import EXACT_DIST, score_key, trim_scores
 _F32 = struct.Struct("<f")
 
 
+def _above(v):
+    """A bound above every double that rounds to the float32 v (NaN for v = −inf: then compare all)."""
+    return v + abs(v) * 2.0 ** -22 + 2.0 ** -148
+
+
 def f32(x):
     """The double x rounded to float32 (to nearest, ties to even), as a Python float."""
     try:
@@ -108,20 +113,20 @@ class TrimChoice:
         return True
 
     def _ready(self, table, q, m, lam):
-        """0: the window goes on; 1: refreshed; None: the shortcut cannot choose this step."""
+        """Whether the shortcut can choose this step (refreshing when the window is over)."""
         if self.disabled or any(x != x for x in lam):
             self.disabled = True
-            return None
+            return False
         if self.order is None or q - self.q0 >= self.WINDOW or self.left < m:
-            return 1 if self._refresh(table, q, m) else None
-        return 0
+            return self._refresh(table, q, m)
+        return True
 
     def per_row_step(self, table, q, t, lam, top):
         """trimkv: the slot each row drops at score time q, after row r's new token t (logβ lam[r],
         in slot `top`, not in the table: table() → its logβ, positions [S, top]) joins; None: use
         select.py.
         The state then holds the table as it is after the drop with t moved into that slot."""
-        if self._ready(table, q, 1, lam) is None:
+        if not self._ready(table, q, 1, lam):
             return None
         j = q - self.q0
         order, dropped, cp, cs, cl = self.order[j], self.dropped, self.cp, self.cs, self.cl
@@ -134,18 +139,18 @@ class TrimChoice:
                 return None
             p0, best = cp[i], None
             v = f32((q - p0) * cl[i])
-            hi = v + abs(v) * 2.0 ** -22 + 2.0 ** -148  # above it a value rounds above v
+            hi = _above(v)
             x = (q - t) * lb
             if x <= hi:
                 fv = f32(x)
                 if (fv, t) < (v, p0):
-                    v, p0, best, hi = fv, t, True, fv + abs(fv) * 2.0 ** -22 + 2.0 ** -148
+                    v, p0, best, hi = fv, t, True, _above(fv)
             for e in fresh:
                 x = (q - e[0]) * e[1]
                 if x <= hi or hi != hi:
                     fv = f32(x)
                     if (fv, e[0]) < (v, p0):
-                        v, p0, best, hi = fv, e[0], e, fv + abs(fv) * 2.0 ** -22 + 2.0 ** -148
+                        v, p0, best, hi = fv, e[0], e, _above(fv)
             if best is None:  # a candidate of the table
                 dropped.add(i)
                 s = cs[i]
@@ -162,12 +167,11 @@ class TrimChoice:
 
     def global_step(self, table, q, t, lam, tops, m):
         """dbtrimkv: (rows, slots) of the m entries dropped at score time q over all rows, after
-        every row's new token t (logβ lam[r], in slot tops[r], not in the table: table() → its logβ and
-        positions), and
-        whether each row drops one (then the state already holds each new token in its row's dropped
-        slot, as fill_step puts it); None: use select.py. Otherwise the caller reports the drops and
-        the moves that follow (moved)."""
-        if self._ready(table, q, m, lam) is None:
+        every row's new token t (logβ lam[r], in slot tops[r], not in the table: table() → its logβ
+        and positions), and when each row drops one, the slot per row (the state then holds each
+        new token in its row's dropped slot, as fill_step puts it; else None, and the caller
+        reports the moves that follow: moved). None: use select.py."""
+        if not self._ready(table, q, m, lam):
             return None
         for r, (lb, s) in enumerate(zip(lam, tops)):
             e = [t, lb, s, r]
@@ -183,8 +187,7 @@ class TrimChoice:
                     break
         if len(low) < m:
             return None
-        v = low[-1][0]
-        hi = v + abs(v) * 2.0 ** -22 + 2.0 ** -148
+        hi = _above(low[-1][0])
         more = [(f32(x), e[0], -e[3], e) for e in self.fresh for x in ((q - e[0]) * e[1],) if x <= hi or hi != hi]
         if more:
             low = sorted(low + more)[:m]
@@ -198,21 +201,12 @@ class TrimChoice:
                 rows.append(i[3])
                 slots.append(i[2])
         if m != self.S or len(set(rows)) < m:
-            return rows, slots, False
-        # One drop per row: the caller fills each dropped slot with its row's new token (fill_step);
-        # the state follows here, not through moved().
-        at, fresh = self.at, self.fresh
+            return rows, slots, None
+        by_row = [0] * m  # one drop per row: each row's new token into its dropped slot
         for r, s in zip(rows, slots):
-            e = at.pop((r, s))
-            if isinstance(e, int):
-                dropped.add(e)
-            else:
-                fresh.remove(e)
-            if s != tops[r]:  # the new token into the dropped slot
-                e = at.pop((r, tops[r]))
-                e[2] = s
-                at[r, s] = e
-        return rows, slots, True
+            by_row[r] = s
+        self.moved(rows, slots, range(m), by_row, tops)
+        return rows, slots, by_row
 
     def moved(self, dr, ds, rows, dst, src):
         """dbtrimkv: the table's changes after global_step's drops (dr, ds): the entries dropped,
@@ -258,7 +252,7 @@ class RankHeaps:
         score, pos = table()
         S, W = score.shape
         M = self.SIZE
-        if np.isnan(score).any():
+        if math.isnan(np.minimum.reduce(score, None)):  # (the minimum is NaN when any key is)
             self.disabled = True
             return False
         key = np.where(pos >= 0, score_key(score) | pos, np.iinfo(np.int64).max)
