@@ -102,6 +102,45 @@ def test_trimkv_new_tokens_that_round_alike_go_oldest_first():
     check_rows(lb, pos, new)
 
 
+def just_below_tau(S, per_row):
+    """A table whose k = 16 lowest of each row (dbtrimkv: of all) go first, and new tokens that
+    arrive early in the first window to score, at its last score time, just below the last of
+    those left then, the refresh's τ entry (the k-th lowest per row at the refresh, or the (k·S)-th
+    of all) — within 1 % of τ, so still below τ's bound —, the rest never low: they are dropped then,
+    before the τ entry, so the choice must track them (step_choice tracks only the tokens that can
+    reach τ in the window)."""
+    k = TrimChoice.WINDOW
+    B = k + 4
+    pos = np.stack([np.arange(100, 100 + B)] * S).astype(np.int64)
+    lb = np.full((S, B), -1e-6, np.float32)
+    lb[:, :k] = (-np.linspace(2.0, 1.0, k, dtype=np.float32) / (Q0 - 100))[None, :]  # scores ≈ −2 … −1 at Q0
+    lb[:, :k] *= np.float32(1 + 0.01 * np.arange(S))[:, None].astype(np.float32)
+    last = Q0 + k - 1
+    end = trim_scores(lb, pos, last)
+    tau = end[:, k - 1] if per_row else np.full(S, end[0, k - 1])  # (row 0 scores highest)
+    new = []
+    for step in range(2 * k + 4):
+        t = Q0 + step - 2
+        lam = np.full(S, -1e-9, np.float32)
+        if 2 <= step < 6:
+            lam = (tau.astype(np.float64) * (1 + 2.0 ** -12) / (last - t)).astype(np.float32)
+        new.append(lam)
+    return lb, pos, new
+
+
+def test_trimkv_tracks_the_tokens_that_reach_tau_in_the_window():
+    lb, pos, new = just_below_tau(3, per_row=True)
+    check_rows(lb, pos, new)
+
+
+def test_dbtrimkv_tracks_the_tokens_that_reach_tau_in_the_window():
+    lb, pos, new = just_below_tau(3, per_row=False)
+    books = Books(1, 3)
+    books.append(100, lb)
+    books.compact(np.zeros(0, np.int64), np.zeros(0, np.int64))
+    check_global(books, new)
+
+
 def layout(rng, L, K, B, steady):
     """Books holding S·B entries in rows of different counts (dbtrimkv's layout after evictions)."""
     books, q = Books(L, K), 0

@@ -9,22 +9,24 @@ the model's forward). The chunk closed form that prefill uses costs ~60 torch ca
 So the step is laid out for the fewest calls, each on one dtype (a call that mixes float32 and
 float64 goes through numpy's buffered casting, several times the cost of a plain loop):
 
-- one matmul gives every row's [W_q x; W_k x; W_v x; 1; w_i·x + b_i; −(w_f·x + b_f); 0] from
-  x = [k; v; 1] (float64, as the C++ sums; the biases ride on x's 1), one negation −W_q x, −W_k x
-  before them;
+- one matmul gives every row's [−W_q x; −W_k x; W_q x; W_k x; W_v x; 1; (w_i·x + b_i)/c;
+  −(w_f·x + b_f)/c; 0] from x = [k; v; 1] (float64, as the C++ sums; the biases ride on x's 1,
+  the signs and the 1/c of the gates' soft cap on the weights);
 - φ = [softmax(z); softmax(−z)] of q and k in place (5 calls: ufunc reduces, not np.max and
-  np.sum, whose Python wrappers cost more than the work), the gates in place (4);
+  np.sum, whose Python wrappers cost more than the work), the gates in place (3);
 - one round trip through float32 rounds q̃, k̃, ṽ, ĩ and log f as the C++ stores them;
-- then float64 only: m, a, b, e^{−m} (4 calls), C and n (4), q̂ into the ring (1), the readout (10).
+- then float64 only: m, a, b, e^{−m} (4 calls), C and n (4), q̂ into the ring (1), the readout (9).
 
 Numerics, as kvpop_state.cpp (the reference): float64 throughout, the projections, the input and
 forget gates rounded to float32 as the C++ stores them, the rank key score_u − ⌊u/n⌋·log γ rounded to
 float32. m, C and n are the C++'s expressions term for term (m =
 max(log f + m₋₁, ĩ), a = e^{log f + m₋₁ − m}, b = e^{ĩ − m}, C = a·C + (b·k̃)·ṽᵀ); logsigmoid is
-numpy's logaddexp, the C++'s two branches; softmax(−z) is e^{min z − z} over its sum, as the C++.
-The dot products (projections with their biases, readout, w_o·silu(h)) sum in another order —
-the ~1e-16 relative differences, as the chunk form's, vanish in the float32 roundings (tested
-against a loop-for-loop copy of the C++)."""
+numpy's logaddexp, the C++'s two branches; softmax(−z) is e^{min z − z} over its sum, as the C++;
+|nᵀq̂| is nᵀq̂ (n and q̂ are sums and products of positive terms); silu(h) is h/(1 + e^{−h}), as
+the C++, computed as −(−h/(1 + e^{−h})) (negations are exact). The dot products (projections
+with their biases, the gates' with 1/c folded into their weights, readout, w_o·silu(h)) sum in
+another order or round once more — the ~1e-16 relative differences, as the chunk form's, vanish
+in the float32 roundings (tested against a loop-for-loop copy of the C++)."""
 import math
 
 import numpy as np
@@ -41,30 +43,30 @@ class KvpopStep:
         rows = lambda t: t.numpy().reshape(S, *t.shape[2:])  # noqa: E731  (views: the state's memory)
         self.Cn, self.m, self.ring = rows(state.Cn), rows(state.m), state.ring.numpy().reshape(w, S, d)
         self.ring2 = self.ring.reshape(w, S, 2, r)
-        # One matmul for every projection, into z[:, 2r:]: rows [W_q; W_k; W_v; (1); [w_i, b_i]; −[w_f, b_f];
-        # (0)] of x = [k; v; 1] (float64: the C++ sums in double; read once a step, cold after the
-        # model's forward). (1) gives ṽ's 1 (n's update rides on C's), (0) the 0 of e^{0 − m}.
-        # z[:, :2r] takes −W_q x, −W_k x by one negation: φ's groups are then −q, −k, q, k.
+        # One matmul for every projection, into z: rows [−W_q; −W_k; W_q; W_k; W_v; (1); [w_i, b_i]/c;
+        # −[w_f, b_f]/c; (0)] of x = [k; v; 1] (float64: the C++ sums in double; read once a step, cold
+        # after the model's forward). (1) gives ṽ's 1 (n's update rides on C's), (0) the 0 of e^{0 − m};
+        # φ's groups are −q, −k, q, k; the gates come out as the arguments of their tanh, f̃ negated.
         x = 2 * d
-        W = torch.zeros(L, K, 3 * r + 4, x + 1, dtype=torch.float64)
-        W[:, :, :3 * r, :x] = torch.cat([state.Wq, state.Wk, state.Wv], 2).cpu()
-        W[:, :, 3 * r, x] = 1.0
-        W[:, :, 3 * r + 1, :x], W[:, :, 3 * r + 1, x] = state.wi.cpu(), state.bi.cpu()
-        W[:, :, 3 * r + 2, :x], W[:, :, 3 * r + 2, x] = -state.wf.cpu(), -state.bf.cpu()  # −f̃: negated exactly
-        self.W = W.reshape(S, 3 * r + 4, x + 1).numpy()
+        W = torch.zeros(L, K, 5 * r + 4, x + 1, dtype=torch.float64)
+        qk = torch.cat([state.Wq, state.Wk], 2).cpu()
+        W[:, :, :2 * r, :x], W[:, :, 2 * r:4 * r, :x], W[:, :, 4 * r:5 * r, :x] = -qk, qk, state.Wv.cpu()
+        W[:, :, 5 * r, x] = 1.0
+        W[:, :, 5 * r + 1, :x], W[:, :, 5 * r + 1, x] = state.wi.cpu() / GATE_CAP, state.bi.cpu() / GATE_CAP
+        W[:, :, 5 * r + 2, :x], W[:, :, 5 * r + 2, x] = -state.wf.cpu() / GATE_CAP, -state.bf.cpu() / GATE_CAP
+        self.W = W.reshape(S, 5 * r + 4, x + 1).numpy()
         self.xa = np.ones((S, x + 1))                  # [k; v; 1] per row
         self.x = self.xa.reshape(L, K, x + 1)          # per layer, for hooks that write it layer by layer
         self.kv = self.xa[:, :x].reshape(S, 2, d)      # k and v, for a read from [2, S, d]
         self._read = (None, None)
         self.xa3 = self.xa[:, :, None]
         self.z = np.empty((S, 5 * r + 4))
-        self.z3, self.z32 = self.z[:, 2 * r:, None], np.empty((S, 5 * r + 4), np.float32)
-        self.neg, self.pos = self.z[:, :2 * r], self.z[:, 2 * r:4 * r]
+        self.z3, self.z32 = self.z[:, :, None], np.empty((S, 5 * r + 4), np.float32)
         self.phi = phi = self.z[:, :4 * r].reshape(S, 4, r)  # z of −q, −k, q, k → their softmax
         self.top = np.empty((S, 4, 1))                 # their max, then their sum
         # q̃ = [softmax(q); softmax(−q)], k̃ likewise (the C++'s order), as views [S, 2, r]
         self.q, self.k, self.v1 = phi[:, 2::-2], phi[:, 3::-2], self.z[:, 4 * r:5 * r + 1]
-        self.g = self.z[:, 5 * r + 1:]                 # ĩ, −f̃, 0 → ĩ, −log f, 0 → ĩ, log f + m₋₁, 0
+        self.g = self.z[:, 5 * r + 1:]                 # ĩ/c, −f̃/c, 0 → ĩ, −f̃, 0 → ĩ, −log f, 0 → ĩ, log f + m₋₁, 0
         self.nlf = self.g[:, 1]
         self.ig = self.g[:, 0]
         self.e = np.empty((S, 3))                      # b, a, e^{−m}
@@ -75,17 +77,20 @@ class KvpopStep:
         self.v13 = self.v1[:, None, :]
         self.upd = np.empty((S, d, r + 1))
         self.inv_sqrt_d = 1.0 / math.sqrt(d)
-        # w_o·silu(h) + b_o − ⌊u/n⌋·log γ as one dot product: [silu(h), 1, −⌊u/n⌋] · [w_o, b_o, log γ].
-        out = [rows(state.wo), rows(state.bo)[:, None], rows(state.log_gamma)[:, None]]
+        # −w_o·silu(h) … as one dot product: [−silu(h), 1, −⌊u/n⌋] · [−w_o, b_o, log γ] (the products
+        # are w_o·silu(h) exactly: negations are exact).
+        out = [-rows(state.wo), rows(state.bo)[:, None], rows(state.log_gamma)[:, None]]
         self.out = np.concatenate(out, 1)[:, :, None]
         self.num = np.empty((S, 1, r + 1))             # Cᵀq̂_u, nᵀq̂_u
         self.h, self.den = self.num[:, 0, :r], np.empty((S, 1))
         self.nq = self.num[:, 0, r:]
         self.em1 = self.e[:, 2:]
-        self.silu = np.ones((S, 1, r + 2))             # [silu(h), 1, −⌊u/n⌋]
+        self.silu = np.ones((S, 1, r + 2))             # [−silu(h), 1, −⌊u/n⌋]
         self.s, self.neg_u = self.silu[:, 0, :r], self.silu[:, 0, r + 1]
+        self.ex = np.empty((S, r))
         self.key = np.empty((S, 1, 1))
         self.keys = np.empty(S, np.float32)
+        self.neg_eps = -float(READOUT_EPS)
 
     def read(self, kv):
         """The new token's k, v of every row from kv [2, S, d] (any float dtype, any strides)."""
@@ -103,13 +108,11 @@ class KvpopStep:
         t = st.fed[0]
         z, phi, top, g, e = self.z, self.phi, self.top, self.g, self.e
         np.matmul(self.W, self.xa3, out=self.z3)
-        np.negative(self.pos, out=self.neg)
         np.maximum.reduce(phi, 2, keepdims=True, out=top)      # (the ufunc's reduce: np.max's wrapper costs µs)
         np.subtract(phi, top, out=phi)                           # the C++'s z − max and min − z
         np.exp(phi, out=phi)
         np.add.reduce(phi, 2, keepdims=True, out=top)
         np.divide(phi, top, out=phi)                             # φ(z) = [softmax(z); softmax(−z)]
-        g /= GATE_CAP
         np.tanh(g, out=g)
         g *= GATE_CAP                                            # ĩ = c·tanh(·/c), −f̃ (tanh is odd), 0
         np.logaddexp(0.0, self.nlf, out=self.nlf)                # −log f = −logsigmoid(f̃) = log(1 + e^{−f̃})
@@ -131,16 +134,13 @@ class KvpopStep:
         if u < 0:
             return None
         np.matmul(self.ring[u % w][:, None, :], Cn, out=self.num)
-        den = self.den
-        np.abs(self.nq, out=den)
-        np.maximum(den, self.em1, out=den)
-        den += READOUT_EPS
-        h, s = self.h, self.s
-        h /= den
-        np.negative(h, out=s)
-        np.exp(s, out=s)
-        s += 1.0
-        np.divide(h, s, out=s)                                   # h / (1 + e^{−h}), the C++'s silu
+        den, s, ex = self.den, self.s, self.ex
+        np.maximum(self.nq, self.em1, out=den)                   # max(|nᵀq̂|, e^{−m}): nᵀq̂ ≥ 0
+        np.subtract(self.neg_eps, den, out=den)                  # −(max(·) + ε)
+        np.divide(self.h, den, out=s)                            # −h
+        np.exp(s, out=ex)
+        ex += 1.0
+        np.divide(s, ex, out=s)                                  # −h / (1 + e^{−h}): −silu(h), the C++'s silu
         self.neg_u[...] = -(u // st.every)                     # −⌊u/n⌋: the rank key's decay steps
         np.matmul(self.silu, self.out, out=self.key)
         np.copyto(self.keys, self.key.reshape(-1))              # rounded to float32 (a contiguous cast: cheaper

@@ -13,7 +13,9 @@ for a window of k steps takes τ, the k-th lowest score at q0 of each row (dbtri
 at q0 + k − 1 is ≤ τ. While the window lasts (q ≤ q0 + k − 1, and at most k·m drops globally),
 an entry that a step drops, or that ties with one, scores at most τ then (it is among the lowest
 D + m of the refresh's entries, D the drops since, all of which score ≤ their order statistic at
-q0), so it is a candidate or a token that arrived since. The refresh sorts the candidates once
+q0), so it is a candidate or a token that arrived since — and a token that arrives scoring above τ
+at q0 + k − 1, its lowest score in the window, is not even that: it is not tracked. The refresh
+sorts the candidates once
 for each score time of the window (one argsort of integer keys); a step takes the first not yet
 dropped and compares the tokens that arrived since, scored as exact doubles: a float32 logβ times
 an integer distance below 2^24 is exact in a double, and rounding that product to float32 is what
@@ -88,6 +90,10 @@ class TrimChoice:
         else:
             tau = np.partition(s0.reshape(-1), low - 1)[low - 1]
         rows, slots = np.nonzero((trim_scores(score, pos, q + k - 1) <= tau) & (pos >= 0))
+        # A token arriving in the window is tracked only if its score at q + k − 1 (its lowest in the
+        # window, as an exact double) can round to τ or below: no other is dropped before the refresh.
+        self.limit = [x if x == x else math.inf for x in map(_above, tau.reshape(-1).tolist())]  # (τ = −inf: all)
+        self.last = q + k - 1
         p, lb = pos[rows, slots], score[rows, slots]
         # Their order at each step of the window [k, C]: by score (float32 as trim_scores computes it,
         # −0.0 = +0.0) and position, within each row (per_row) or, across rows, then the later row:
@@ -131,7 +137,8 @@ class TrimChoice:
         j = q - self.q0
         order, dropped, cp, cs, cl = self.order[j], self.dropped, self.cp, self.cs, self.cl
         drops = []
-        for (a, b), fresh, lb in zip(self.segments, self.fresh, lam):
+        last = self.last
+        for (a, b), fresh, lb, limit in zip(self.segments, self.fresh, lam, self.limit):
             for i in order[a:b]:  # the row's lowest candidate not dropped (there are k > j of them)
                 if i not in dropped:
                     break
@@ -160,7 +167,8 @@ class TrimChoice:
             else:
                 fresh.remove(best)
                 s = best[2]
-            fresh.append([t, lb, s])
+            if (last - t) * lb <= limit:
+                fresh.append([t, lb, s])
             drops.append(s)
         self.left -= 1
         return drops
@@ -173,10 +181,12 @@ class TrimChoice:
         reports the moves that follow: moved). None: use select.py."""
         if not self._ready(table, q, m, lam):
             return None
+        last, limit = self.last, self.limit[0]
         for r, (lb, s) in enumerate(zip(lam, tops)):
-            e = [t, lb, s, r]
-            self.fresh.append(e)
-            self.at[r, s] = e
+            if (last - t) * lb <= limit:
+                e = [t, lb, s, r]
+                self.fresh.append(e)
+                self.at[r, s] = e
         j = q - self.q0
         dropped, cp, cr, cl = self.dropped, self.cp, self.cr, self.cl
         low = []  # the m lowest candidates not dropped: (score, position, −row, index)
