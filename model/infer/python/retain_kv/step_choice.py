@@ -35,7 +35,7 @@ import struct
 
 import numpy as np
 
-from .select import EXACT_DIST, score_key, trim_scores
+from .select import EXACT_DIST, score_key
 
 _F32 = struct.Struct("<f")
 
@@ -81,7 +81,8 @@ class TrimChoice:
         pos_bits = 32 - row_bits
         if q + k >= min(EXACT_DIST, 1 << pos_bits) or W <= k or low >= S * W:
             return False
-        s0 = trim_scores(score, pos, q)
+        dist = np.subtract(q, pos, dtype=np.float32)  # (trim_scores' distances: exact, q + k < 2^24)
+        s0 = score * dist
         if math.isnan(np.minimum.reduce(s0, None)):
             self.disabled = True  # (the minimum is NaN when any score is)
             return False
@@ -89,7 +90,8 @@ class TrimChoice:
             tau = np.partition(s0, k - 1, axis=1)[:, k - 1:k]
         else:
             tau = np.partition(s0.reshape(-1), low - 1)[low - 1]
-        rows, slots = np.nonzero((trim_scores(score, pos, q + k - 1) <= tau) & (pos >= 0))
+        dist += np.float32(k - 1)  # (the scores at q + k − 1, as trim_scores computes them)
+        rows, slots = np.nonzero((np.multiply(score, dist, out=dist) <= tau) & (pos >= 0))
         # A token arriving in the window is tracked only if its score at q + k − 1 (its lowest in the
         # window, as an exact double) can round to τ or below: no other is dropped before the refresh.
         self.limit = [x if x == x else math.inf for x in map(_above, tau.reshape(-1).tolist())]  # (τ = −inf: all)
