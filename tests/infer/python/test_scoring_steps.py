@@ -18,7 +18,7 @@ from transformers import DynamicCache
 from retain_kv import RetainCache, RetainPress
 from retain_kv.books import Books
 from retain_kv.engine import Retention
-from retain_kv.kvpop_step import KvpopStep
+from retain_kv.kvpop_step import KvpopStep, TorchKvpopStep
 from retain_kv.policy import Policy
 from retain_kv.scoring import GateStep, KvpopState, gate_log_beta
 
@@ -129,8 +129,9 @@ def cpp_reference(policy, l, h, xs):
     return keys, (C, n, m)
 
 
+@pytest.mark.parametrize("Step", [KvpopStep, TorchKvpopStep])
 @pytest.mark.parametrize("window", [1, 3, 7])
-def test_kvpop_step_is_the_cpp_recurrence(window):
+def test_kvpop_step_is_the_cpp_recurrence(window, Step):
     """Every rank key, by the step (after a chunked prefill, or from the first token) and by the
     chunk form, is the C++ reference's float32 key; the step's state is the reference's."""
     L, K, r, T = 2, 2, 4, 40
@@ -141,14 +142,16 @@ def test_kvpop_step_is_the_cpp_recurrence(window):
            for l in range(L) for h in range(K)}
     for prefill in (0, 5, 17):
         state = KvpopState(policy, torch.device("cpu"))
-        step, got = KvpopStep(state), {}
+        step, got = Step(state), {}
         for l in range(L):
             if prefill:
                 u0, keys = state.feed(l, k[l, :prefill], v[l, :prefill])
                 for i, row in enumerate(keys.numpy()):
                     got.update({(l, h, u0 + i): row[h] for h in range(K)})
         for t in range(prefill, T):
-            left = step(torch.cat([k[:, t], v[:, t]], -1).reshape(L * K, -1).numpy())
+            kv = torch.stack([k[:, t].reshape(L * K, -1), v[:, t].reshape(L * K, -1)])  # [2, S, d]
+            step.read(kv if Step is TorchKvpopStep else kv.numpy())
+            left = step()
             if left is not None:
                 u, keys = left
                 got.update({(l, h, u): keys[l * K + h] for l in range(L) for h in range(K)})

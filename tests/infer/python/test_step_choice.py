@@ -10,7 +10,9 @@ import torch
 from conftest import POLICIES, decoded_tables
 
 from retain_kv.books import Books
+from retain_kv.cache import _Store
 from retain_kv.engine import Retention
+from retain_kv.kvpop_step import KvpopStep, TorchKvpopStep
 from retain_kv.select import global_drops, per_head_drops, trim_scores
 from retain_kv.step_choice import RankHeaps, TrimChoice, f32
 
@@ -264,3 +266,38 @@ def test_many_rows():
                                                               for i in range(25)])
     books = layout(rng, 10, 10, TrimChoice.WINDOW + 5, False)
     check_global(books, [new_log_beta(rng, books.S, Q0 + i - 2, Q0 + i, False) for i in range(25)])
+
+
+@pytest.mark.parametrize("press", [False, True])
+def test_kvpop_torch_step_decodes_as_the_numpy_step(recall_model, monkeypatch, press):
+    """KVPOP's decoding step in torch ops (what a GPU runs; here on the CPU, RetainCache's store
+    read without numpy) keeps the tables, logits and kept entries of the numpy step."""
+    *numpy_step, r = decoded_tables(recall_model, POLICIES["kvpop"], 24, press, 60)
+    assert type(r.kvpop_step) is KvpopStep
+    monkeypatch.setattr(Retention, "torch_kvpop_step", True)
+    monkeypatch.setattr(_Store, "host_moves", False)
+    steps, call = [], TorchKvpopStep.__call__
+    monkeypatch.setattr(TorchKvpopStep, "__call__", lambda self: steps.append(1) or call(self))
+    *torch_step, r = decoded_tables(recall_model, POLICIES["kvpop"], 24, press, 60)
+    assert type(r.kvpop_step) is TorchKvpopStep and len(steps) == 60  # (every decoding step ran it)
+    (a, a_logits, a_kept), (b, b_logits, b_kept) = numpy_step, torch_step
+    assert a_kept == b_kept and torch.equal(a_logits, b_logits)
+    for (pa, sa), (pb, sb) in zip(a, b):
+        assert np.array_equal(pa, pb) and np.array_equal(sa.view(np.int32), sb.view(np.int32))
+
+
+def test_kvpop_torch_step_decodes_a_bfloat16_model_as_the_chunk_form(recall_model, monkeypatch):
+    """A bfloat16 model (as on a GPU) decodes by the torch step with the tables, logits and kept
+    entries of the general code (KvpopState.feed's chunk form, every forward)."""
+    model = copy.deepcopy(recall_model).to(torch.bfloat16)
+    monkeypatch.setattr(Retention, "torch_kvpop_step", True)
+    monkeypatch.setattr(_Store, "host_moves", False)
+    steps, call = [], TorchKvpopStep.__call__
+    monkeypatch.setattr(TorchKvpopStep, "__call__", lambda self: steps.append(1) or call(self))
+    a, a_logits, a_kept, _ = decoded_tables(model, POLICIES["kvpop"], 24, False, 60)
+    assert len(steps) == 60
+    monkeypatch.setattr(Retention, "fast_steps", False)
+    b, b_logits, b_kept, _ = decoded_tables(model, POLICIES["kvpop"], 24, False, 60)
+    assert len(steps) == 60 and a_kept == b_kept and torch.equal(a_logits, b_logits)
+    for (pa, sa), (pb, sb) in zip(a, b):
+        assert np.array_equal(pa, pb) and np.array_equal(sa.view(np.int32), sb.view(np.int32))

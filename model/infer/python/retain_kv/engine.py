@@ -30,7 +30,7 @@ import torch
 
 from .books import Books
 from .policy import as_policy
-from .kvpop_step import KvpopStep
+from .kvpop_step import KvpopStep, TorchKvpopStep
 from .scoring import GateStep, KvpopState, gate_log_beta
 from .select import global_drops, per_head_drops, trim_scores
 from .step_choice import RankHeaps, TrimChoice
@@ -43,6 +43,7 @@ class Retention:
 
     fast_steps = True  # False: a decoding step runs the general code (per layer, any T; for the tests)
     fast_choice = True  # False: a decoding step chooses by select.py over the whole table (for the tests)
+    torch_kvpop_step = False  # True: KVPOP's decoding step in torch ops even on the CPU (as on a GPU; for the tests)
 
     def __init__(self, policy, budget=None, buffer=1, compression_ratio=None):
         self.policy = as_policy(policy)
@@ -113,12 +114,15 @@ class Retention:
         # with i mod n > q mod n gains back at eviction (policy.cpp kvpop_drops)
         self.decay_lg = (self.kvpop.log_gamma.reshape(-1, 1).float().cpu().numpy()
                          if self.kvpop is not None and self.policy.decay_every > 1 else None)
-        self.kvpop_step = KvpopStep(self.kvpop) if self.kvpop is not None and self.kvpop.host else None
+        # KVPOP's decoding step of all layers at once: numpy on the host, torch ops on a GPU (kvpop_step.py)
+        self.kvpop_step = (None if self.kvpop is None else
+                           KvpopStep(self.kvpop) if self.kvpop.host and not self.torch_kvpop_step else
+                           TorchKvpopStep(self.kvpop))
         # A decoding step's choice from a few candidates carried between steps (step_choice.py); KVPOP's
         # rank keys must stay put for it (decay_every 1).
         S = self.L * self.K
         self.choice = (TrimChoice(S, per_row=self.policy.kind == "trimkv") if self.kvpop is None else
-                       RankHeaps(S) if self.kvpop_step is not None and self.policy.decay_every == 1 else None)
+                       RankHeaps(S) if self.policy.decay_every == 1 else None)
         # Whether this forward is a decoding step scored for all layers at once after the last
         # (GateStep's gate MLP, KvpopStep's mLSTM step on the host); otherwise the general code.
         self.step = False
@@ -142,8 +146,9 @@ class Retention:
             self._check_positions(kwargs.get("position_ids"), T)
             self.T = T  # tokens of this forward (every layer's)
             # (Gates reading [k ‖ v] score after the attention from the cached entries, per layer.)
-            self.step = (self.fast_steps and T == 1 and h.dtype == torch.float32 and self.policy.gate_input != "kv"
-                         and (self.kvpop is None or self.kvpop_step is not None))
+            # (GateStep's buffers and KvpopStep's reads are float32; TorchKvpopStep reads any dtype)
+            self.step = (self.fast_steps and T == 1 and self.policy.gate_input != "kv"
+                         and (h.dtype == torch.float32 or isinstance(self.kvpop_step, TorchKvpopStep)))
         if self.policy.kind != "kvpop" and self.policy.gate_input != "kv":
             t0 = time.perf_counter()
             if self.step:
@@ -206,10 +211,14 @@ class Retention:
         if self.kvpop is not None:
             t0 = time.perf_counter()
             if self.step:  # the new token's [k; v], for the step of all layers after the last
-                if getattr(getattr(cache, "store", None), "np", None) is None:  # (else read there, at once)
+                if getattr(cache, "store", None) is None:  # (else read there, at once: _step_input)
                     x, d = self.kvpop_step.x[l], self.kvpop.d
-                    x[:, :d] = layer.keys.numpy(force=True)[0, :, -1]
-                    x[:, d:2 * d] = layer.values.numpy(force=True)[0, :, -1]
+                    if isinstance(x, torch.Tensor):
+                        x[:, :d].copy_(layer.keys[0, :, -1])
+                        x[:, d:2 * d].copy_(layer.values[0, :, -1])
+                    else:
+                        x[:, :d] = layer.keys.numpy(force=True)[0, :, -1]
+                        x[:, d:2 * d] = layer.values.numpy(force=True)[0, :, -1]
             else:
                 k = layer.keys[0, :, -T:, :].transpose(0, 1)
                 v = layer.values[0, :, -T:, :].transpose(0, 1)
@@ -269,8 +278,14 @@ class Retention:
         (the token sits in `slot` of every row: kvpop evicts per head, the widths are equal), else
         already there (the hooks wrote it layer by layer)."""
         store = getattr(cache, "store", None)
-        if store is not None and store.np is not None:
+        if store is None:
+            return
+        if isinstance(self.kvpop_step, TorchKvpopStep):
+            self.kvpop_step.read(store.kv[:, :, :, slot].reshape(2, -1, store.kv.shape[-1]))
+        elif store.np is not None:
             self.kvpop_step.read(store.slot_floats(slot))
+        else:
+            self.kvpop_step.read(store.kv[:, :, :, slot].reshape(2, -1, store.kv.shape[-1]).numpy())
 
     def _fast_step(self, cache, seen, score, left):
         """A decoding step that drops as many entries as it adds (buffer 1, the cache full), chosen by

@@ -145,3 +145,105 @@ class KvpopStep:
         np.matmul(self.silu, self.out, out=self.key)
         np.copyto(self.keys, self.key.reshape(-1))              # rounded to float32 (a contiguous cast: cheaper
         return u, self.keys                                      # than one inside the table's fancy assignment)
+
+
+class TorchKvpopStep:
+    """KvpopStep's decoding step in torch ops on the state's device: what KVPOP decodes with on a
+    GPU (unverified there: no GPU has run it; the tests run it on the CPU). On a GPU each op is a
+    kernel launch, and the chunk form that prefill uses costs ~60 of them per layer and a host
+    sync per layer (its nonzero); this step is ~35 for all layers at once and one copy of the rank
+    keys to the host. The same numerics as KvpopStep (float64, the same roundings to float32); φ's
+    groups are q, k, −q, −k here (torch has no negative strides), q̃ and k̃ every other group."""
+
+    def __init__(self, state):
+        L, K, r, d, w = state.L, state.K, state.r, state.d, state.w
+        S = self.S = L * K
+        self.state, self.r, self.d, self.w = state, r, d, w
+        dev = state.Cn.device
+        f64 = dict(dtype=torch.float64, device=dev)
+        self.Cn, self.m = state.Cn.view(S, d, r + 1), state.m.view(S)  # (views: the state's memory)
+        self.ring = state.ring.view(w, S, d)
+        x = 2 * d
+        W = torch.zeros(L, K, 5 * r + 4, x + 1, **f64)
+        qk = torch.cat([state.Wq, state.Wk], 2)
+        W[:, :, :2 * r, :x], W[:, :, 2 * r:4 * r, :x], W[:, :, 4 * r:5 * r, :x] = qk, -qk, state.Wv
+        W[:, :, 5 * r, x] = 1.0
+        W[:, :, 5 * r + 1, :x], W[:, :, 5 * r + 1, x] = state.wi / GATE_CAP, state.bi / GATE_CAP
+        W[:, :, 5 * r + 2, :x], W[:, :, 5 * r + 2, x] = -state.wf / GATE_CAP, -state.bf / GATE_CAP
+        self.W = W.view(S, 5 * r + 4, x + 1)
+        self.xa = torch.ones(S, x + 1, **f64)
+        self.x = self.xa.view(L, K, x + 1)
+        self.kv = self.xa[:, :x].view(S, 2, d)
+        self.z = torch.empty(S, 5 * r + 4, **f64)
+        self.z3, self.z32 = self.z[:, :, None], torch.empty(S, 5 * r + 4, dtype=torch.float32, device=dev)
+        self.phi = phi = self.z[:, :4 * r].view(S, 4, r)   # z of q, k, −q, −k → their softmax
+        self.top = torch.empty(S, 4, 1, **f64)
+        self.q, self.k, self.v1 = phi[:, 0::2], phi[:, 1::2], self.z[:, 4 * r:5 * r + 1]  # q̃ = [softmax(q); softmax(−q)]
+        self.g = self.z[:, 5 * r + 1:]
+        self.nlf, self.ig = self.g[:, 1], self.g[:, 0]
+        self.zero = torch.zeros(S, **f64)
+        self.e = torch.empty(S, 3, **f64)
+        self.b, self.a = self.e[:, 0, None, None], self.e[:, 1, None, None]
+        self.m1 = self.m[:, None]
+        self.bk = torch.empty(S, d, **f64)
+        self.bk2 = self.bk.view(S, 2, r)
+        self.upd = torch.empty(S, d, r + 1, **f64)
+        self.inv_sqrt_d = 1.0 / math.sqrt(d)
+        rows = lambda t: t.reshape(S, *t.shape[2:])  # noqa: E731
+        self.out = torch.cat([-rows(state.wo), rows(state.bo)[:, None], rows(state.log_gamma)[:, None]], 1)[:, :, None]
+        self.num = torch.empty(S, 1, r + 1, **f64)
+        self.h, self.nq = self.num[:, 0, :r], self.num[:, 0, r:]
+        self.den = torch.empty(S, 1, **f64)
+        self.em1 = self.e[:, 2:]
+        self.silu = torch.ones(S, 1, r + 2, **f64)       # [−silu(h), 1, −⌊u/n⌋]
+        self.s, self.neg_u = self.silu[:, 0, :r], self.silu[:, 0, r + 1]
+        self.ex = torch.empty(S, r, **f64)
+        self.key = torch.empty(S, 1, 1, **f64)
+        self.keys = torch.empty(S, dtype=torch.float32, device=dev)
+        self.eps = float(READOUT_EPS)
+
+    def read(self, kv):
+        """The new token's k, v of every row from kv [2, S, d] (any float dtype, any strides)."""
+        self.kv.copy_(kv.transpose(0, 1))
+
+    def __call__(self):
+        """As KvpopStep's (the input in place, by read() or through self.x); the keys come back on
+        the host, as numpy float32 [S]."""
+        st, w = self.state, self.w
+        t = st.fed[0]
+        z, phi, top, g, e = self.z, self.phi, self.top, self.g, self.e
+        with torch.no_grad():
+            torch.matmul(self.W, self.xa[:, :, None], out=self.z3)
+            torch.amax(phi, 2, keepdim=True, out=top)
+            phi.sub_(top).exp_()                                    # the C++'s z − max and min − z
+            torch.sum(phi, 2, keepdim=True, out=top)
+            phi.div_(top)                                           # φ(z) = [softmax(z); softmax(−z)]
+            g.tanh_().mul_(GATE_CAP)                                # ĩ = c·tanh(·/c), −f̃ (tanh is odd), 0
+            torch.logaddexp(self.zero, self.nlf, out=self.nlf)      # −log f = log(1 + e^{−f̃})
+            self.z32.copy_(z)                                       # q̃, k̃, ṽ, ĩ, log f as the C++ stores them
+            z.copy_(self.z32)
+            m = self.m
+            torch.sub(m, self.nlf, out=self.nlf)                    # log f + m₋₁
+            torch.maximum(self.nlf, self.ig, out=m)                 # m = max(log f + m₋₁, ĩ)
+            torch.sub(g, self.m1, out=e).exp_()                     # b, a, e^{−m}
+            torch.mul(self.b, self.k, out=self.bk2)
+            Cn = self.Cn
+            Cn.mul_(self.a)
+            torch.mul(self.bk[:, :, None], self.v1[:, None, :], out=self.upd)
+            Cn.add_(self.upd)                                       # C = a·C + (b·k̃)ṽᵀ, n = a·n + b·k̃
+            torch.mul(self.q, self.inv_sqrt_d, out=self.ring[t % w].view(self.S, 2, self.r))  # q̂
+            st.fed = [t + 1] * st.L
+            u = t - w + 1
+            if u < 0:
+                return None
+            torch.matmul(self.ring[u % w][:, None, :], Cn, out=self.num)
+            den, s, ex = self.den, self.s, self.ex
+            torch.maximum(self.nq, self.em1, out=den)                # max(|nᵀq̂|, e^{−m}): nᵀq̂ ≥ 0
+            den.neg_().sub_(self.eps)                               # −(max(·) + ε)
+            torch.div(self.h, den, out=s)                           # −h
+            torch.exp(s, out=ex).add_(1.0)
+            s.div_(ex)                                              # −silu(h)
+            self.neg_u.fill_(-(u // st.every))
+            torch.matmul(self.silu, self.out, out=self.key)
+            self.keys.copy_(self.key.view(-1))                      # rounded to float32
+        return u, self.keys.cpu().numpy()
