@@ -6,8 +6,8 @@ Before a layer's attention (pre-hook): the gates read the layer's input-RMSNorm 
 entries are not simply the whole causal prefix, the hook hands attention a mask of its own,
 built from every entry's original position (what retain's kv_attention does by position).
 After the attention (post-hook): KVPOP's mLSTM reads the new keys and values. A decoding step (one
-token, float32, and for KVPOP on the CPU) defers both to after the last layer and scores every
-layer at once (scoring.GateStep, kvpop_step.py): what such a step pays is the number of small
+token; float32, except for KVPOP off the host) defers both to after the last layer and scores every
+layer at once (scoring.GateStep, kvpop_step.py: numpy on the CPU, torch ops on a GPU): what such a step pays is the number of small
 calls, not their work. After the last layer's attention, the forward's entries of every layer
 are booked with their positions and scores and the policy evicts — per (layer, KV head) for
 trimkv and kvpop, over all layers and heads for dbtrimkv — for all layers at once (a layer's
@@ -124,7 +124,7 @@ class Retention:
         self.choice = (TrimChoice(S, per_row=self.policy.kind == "trimkv") if self.kvpop is None else
                        RankHeaps(S) if self.policy.decay_every == 1 else None)
         # Whether this forward is a decoding step scored for all layers at once after the last
-        # (GateStep's gate MLP, KvpopStep's mLSTM step on the host); otherwise the general code.
+        # (GateStep's gate MLP, KVPOP's mLSTM step); otherwise the general code.
         self.step = False
 
     # ---- hooks ---------------------------------------------------------------------------------

@@ -1,11 +1,12 @@
-"""KVPOP's decoding step on the CPU: one new token of every layer and KV head (rows s = l·K + h)
-through DESIGN §5's projections, one step of the stabilized mLSTM and the readout of the token
-leaving the window — numpy on the memory of scoring.KvpopState's tensors.
+"""KVPOP's decoding step: one new token of every layer and KV head (rows s = l·K + h) through
+DESIGN §5's projections, one step of the stabilized mLSTM and the readout of the token leaving the
+window — numpy on the memory of scoring.KvpopState's tensors on the CPU (KvpopStep), the same in
+torch ops on a GPU (TorchKvpopStep, at the end).
 
-Why numpy, all layers at once, into preallocated buffers: a step of this work is ~34 tiny array
+Why numpy, all layers at once, into preallocated buffers: a step of this work is ~30 tiny array
 operations, and on a CPU their cost is the calls, not the arithmetic (a small torch call costs
 5–10 µs, a numpy call ~1–3 µs, several times more when its code was pushed out of the caches by
-the model's forward). The chunk closed form that prefill uses costs ~60 torch calls per layer.
+the model's forward). The chunk closed form that prefill uses costs ~250 torch ops per layer.
 So the step is laid out for the fewest calls, each on one dtype (a call that mixes float32 and
 float64 goes through numpy's buffered casting, several times the cost of a plain loop):
 

@@ -91,8 +91,8 @@ class KvpopState:
     """All layers' scorers: C and n in one tensor Cn [L, K, d, r + 1] (C = Cn[..., :r], n =
     Cn[..., r]), m [L, K] (float64), and q̂ = q̃/√d of the last w tokens in a ring [w, L, K, d]
     (token p in slot p mod w; q̃ rounded to float32). A forward of several tokens advances one
-    layer at a time in the chunk closed form (feed); on the CPU a decoding step advances every
-    layer at once in numpy (kvpop_step.py), on the same memory."""
+    layer at a time in the chunk closed form (feed); a decoding step advances every layer at once
+    (kvpop_step.py: numpy on the CPU, torch ops elsewhere), on the same memory."""
 
     CHUNK = 64  # tokens per closed-form step: O(K·CHUNK²·d) work and memory
 
