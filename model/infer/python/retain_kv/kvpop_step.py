@@ -10,7 +10,7 @@ the model's forward). The chunk closed form that prefill uses costs ~250 torch o
 So the step is laid out for the fewest calls, each on one dtype (a call that mixes float32 and
 float64 goes through numpy's buffered casting, several times the cost of a plain loop):
 
-- one matmul gives every row's [−W_q x; −W_k x; W_q x; W_k x; W_v x; 1; (w_i·x + b_i)/c;
+- one matmul gives every row's [W_q x; W_k x; −W_q x; −W_k x; W_v x; 1; (w_i·x + b_i)/c;
   −(w_f·x + b_f)/c; 0] from x = [k; v; 1] (float64, as the C++ sums; the biases ride on x's 1,
   the signs and the 1/c of the gates' soft cap on the weights);
 - φ = [softmax(z); softmax(−z)] of q and k in place (5 calls: ufunc reduces, not np.max and
@@ -36,6 +36,30 @@ import torch
 from .scoring import GATE_CAP, READOUT_EPS
 
 
+def _projection(state):
+    """Every row's weights of z = W·[k; v; 1], float64 [L·K, 5r + 4, 2d + 1] on the state's device:
+    rows [W_q; W_k; −W_q; −W_k; W_v; (1); [w_i, b_i]/c; −[w_f, b_f]/c; (0)]. (1) gives ṽ's 1 (n's
+    update rides on C's), (0) the 0 of e^{0 − m}; φ's groups are q, k, −q, −k (q̃ = [softmax(q);
+    softmax(−q)] every other group, as the C++ orders it); the gates come out as the arguments of
+    their tanh, f̃ negated."""
+    L, K, r, x = state.L, state.K, state.r, 2 * state.d
+    W = torch.zeros(L, K, 5 * r + 4, x + 1, dtype=torch.float64, device=state.Cn.device)
+    qk = torch.cat([state.Wq, state.Wk], 2)
+    W[:, :, :2 * r, :x], W[:, :, 2 * r:4 * r, :x], W[:, :, 4 * r:5 * r, :x] = qk, -qk, state.Wv
+    W[:, :, 5 * r, x] = 1.0
+    W[:, :, 5 * r + 1, :x], W[:, :, 5 * r + 1, x] = state.wi / GATE_CAP, state.bi / GATE_CAP
+    W[:, :, 5 * r + 2, :x], W[:, :, 5 * r + 2, x] = -state.wf / GATE_CAP, -state.bf / GATE_CAP
+    return W.view(L * K, 5 * r + 4, x + 1)
+
+
+def _readout(state):
+    """[−w_o, b_o, log γ] per row, float64 [L·K, r + 2, 1]: the rank key b_o + w_o·silu(h) − ⌊u/n⌋·log γ
+    as one dot product with [−silu(h), 1, −⌊u/n⌋] (the products are w_o·silu(h) exactly)."""
+    S = state.L * state.K
+    rows = lambda t: t.reshape(S, *t.shape[2:])  # noqa: E731
+    return torch.cat([-rows(state.wo), rows(state.bo)[:, None], rows(state.log_gamma)[:, None]], 1)[:, :, None]
+
+
 class KvpopStep:
     def __init__(self, state):
         L, K, r, d, w = state.L, state.K, state.r, state.d, state.w
@@ -44,18 +68,10 @@ class KvpopStep:
         rows = lambda t: t.numpy().reshape(S, *t.shape[2:])  # noqa: E731  (views: the state's memory)
         self.Cn, self.m, self.ring = rows(state.Cn), rows(state.m), state.ring.numpy().reshape(w, S, d)
         self.ring2 = self.ring.reshape(w, S, 2, r)
-        # One matmul for every projection, into z: rows [−W_q; −W_k; W_q; W_k; W_v; (1); [w_i, b_i]/c;
-        # −[w_f, b_f]/c; (0)] of x = [k; v; 1] (float64: the C++ sums in double; read once a step, cold
-        # after the model's forward). (1) gives ṽ's 1 (n's update rides on C's), (0) the 0 of e^{0 − m};
-        # φ's groups are −q, −k, q, k; the gates come out as the arguments of their tanh, f̃ negated.
+        # One matmul for every projection (float64: the C++ sums in double; read once a step, cold
+        # after the model's forward)
         x = 2 * d
-        W = torch.zeros(L, K, 5 * r + 4, x + 1, dtype=torch.float64)
-        qk = torch.cat([state.Wq, state.Wk], 2).cpu()
-        W[:, :, :2 * r, :x], W[:, :, 2 * r:4 * r, :x], W[:, :, 4 * r:5 * r, :x] = -qk, qk, state.Wv.cpu()
-        W[:, :, 5 * r, x] = 1.0
-        W[:, :, 5 * r + 1, :x], W[:, :, 5 * r + 1, x] = state.wi.cpu() / GATE_CAP, state.bi.cpu() / GATE_CAP
-        W[:, :, 5 * r + 2, :x], W[:, :, 5 * r + 2, x] = -state.wf.cpu() / GATE_CAP, -state.bf.cpu() / GATE_CAP
-        self.W = W.reshape(S, 5 * r + 4, x + 1).numpy()
+        self.W = _projection(state).numpy()
         self.xa = np.ones((S, x + 1))                  # [k; v; 1] per row
         self.x = self.xa.reshape(L, K, x + 1)          # per layer, for hooks that write it layer by layer
         self.kv = self.xa[:, :x].reshape(S, 2, d)      # k and v, for a read from [2, S, d]
@@ -63,10 +79,10 @@ class KvpopStep:
         self.xa3 = self.xa[:, :, None]
         self.z = np.empty((S, 5 * r + 4))
         self.z3, self.z32 = self.z[:, :, None], np.empty((S, 5 * r + 4), np.float32)
-        self.phi = phi = self.z[:, :4 * r].reshape(S, 4, r)  # z of −q, −k, q, k → their softmax
+        self.phi = phi = self.z[:, :4 * r].reshape(S, 4, r)  # z of q, k, −q, −k → their softmax
         self.top = np.empty((S, 4, 1))                 # their max, then their sum
         # q̃ = [softmax(q); softmax(−q)], k̃ likewise (the C++'s order), as views [S, 2, r]
-        self.q, self.k, self.v1 = phi[:, 2::-2], phi[:, 3::-2], self.z[:, 4 * r:5 * r + 1]
+        self.q, self.k, self.v1 = phi[:, 0::2], phi[:, 1::2], self.z[:, 4 * r:5 * r + 1]
         self.g = self.z[:, 5 * r + 1:]                 # ĩ/c, −f̃/c, 0 → ĩ, −f̃, 0 → ĩ, −log f, 0 → ĩ, log f + m₋₁, 0
         self.nlf = self.g[:, 1]
         self.ig = self.g[:, 0]
@@ -78,10 +94,7 @@ class KvpopStep:
         self.v13 = self.v1[:, None, :]
         self.upd = np.empty((S, d, r + 1))
         self.inv_sqrt_d = 1.0 / math.sqrt(d)
-        # −w_o·silu(h) … as one dot product: [−silu(h), 1, −⌊u/n⌋] · [−w_o, b_o, log γ] (the products
-        # are w_o·silu(h) exactly: negations are exact).
-        out = [-rows(state.wo), rows(state.bo)[:, None], rows(state.log_gamma)[:, None]]
-        self.out = np.concatenate(out, 1)[:, :, None]
+        self.out = _readout(state).numpy()
         self.num = np.empty((S, 1, r + 1))             # Cᵀq̂_u, nᵀq̂_u
         self.h, self.den = self.num[:, 0, :r], np.empty((S, 1))
         self.nq = self.num[:, 0, r:]
@@ -151,10 +164,11 @@ class KvpopStep:
 class TorchKvpopStep:
     """KvpopStep's decoding step in torch ops on the state's device: what KVPOP decodes with on a
     GPU (unverified there: no GPU has run it; the tests run it on the CPU). On a GPU each op is a
-    kernel launch, and the chunk form that prefill uses costs ~60 of them per layer and a host
-    sync per layer (its nonzero); this step is ~35 for all layers at once and one copy of the rank
-    keys to the host. The same numerics as KvpopStep (float64, the same roundings to float32); φ's
-    groups are q, k, −q, −k here (torch has no negative strides), q̃ and k̃ every other group."""
+    kernel launch, and the chunk form that prefill uses dispatches ~250 ops per layer and syncs
+    with the host once per layer (its nonzero); this step dispatches 57 for all layers at once
+    (Qwen3-4B's 36 layers: 8,964) and copies the rank keys to the host once. The same numerics as
+    KvpopStep (float64, the same roundings to float32); on the CPU KvpopStep is faster (numpy's
+    calls cost less than torch's)."""
 
     def __init__(self, state):
         L, K, r, d, w = state.L, state.K, state.r, state.d, state.w
@@ -165,13 +179,7 @@ class TorchKvpopStep:
         self.Cn, self.m = state.Cn.view(S, d, r + 1), state.m.view(S)  # (views: the state's memory)
         self.ring = state.ring.view(w, S, d)
         x = 2 * d
-        W = torch.zeros(L, K, 5 * r + 4, x + 1, **f64)
-        qk = torch.cat([state.Wq, state.Wk], 2)
-        W[:, :, :2 * r, :x], W[:, :, 2 * r:4 * r, :x], W[:, :, 4 * r:5 * r, :x] = qk, -qk, state.Wv
-        W[:, :, 5 * r, x] = 1.0
-        W[:, :, 5 * r + 1, :x], W[:, :, 5 * r + 1, x] = state.wi / GATE_CAP, state.bi / GATE_CAP
-        W[:, :, 5 * r + 2, :x], W[:, :, 5 * r + 2, x] = -state.wf / GATE_CAP, -state.bf / GATE_CAP
-        self.W = W.view(S, 5 * r + 4, x + 1)
+        self.W = _projection(state)
         self.xa = torch.ones(S, x + 1, **f64)
         self.x = self.xa.view(L, K, x + 1)
         self.kv = self.xa[:, :x].view(S, 2, d)
@@ -190,8 +198,7 @@ class TorchKvpopStep:
         self.bk2 = self.bk.view(S, 2, r)
         self.upd = torch.empty(S, d, r + 1, **f64)
         self.inv_sqrt_d = 1.0 / math.sqrt(d)
-        rows = lambda t: t.reshape(S, *t.shape[2:])  # noqa: E731
-        self.out = torch.cat([-rows(state.wo), rows(state.bo)[:, None], rows(state.log_gamma)[:, None]], 1)[:, :, None]
+        self.out = _readout(state)
         self.num = torch.empty(S, 1, r + 1, **f64)
         self.h, self.nq = self.num[:, 0, :r], self.num[:, 0, r:]
         self.den = torch.empty(S, 1, **f64)
