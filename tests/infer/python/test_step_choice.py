@@ -286,18 +286,18 @@ def test_kvpop_torch_step_decodes_as_the_numpy_step(recall_model, monkeypatch, p
         assert np.array_equal(pa, pb) and np.array_equal(sa.view(np.int32), sb.view(np.int32))
 
 
-def test_kvpop_torch_step_decodes_a_bfloat16_model_as_the_chunk_form(recall_model, monkeypatch):
-    """A bfloat16 model (as on a GPU) decodes by the torch step with the tables, logits and kept
-    entries of the general code (KvpopState.feed's chunk form, every forward)."""
+@pytest.mark.parametrize("press", [False, True])
+def test_kvpop_torch_step_decodes_a_bfloat16_model_as_the_chunk_form(recall_model, monkeypatch, press):
+    """A bfloat16 model (as on a GPU; on the CPU too, where the numpy step reads float32 only)
+    decodes by the torch step with the tables, logits and kept entries of the general code
+    (KvpopState.feed's chunk form, every forward)."""
     model = copy.deepcopy(recall_model).to(torch.bfloat16)
-    monkeypatch.setattr(Retention, "torch_kvpop_step", True)
-    monkeypatch.setattr(_Store, "host_moves", False)
     steps, call = [], TorchKvpopStep.__call__
     monkeypatch.setattr(TorchKvpopStep, "__call__", lambda self: steps.append(1) or call(self))
-    a, a_logits, a_kept, _ = decoded_tables(model, POLICIES["kvpop"], 24, False, 60)
+    a, a_logits, a_kept, _ = decoded_tables(model, POLICIES["kvpop"], 24, press, 60)
     assert len(steps) == 60
     monkeypatch.setattr(Retention, "fast_steps", False)
-    b, b_logits, b_kept, _ = decoded_tables(model, POLICIES["kvpop"], 24, False, 60)
+    b, b_logits, b_kept, _ = decoded_tables(model, POLICIES["kvpop"], 24, press, 60)
     assert len(steps) == 60 and a_kept == b_kept and torch.equal(a_logits, b_logits)
     for (pa, sa), (pb, sb) in zip(a, b):
         assert np.array_equal(pa, pb) and np.array_equal(sa.view(np.int32), sb.view(np.int32))
