@@ -13,6 +13,7 @@ from retain_kv.books import Books
 from retain_kv.cache import _Store
 from retain_kv.engine import Retention
 from retain_kv.kvpop_step import KvpopStep, TorchKvpopStep
+from retain_kv.scoring import GateStep
 from retain_kv.select import global_drops, per_head_drops, trim_scores
 from retain_kv.step_choice import RankHeaps, TrimChoice, f32
 
@@ -286,18 +287,22 @@ def test_kvpop_torch_step_decodes_as_the_numpy_step(recall_model, monkeypatch, p
         assert np.array_equal(pa, pb) and np.array_equal(sa.view(np.int32), sb.view(np.int32))
 
 
-@pytest.mark.parametrize("press", [False, True])
-def test_kvpop_torch_step_decodes_a_bfloat16_model_as_the_chunk_form(recall_model, monkeypatch, press):
-    """A bfloat16 model (as on a GPU; on the CPU too, where the numpy step reads float32 only)
-    decodes by the torch step with the tables, logits and kept entries of the general code
-    (KvpopState.feed's chunk form, every forward)."""
+@pytest.mark.parametrize("policy,budget,press", [("kvpop", 24, False), ("kvpop", 40, True), ("trimkv", 24, False),
+                                                 ("trimkv", 50, True), ("dbtrimkv", 30, False), ("dbtrimkv", 20, True)])
+def test_a_bfloat16_model_decodes_by_the_steps_as_by_the_general_code(recall_model, monkeypatch, policy, budget,
+                                                                       press):
+    """A bfloat16 model (as on a GPU) decodes by the decoding steps — the gate MLP of all layers
+    in float32, KVPOP's torch step (on the CPU too: the numpy step reads float32 only), the choice
+    carried between steps — with the tables, logits and kept entries of the general code (per
+    layer, KvpopState.feed's chunk form, select.py every forward)."""
     model = copy.deepcopy(recall_model).to(torch.bfloat16)
-    steps, call = [], TorchKvpopStep.__call__
-    monkeypatch.setattr(TorchKvpopStep, "__call__", lambda self: steps.append(1) or call(self))
-    a, a_logits, a_kept, _ = decoded_tables(model, POLICIES["kvpop"], 24, press, 60)
+    steps, kvpop_call, gate_call = [], TorchKvpopStep.__call__, GateStep.run
+    monkeypatch.setattr(TorchKvpopStep, "__call__", lambda self: steps.append(1) or kvpop_call(self))
+    monkeypatch.setattr(GateStep, "run", lambda self: steps.append(1) or gate_call(self))
+    a, a_logits, a_kept, _ = decoded_tables(model, POLICIES[policy], budget, press, 60)
     assert len(steps) == 60
     monkeypatch.setattr(Retention, "fast_steps", False)
-    b, b_logits, b_kept, _ = decoded_tables(model, POLICIES["kvpop"], 24, press, 60)
+    b, b_logits, b_kept, _ = decoded_tables(model, POLICIES[policy], budget, press, 60)
     assert len(steps) == 60 and a_kept == b_kept and torch.equal(a_logits, b_logits)
     for (pa, sa), (pb, sb) in zip(a, b):
         assert np.array_equal(pa, pb) and np.array_equal(sa.view(np.int32), sb.view(np.int32))

@@ -146,12 +146,11 @@ class Retention:
             self._check_positions(kwargs.get("position_ids"), T)
             self.T = T  # tokens of this forward (every layer's)
             # (Gates reading [k ‖ v] score after the attention from the cached entries, per layer.)
-            # (GateStep's buffers and KvpopStep's reads are float32; TorchKvpopStep reads any dtype:
-            # a model of another dtype on the CPU decodes KVPOP with it, on the same state)
+            # (GateStep computes in float32 from any dtype, as gate_log_beta; KvpopStep reads float32
+            # only: a model of another dtype on the CPU decodes KVPOP with TorchKvpopStep, on the same state)
             if T == 1 and h.dtype != torch.float32 and type(self.kvpop_step) is KvpopStep:
                 self.kvpop_step = TorchKvpopStep(self.kvpop)
-            self.step = (self.fast_steps and T == 1 and self.policy.gate_input != "kv"
-                         and (h.dtype == torch.float32 or isinstance(self.kvpop_step, TorchKvpopStep)))
+            self.step = self.fast_steps and T == 1 and self.policy.gate_input != "kv"
         if self.policy.kind != "kvpop" and self.policy.gate_input != "kv":
             t0 = time.perf_counter()
             if self.step:
