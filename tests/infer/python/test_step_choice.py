@@ -287,15 +287,17 @@ def test_kvpop_torch_step_decodes_as_the_numpy_step(recall_model, monkeypatch, p
         assert np.array_equal(pa, pb) and np.array_equal(sa.view(np.int32), sb.view(np.int32))
 
 
-@pytest.mark.parametrize("policy,budget,press", [("kvpop", 24, False), ("kvpop", 40, True), ("trimkv", 24, False),
-                                                 ("trimkv", 50, True), ("dbtrimkv", 30, False), ("dbtrimkv", 20, True)])
-def test_a_bfloat16_model_decodes_by_the_steps_as_by_the_general_code(recall_model, monkeypatch, policy, budget,
-                                                                       press):
-    """A bfloat16 model (as on a GPU) decodes by the decoding steps — the gate MLP of all layers
-    in float32, KVPOP's torch step (on the CPU too: the numpy step reads float32 only), the choice
-    carried between steps — with the tables, logits and kept entries of the general code (per
-    layer, KvpopState.feed's chunk form, select.py every forward)."""
-    model = copy.deepcopy(recall_model).to(torch.bfloat16)
+@pytest.mark.parametrize("policy,budget,press,dtype", [
+    ("kvpop", 24, False, torch.bfloat16), ("kvpop", 40, True, torch.bfloat16), ("trimkv", 24, False, torch.bfloat16),
+    ("trimkv", 50, True, torch.bfloat16), ("dbtrimkv", 30, False, torch.bfloat16), ("dbtrimkv", 20, True, torch.bfloat16),
+    ("kvpop", 24, False, torch.float64), ("dbtrimkv", 30, True, torch.float64)])
+def test_a_model_of_another_dtype_decodes_by_the_steps_as_by_the_general_code(recall_model, monkeypatch, policy,
+                                                                              budget, press, dtype):
+    """A bfloat16 model (as on a GPU) or a float64 one decodes by the decoding steps — the gate MLP
+    of all layers in float32, KVPOP's torch step (on the CPU too: the numpy step reads float32
+    only), the choice carried between steps — with the tables, logits and kept entries of the
+    general code (per layer, KvpopState.feed's chunk form, select.py every forward)."""
+    model = copy.deepcopy(recall_model).to(dtype)
     steps, kvpop_call, gate_call = [], TorchKvpopStep.__call__, GateStep.run
     monkeypatch.setattr(TorchKvpopStep, "__call__", lambda self: steps.append(1) or kvpop_call(self))
     monkeypatch.setattr(GateStep, "run", lambda self: steps.append(1) or gate_call(self))

@@ -6,9 +6,9 @@ Before a layer's attention (pre-hook): the gates read the layer's input-RMSNorm 
 entries are not simply the whole causal prefix, the hook hands attention a mask of its own,
 built from every entry's original position (what retain's kv_attention does by position).
 After the attention (post-hook): KVPOP's mLSTM reads the new keys and values. A decoding step (one
-token; float32, except for KVPOP off the host) defers both to after the last layer and scores every
-layer at once (scoring.GateStep, kvpop_step.py: numpy on the CPU, torch ops on a GPU): what such a step pays is the number of small
-calls, not their work. After the last layer's attention, the forward's entries of every layer
+token) defers both to after the last layer and scores every layer at once (scoring.GateStep;
+kvpop_step.py: numpy for a float32 model on the CPU, else torch ops): what such a step pays is the
+number of small calls, not their work. After the last layer's attention, the forward's entries of every layer
 are booked with their positions and scores and the policy evicts — per (layer, KV head) for
 trimkv and kvpop, over all layers and heads for dbtrimkv — for all layers at once (a layer's
 cache is not read again in the forward):
