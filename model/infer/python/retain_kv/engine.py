@@ -8,8 +8,8 @@ built from every entry's original position (what retain's kv_attention does by p
 After the attention (post-hook): KVPOP's mLSTM reads the new keys and values. A decoding step (one
 token) defers both to after the last layer and scores every layer at once (scoring.GateStep;
 kvpop_step.py: numpy for a float32 model on the CPU, else torch ops): what such a step pays is the
-number of small calls, not their work. After the last layer's attention, the forward's entries of every layer
-are booked with their positions and scores and the policy evicts — per (layer, KV head) for
+number of small calls, not their work. After the last layer's attention, the forward's entries of
+every layer are booked with their positions and scores and the policy evicts — per (layer, KV head) for
 trimkv and kvpop, over all layers and heads for dbtrimkv — for all layers at once (a layer's
 cache is not read again in the forward):
 the bookkeeping is one host-side table (books.py), and the key/value tensors get only the moves
@@ -214,13 +214,7 @@ class Retention:
             t0 = time.perf_counter()
             if self.step:  # the new token's [k; v], for the step of all layers after the last
                 if getattr(cache, "store", None) is None:  # (else read there, at once: _step_input)
-                    x, d = self.kvpop_step.x[l], self.kvpop.d
-                    if isinstance(x, torch.Tensor):
-                        x[:, :d].copy_(layer.keys[0, :, -1])
-                        x[:, d:2 * d].copy_(layer.values[0, :, -1])
-                    else:
-                        x[:, :d] = layer.keys.numpy(force=True)[0, :, -1]
-                        x[:, d:2 * d] = layer.values.numpy(force=True)[0, :, -1]
+                    self.kvpop_step.write(l, layer.keys[0, :, -1], layer.values[0, :, -1])
             else:
                 k = layer.keys[0, :, -T:, :].transpose(0, 1)
                 v = layer.values[0, :, -T:, :].transpose(0, 1)
@@ -282,12 +276,10 @@ class Retention:
         store = getattr(cache, "store", None)
         if store is None:
             return
-        if isinstance(self.kvpop_step, TorchKvpopStep):
-            self.kvpop_step.read(store.kv[:, :, :, slot].reshape(2, -1, store.kv.shape[-1]))
-        elif store.np is not None:
-            self.kvpop_step.read(store.slot_floats(slot))
+        if store.np is not None and type(self.kvpop_step) is KvpopStep:
+            self.kvpop_step.read(store.slot_floats(slot))  # (a numpy view, the same object every step)
         else:
-            self.kvpop_step.read(store.kv[:, :, :, slot].reshape(2, -1, store.kv.shape[-1]).numpy())
+            self.kvpop_step.read(store.kv[:, :, :, slot].reshape(2, -1, store.kv.shape[-1]))
 
     def _fast_step(self, cache, seen, score, left):
         """A decoding step that drops as many entries as it adds (buffer 1, the cache full), chosen by

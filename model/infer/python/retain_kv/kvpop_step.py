@@ -107,10 +107,18 @@ class KvpopStep:
         self.neg_eps = -float(READOUT_EPS)
 
     def read(self, kv):
-        """The new token's k, v of every row from kv [2, S, d] (any float dtype, any strides)."""
+        """The new token's k, v of every row from kv [2, S, d] (numpy, any float dtype, any strides;
+        or a float32 torch tensor on the CPU)."""
+        if isinstance(kv, torch.Tensor):
+            kv = kv.numpy()
         if kv is not self._read[0]:  # (the transposed view, made once for the same source)
             self._read = kv, kv.transpose(1, 0, 2)
         np.copyto(self.kv, self._read[1])
+
+    def write(self, l, k, v):
+        """Layer l's new token's k, v [K, d] (torch, float32), for a cache without a store."""
+        x, d = self.x[l], self.d
+        x[:, :d], x[:, d:2 * d] = k.numpy(force=True), v.numpy(force=True)
 
     def __call__(self, x=None):
         """x F32 [S, 2d]: the new token's [k; v] per row (None: already in place, by read() or
@@ -213,6 +221,12 @@ class TorchKvpopStep:
     def read(self, kv):
         """The new token's k, v of every row from kv [2, S, d] (any float dtype, any strides)."""
         self.kv.copy_(kv.transpose(0, 1))
+
+    def write(self, l, k, v):
+        """Layer l's new token's k, v [K, d] (any float dtype), for a cache without a store."""
+        x, d = self.x[l], self.d
+        x[:, :d].copy_(k)
+        x[:, d:2 * d].copy_(v)
 
     def __call__(self):
         """As KvpopStep's (the input in place, by read() or through self.x); the keys come back on
